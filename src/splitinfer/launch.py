@@ -1,0 +1,84 @@
+"""Start `splitinfer serve` and `splitinfer wan` as child processes (the demo and the benchmarks).
+
+Each child can be pinned to one CPU core with a fixed number of threads, which is how both sides are
+measured fairly on a small machine: the cloud on one core, the client on another.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import ConfigError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"the child process exited with code {proc.returncode} before listening on {port}.")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise ConfigError(f"nothing listened on port {port} within {timeout_s:.0f} s.")
+
+
+def _spawn(args: list[str], cpu: int | None, threads: int | None, quiet: bool) -> subprocess.Popen:
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        args = [*args, "--threads", str(threads)]
+    preexec = None
+    if cpu is not None and hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
+        preexec = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.Popen([sys.executable, "-m", "splitinfer", *args], env=env, preexec_fn=preexec, stdout=out, stderr=out)
+
+
+@contextmanager
+def cloud_server(shard: str | Path, cpu: int | None = None, threads: int | None = None, quiet: bool = True, extra=()):
+    """Yields the ws:// URL of a server child process on a free loopback port."""
+    port = free_port()
+    proc = _spawn(["serve", "--shard", str(shard), "--port", str(port), *extra], cpu, threads, quiet)
+    try:
+        wait_for_port(port, proc)
+        yield f"ws://127.0.0.1:{port}", proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_ms: float = 0.0, bandwidth_mbit: float | None = None):
+    """Yields the ws:// URL of a `splitinfer wan` child in front of `upstream_url` (a loopback ws:// URL)."""
+    host_port = upstream_url.removeprefix("ws://")
+    port = free_port()
+    args = ["wan", "--listen", str(port), "--upstream", host_port, "--rtt-ms", str(rtt_ms), "--jitter-ms", str(jitter_ms)]
+    if bandwidth_mbit:
+        args += ["--bandwidth-mbit", str(bandwidth_mbit)]
+    proc = _spawn(args, cpu, None, quiet=True)
+    try:
+        wait_for_port(port, proc, timeout_s=30)
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -1,0 +1,181 @@
+"""The public client API: text in, text out, with the split model underneath.
+
+    client = SplitClient.connect("shards/smollm2/local", "ws://127.0.0.1:8765")
+    result = client.generate("Explain KV caches.", max_new_tokens=64, on_text=print)
+
+The client owns the tokenizer and chat template; only hidden states leave the process. Each
+`generate` call opens its own cloud session and closes it at the end, freeing the server's cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..model.shards import LocalHalf, load_cloud, load_local
+from ..telemetry import summarize
+from .middle import InProcessMiddle, RemoteMiddle
+from .session import ClientConfig, SplitSession
+
+STRATEGIES = ("sequential",)
+
+
+@dataclass
+class Generation:
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids only
+    finish_reason: str  # "stop" (an end-of-sequence token) or "length"
+    logprobs: list[float]  # log-probability of each generated token under the model
+    stats: dict = field(default_factory=dict)
+    steps: list[dict] = field(default_factory=list)  # per-step telemetry records
+
+    def as_dict(self, with_steps: bool = False) -> dict:
+        data = {
+            "text": self.text,
+            "prompt_token_ids": self.prompt_token_ids,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "logprobs": [round(x, 6) for x in self.logprobs],
+            "stats": self.stats,
+        }
+        if with_steps:
+            data["steps"] = self.steps
+        return data
+
+
+class SplitClient:
+    def __init__(self, local: LocalHalf, make_middle: Callable[[], object], config: ClientConfig = ClientConfig()):
+        self.local = local
+        self.make_middle = make_middle
+        self.config = config
+        self.mode = "split"
+
+    @classmethod
+    def connect(cls, local_shard: str | Path, url: str, config: ClientConfig = ClientConfig(), device: str = "cpu") -> "SplitClient":
+        local = load_local(local_shard, device=device)
+        split = local.manifest["split"]
+
+        def make_middle():
+            return RemoteMiddle(
+                url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, config.wire_dtype
+            )
+
+        return cls(local, make_middle, config)
+
+    @classmethod
+    def local_only(cls, shards: str | Path, device: str = "cpu") -> "SplitClient":
+        """The whole model in this process from a prepared OUT directory (OUT/local + OUT/cloud)."""
+        shards = Path(shards)
+        local = load_local(shards / "local", device=device)
+        cloud = load_cloud(shards / "cloud", device=device)
+        if cloud.fingerprint != local.fingerprint:
+            raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
+        client = cls(local, lambda: InProcessMiddle(cloud), ClientConfig(wire_dtype="float32"))
+        client.mode = "local-only"
+        return client
+
+    # -- prompts and text --------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        tok = self._tokenizer()
+        if chat and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+            # transformers 5 returns a BatchEncoding here, 4.x a list
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(tok(prompt)["input_ids"])
+
+    def _tokenizer(self):
+        if self.local.tokenizer is None:
+            raise ConfigError("this local shard has no tokenizer; pass token ids instead of text.")
+        return self.local.tokenizer
+
+    def stop_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.local.config, "eos_token_id", None), getattr(self.local.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        return ids
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        chat: bool = True,
+        strategy: str = "sequential",
+        on_text: Callable[[str], None] | None = None,
+        stop_ids: set[int] | None = None,
+    ) -> Generation:
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        if max_new_tokens < 1:
+            raise ConfigError("--max-new-tokens must be at least 1.")
+        prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty; give at least one token.")
+        limit = getattr(self.local.config, "max_position_embeddings", None)
+        if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+            raise ConfigError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {limit}."
+            )
+        stops = self.stop_ids() if stop_ids is None else stop_ids
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        streamer = _TextStreamer(self.local.tokenizer, on_text)
+
+        def emit(token: int, logprob: float) -> None:
+            tokens.append(token)
+            logprobs.append(logprob)
+            streamer.push(tokens, token in stops)
+
+        from ..decoding.sequential import decode_sequential
+
+        session = SplitSession(self.local, self.make_middle(), self.config)
+        try:
+            t0 = time.perf_counter()
+            first = session.prefill(prompt_ids)
+            t1 = time.perf_counter()
+            finish = decode_sequential(session, first, max_new_tokens, stops, emit)
+            t2 = time.perf_counter()
+        finally:
+            session.close()
+        streamer.flush(tokens)
+        text = streamer.text(tokens, stops)
+        stats = summarize(session.records, len(tokens), decode_s=t2 - t1, prefill_s=t1 - t0)
+        stats["mode"] = self.mode
+        stats["strategy"] = strategy
+        stats["wire_dtype"] = self.config.wire_dtype if self.mode == "split" else None
+        return Generation(text, prompt_ids, tokens, finish, logprobs, stats, [r.as_dict() for r in session.records])
+
+
+class _TextStreamer:
+    """Incremental detokenization: emits only text that will not change when more tokens arrive."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None):
+        self.tokenizer = tokenizer
+        self.on_text = on_text
+        self.sent = ""
+
+    def text(self, tokens: list[int], stops: set[int] = frozenset()) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([t for t in tokens if t not in stops], skip_special_tokens=True)
+
+    def push(self, tokens: list[int], final: bool) -> None:
+        if self.on_text is None or self.tokenizer is None:
+            return
+        text = self.text(tokens)
+        # A trailing replacement character is a multi-byte character that is not complete yet.
+        if not final and text.endswith("\ufffd"):
+            return
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            self.on_text(text[len(self.sent) :])
+            self.sent = text
+
+    def flush(self, tokens: list[int]) -> None:
+        self.push(tokens, final=True)

@@ -1,0 +1,245 @@
+"""Partition a model into a local shard and a cloud shard, write them with manifests, and load them back.
+
+    OUT/local/  manifest.json  config.json  weights.safetensors  tokenizer files
+                (embedding, layers [0, k), layers [N-m, N), final norm, LM head)
+    OUT/cloud/  manifest.json  config.json  weights.safetensors
+                (layers [k, N-m) only)
+
+The cloud shard never contains the embedding, the LM head, the final norm or a local layer, and loading
+it never allocates them. Both manifests carry the cloud shard's fingerprint (a hash over its split, dtype
+and file hashes), which the handshake compares so that a client cannot talk to a server holding other
+layers or other weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoTokenizer, PretrainedConfig
+
+from .. import __version__
+from ..errors import ModelError
+from .source import SourceModel
+from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
+
+log = logging.getLogger("splitinfer.model")
+
+FORMAT = "splitinfer-shard"
+FORMAT_VERSION = 1
+WEIGHTS = "weights.safetensors"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Split:
+    num_layers: int  # N, decoder layers of the whole model
+    head_layers: int  # k, layers [0, k) run locally before the cloud
+    tail_layers: int  # m, layers [N-m, N) run locally after the cloud
+
+    def __post_init__(self):
+        if self.head_layers < 1 or self.tail_layers < 1:
+            raise ModelError("keep at least one local layer on each side (--head-layers >= 1, --tail-layers >= 1).")
+        if self.head_layers + self.tail_layers >= self.num_layers:
+            raise ModelError(
+                f"the model has {self.num_layers} layers; --head-layers + --tail-layers must leave at least one "
+                f"for the cloud (got {self.head_layers} + {self.tail_layers})."
+            )
+
+    @property
+    def cloud_start(self) -> int:
+        return self.head_layers
+
+    @property
+    def cloud_end(self) -> int:
+        return self.num_layers - self.tail_layers
+
+    def as_dict(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "head_layers": self.head_layers,
+            "tail_layers": self.tail_layers,
+            "cloud_layers": [self.cloud_start, self.cloud_end],
+        }
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint(model_id: str, split: Split, dtype: str, files: dict[str, str]) -> str:
+    canonical = json.dumps(
+        {"model_id": model_id, "split": split.as_dict(), "dtype": dtype, "files": files}, sort_keys=True
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _clean_config(config: PretrainedConfig) -> dict:
+    data = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        data.pop(key, None)
+    return data
+
+
+def _owner(key: str, split: Split) -> str:
+    """'local' or 'cloud' for one state-dict key."""
+    if key.startswith("model.layers."):
+        index = int(key.split(".")[2])
+        return "cloud" if split.cloud_start <= index < split.cloud_end else "local"
+    return "local"
+
+
+def prepare(source: SourceModel, out: str | Path, head_layers: int = 2, tail_layers: int = 2, dtype: str = "float32") -> Path:
+    """Write OUT/local and OUT/cloud. Returns OUT."""
+    if dtype not in DTYPES:
+        raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
+    out = Path(out)
+    split = Split(source.config.num_hidden_layers, head_layers, tail_layers)
+    state = source.model.state_dict()
+    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
+    for key, tensor in state.items():
+        if tied and key == "lm_head.weight":
+            continue  # the same tensor as the embedding; re-tied on load
+        # clone: tied or shared storage would make safetensors refuse to save
+        parts[_owner(key, split)][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
+    config = _clean_config(source.config)
+
+    cloud_dir, local_dir = out / "cloud", out / "local"
+    files = {}
+    for role, directory in (("cloud", cloud_dir), ("local", local_dir)):
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(parts[role], str(directory / WEIGHTS), metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        files[role] = {name: sha256_file(directory / name) for name in (WEIGHTS, "config.json")}
+    if source.tokenizer is not None:
+        source.tokenizer.save_pretrained(local_dir)
+    cloud_fp = fingerprint(source.model_id, split, dtype, files["cloud"])
+    for role, directory in (("cloud", cloud_dir), ("local", local_dir)):
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "role": role,
+            "model_id": source.model_id,
+            "architecture": (source.config.architectures or [type(source.model).__name__])[0],
+            "model_type": source.config.model_type,
+            "hidden_size": source.config.hidden_size,
+            "split": split.as_dict(),
+            "dtype": dtype,
+            "files": files[role],
+            "cloud_fingerprint": cloud_fp,
+            "has_tokenizer": source.tokenizer is not None,
+            "created_by": f"splitinfer {__version__}",
+        }
+        (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    log.info("wrote %s (cloud layers %d..%d of %d)", out, split.cloud_start, split.cloud_end, split.num_layers)
+    return out
+
+
+def read_manifest(directory: Path, role: str) -> dict:
+    path = directory / "manifest.json"
+    if not path.is_file():
+        raise ModelError(f"{directory} is not a splitinfer shard (no manifest.json); run `splitinfer prepare` first.")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise ModelError(f"{path} has format {manifest.get('format')!r} v{manifest.get('format_version')}; re-run prepare.")
+    if manifest.get("role") != role:
+        raise ModelError(f"{directory} is a {manifest.get('role')} shard, but a {role} shard is needed here.")
+    return manifest
+
+
+def _load_checked(directory: Path, manifest: dict, verify: bool) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
+    if verify:
+        for name, digest in manifest["files"].items():
+            if sha256_file(directory / name) != digest:
+                raise ModelError(f"{directory / name} does not match its manifest hash; the shard is damaged or altered.")
+    config = config_from_dict(json.loads((directory / "config.json").read_text()))
+    return config, load_file(str(directory / WEIGHTS))
+
+
+def _split_of(manifest: dict) -> Split:
+    s = manifest["split"]
+    return Split(s["num_layers"], s["head_layers"], s["tail_layers"])
+
+
+@dataclass
+class CloudHalf:
+    """What the untrusted server holds: the middle layers, nothing else."""
+
+    manifest: dict
+    config: PretrainedConfig
+    stack: LayerStack
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["cloud_fingerprint"]
+
+
+@dataclass
+class LocalHalf:
+    """What stays on the trusted machine: embedding, head and tail layers, final norm, LM head, tokenizer."""
+
+    manifest: dict
+    config: PretrainedConfig
+    embed: nn.Module
+    head: LayerStack
+    tail: LayerStack
+    norm: nn.Module
+    lm_head: nn.Module
+    tokenizer: object | None
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["cloud_fingerprint"]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, q, d] tail output -> [q, vocab] float32 logits."""
+        with torch.inference_mode():
+            return self.lm_head(self.norm(hidden))[0].float()
+
+
+def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> CloudHalf:
+    directory = Path(directory)
+    manifest = read_manifest(directory, "cloud")
+    split = _split_of(manifest)
+    config, weights = _load_checked(directory, manifest, verify)
+    torch_dtype = DTYPES[dtype or manifest["dtype"]]
+    model = skeleton(config)
+    stack = build_stack(config, model, split.cloud_start, split.cloud_end, weights, device, torch_dtype)
+    return CloudHalf(manifest=manifest, config=config, stack=stack)
+
+
+def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> LocalHalf:
+    directory = Path(directory)
+    manifest = read_manifest(directory, "local")
+    split = _split_of(manifest)
+    config, weights = _load_checked(directory, manifest, verify)
+    torch_dtype = DTYPES[dtype or manifest["dtype"]]
+    model = skeleton(config)
+
+    def part(prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+
+    embed = materialize(model.model.embed_tokens, part("model.embed_tokens."), device, torch_dtype)
+    norm = materialize(model.model.norm, part("model.norm."), device, torch_dtype)
+    if getattr(config, "tie_word_embeddings", False):
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        lm_head = materialize(lm_head, {"weight": weights["model.embed_tokens.weight"]}, device, torch_dtype)
+    else:
+        lm_head = materialize(model.lm_head, part("lm_head."), device, torch_dtype)
+    head = build_stack(config, model, 0, split.cloud_start, weights, device, torch_dtype)
+    tail = build_stack(config, model, split.cloud_end, split.num_layers, weights, device, torch_dtype)
+    tokenizer = None
+    if manifest.get("has_tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return LocalHalf(manifest, config, embed, head, tail, norm, lm_head, tokenizer)

@@ -1,0 +1,151 @@
+"""Build the pieces of a HF decoder-only model and run a contiguous range of its layers on a KVCache.
+
+Pieces are built on the meta device from the config alone and then materialised only for the weights a
+side actually holds, so the cloud never allocates an embedding, a final norm or an LM head. Layers are
+the model family's own HF decoder layers; this module only supplies positions, masks and the cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from ..errors import ModelError
+from ..kv import KVCache
+from ..masks import attention_mask
+
+# Families whose layers take (hidden, position_embeddings, attention_mask, cache) and whose model has
+# embed_tokens / layers / norm / rotary_emb / lm_head. Gemma3 (two rotary tables, sliding layers with a
+# different rope base) needs more than this module does and is not claimed.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelError(
+            f"model type {config.model_type!r} is not supported; splitinfer supports "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Convert or choose a model of one of these families."
+        )
+
+
+def config_from_dict(data: dict) -> PretrainedConfig:
+    data = dict(data)
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise ModelError("config.json has no model_type; the shard is damaged. Re-run `splitinfer prepare`.")
+    config = AutoConfig.for_model(model_type, **data)
+    check_supported(config)
+    return config
+
+
+def skeleton(config: PretrainedConfig) -> nn.Module:
+    """The whole model on the meta device: structure only, no storage."""
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> nn.Module:
+    """Allocate `module` on `device` and load exactly `weights` into it (strict: no missing, no extra)."""
+    module = module.to_empty(device=device)
+    expected = set(module.state_dict())
+    if set(weights) != expected:
+        missing = sorted(expected - set(weights))[:5]
+        extra = sorted(set(weights) - expected)[:5]
+        raise ModelError(f"shard weights do not match the model structure (missing {missing}, unexpected {extra}).")
+    module.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
+    return module.to(dtype).eval().requires_grad_(False)
+
+
+def layer_window(config: PretrainedConfig, index: int) -> int | None:
+    """Sliding-window size of layer `index` (original numbering), None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and config.model_type != "mistral":
+        return window if layer_types[index] == "sliding_attention" else None
+    if config.model_type == "mistral":
+        return window
+    return None
+
+
+def _cache_keyword(layer: nn.Module) -> str:
+    # transformers 5.x: `cache`; 4.5x: `past_key_values`; older 4.x: `past_key_value`.
+    params = inspect.signature(layer.forward).parameters
+    for name in ("cache", "past_key_values", "past_key_value"):
+        if name in params:
+            return name
+    return "past_key_values"
+
+
+@dataclass
+class StackOutput:
+    hidden: torch.Tensor  # [1, q, d]
+
+
+class LayerStack(nn.Module):
+    """Decoder layers [start, end) of one model, renumbered 0..n-1 for their own KVCache."""
+
+    def __init__(self, config: PretrainedConfig, layers: list[nn.Module], start: int, rotary: nn.Module):
+        super().__init__()
+        self.config = config
+        self.start = start
+        self.end = start + len(layers)
+        self.layers = nn.ModuleList(layers)
+        self.rotary = rotary
+        # The attention module indexes the cache by layer_idx; renumbering lets a cache hold just this
+        # stack (see DESIGN.md: a lazily filled DynamicCache misreports its length otherwise).
+        for local_index, layer in enumerate(self.layers):
+            layer.self_attn.layer_idx = local_index
+        self.windows = [layer_window(config, start + i) for i in range(len(layers))]
+        self._cache_kw = _cache_keyword(self.layers[0]) if len(self.layers) else "cache"
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.layers))
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, allowed: np.ndarray, cache: KVCache) -> torch.Tensor:
+        """hidden: [1, q, d]; positions: [q] long; allowed: [q, q] bool. Leaves the block pending in `cache`."""
+        q = hidden.shape[1]
+        assert hidden.dim() == 3 and hidden.shape[0] == 1, hidden.shape
+        assert positions.shape == (q,), (positions.shape, q)
+        if not len(self.layers):
+            return hidden
+        position_ids = positions[None, :]
+        cos_sin = self.rotary(hidden, position_ids)
+        masks = {
+            w: attention_mask(cache.length, positions, allowed, hidden.dtype, window=w) for w in set(self.windows)
+        }
+        for layer, window in zip(self.layers, self.windows):
+            out = layer(
+                hidden,
+                attention_mask=masks[window],
+                position_ids=position_ids,
+                position_embeddings=cos_sin,
+                **{self._cache_kw: cache},
+            )
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+
+def build_stack(
+    config: PretrainedConfig,
+    model: nn.Module,
+    start: int,
+    end: int,
+    weights: dict[str, torch.Tensor],
+    device: str,
+    dtype: torch.dtype,
+) -> LayerStack:
+    """Materialise layers [start, end) of the meta `model` from `weights` keyed `model.layers.{i}.*`."""
+    layers = []
+    for i in range(start, end):
+        prefix = f"model.layers.{i}."
+        layer_weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+        layers.append(materialize(model.model.layers[i], layer_weights, device, dtype))
+    rotary = type(model.model.rotary_emb)(config=config).to(device)
+    return LayerStack(config, layers, start, rotary).eval()

@@ -1,0 +1,68 @@
+"""Per-step timings and bytes, and their summary.
+
+A step's round trip is split the way the paper's breakdown is: `network` is the round trip minus the
+time the server reports for handling the request (decode, compute, encode), `cloud_compute` is the
+server's middle-layer time, `local_compute` is head + tail + norm + LM head + choosing tokens on the
+client, `serialize` is the client's encode and decode of the two messages.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class StepRecord:
+    kind: str  # "prefill" or "decode"
+    rows: int  # block rows sent
+    accepted: int  # tokens this step committed to the output (0 for prefill chunks)
+    local_ms: float = 0.0
+    serialize_ms: float = 0.0
+    round_trip_ms: float = 0.0
+    cloud_compute_ms: float = 0.0
+    server_ms: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    recoveries: int = 0  # reconnects / re-prefills this step needed
+
+    @property
+    def network_ms(self) -> float:
+        return max(self.round_trip_ms - self.server_ms, 0.0)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "network_ms": self.network_ms}
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 4) if values else 0.0
+
+
+def summarize(records: list[StepRecord], generated: int, decode_s: float, prefill_s: float) -> dict:
+    """The `stats` object of a generation. Medians are over decode steps only."""
+    decode = [r for r in records if r.kind == "decode"]
+    accepted = [r.accepted for r in decode]
+    # The first token comes out of prefill; the rate is of the tokens produced by decode steps.
+    after_prefill = max(generated - 1, 0)
+    return {
+        "tokens_per_s": round(after_prefill / decode_s, 3) if decode_s > 0 and after_prefill else 0.0,
+        "generated_tokens": generated,
+        "steps": len(decode),
+        "mean_accepted_per_step": round(sum(accepted) / len(accepted), 4) if accepted else 0.0,
+        "max_accepted_per_step": max(accepted, default=0),
+        "prefill_ms": round(prefill_s * 1e3, 3),
+        "decode_s": round(decode_s, 4),
+        "prefill_messages": sum(1 for r in records if r.kind == "prefill"),
+        "bytes_up": sum(r.bytes_up for r in records),
+        "bytes_down": sum(r.bytes_down for r in records),
+        "bytes_per_decode_step": _median([r.bytes_up + r.bytes_down for r in decode]),
+        "recoveries": sum(r.recoveries for r in records),
+        "median_ms": {
+            "round_trip": _median([r.round_trip_ms for r in decode]),
+            "network": _median([r.network_ms for r in decode]),
+            "cloud_compute": _median([r.cloud_compute_ms for r in decode]),
+            "local_compute": _median([r.local_ms for r in decode]),
+            "serialize": _median([r.serialize_ms for r in decode]),
+            "step": _median([r.round_trip_ms + r.local_ms + r.serialize_ms for r in decode]),
+        },
+    }

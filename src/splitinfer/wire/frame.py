@@ -1,0 +1,126 @@
+"""Framing and the tensor codec (sans-I/O: bytes in, values out; never touches a socket).
+
+One message is `[4-byte big-endian header length][UTF-8 JSON header][raw tensor bytes]`. A tensor is
+raw little-endian float16, bfloat16 or float32, described in the header by dtype and shape. Nothing read
+from the network is unpickled, `torch.load`ed or base64-decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+
+import torch
+
+from ..errors import MessageTooLarge, ProtocolError
+
+MAX_HEADER_BYTES = 64 * 1024
+WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+_LENGTH = struct.Struct(">I")
+
+# The codec writes the host's bytes as they are; every platform torch supports in practice is
+# little-endian, and a big-endian host would need byte swaps that this module does not do.
+assert sys.byteorder == "little", "splitinfer's wire codec requires a little-endian host"
+
+
+def encode_frame(header: dict, body: bytes = b"") -> bytes:
+    raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    if len(raw) > MAX_HEADER_BYTES:
+        raise MessageTooLarge(f"message header is {len(raw)} bytes; the limit is {MAX_HEADER_BYTES}.")
+    return b"".join((_LENGTH.pack(len(raw)), raw, body))
+
+
+def decode_frame(data: bytes) -> tuple[dict, memoryview]:
+    """Split a message into its JSON header (a dict) and its body (a view, not a copy)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError("expected a binary message; text messages are not part of the protocol.")
+    view = memoryview(data)
+    if len(view) < 4:
+        raise ProtocolError(f"message is {len(view)} bytes, shorter than its 4-byte length prefix.")
+    (length,) = _LENGTH.unpack(view[:4])
+    if length > MAX_HEADER_BYTES or 4 + length > len(view):
+        raise ProtocolError(f"header length {length} is impossible for a {len(view)}-byte message.")
+    try:
+        header = json.loads(bytes(view[4 : 4 + length]).decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise ProtocolError(f"message header is not valid UTF-8 JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError("message header must be a JSON object.")
+    return header, view[4 + length :]
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not allowed in a header")
+
+
+def tensor_spec(tensor: torch.Tensor) -> dict:
+    return {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
+
+
+def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[dict, bytes]:
+    """Cast to the wire dtype and return (spec, raw bytes). Rejects values the wire dtype cannot hold."""
+    if dtype not in WIRE_DTYPES:
+        raise ProtocolError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, not {dtype!r}.")
+    wire = tensor.detach().to("cpu", WIRE_DTYPES[dtype]).contiguous()
+    if not bool(torch.isfinite(wire).all()):
+        # float16 overflows above 65504; some models have activations that large.
+        raise ProtocolError(f"hidden states are not finite in {dtype}; use a bfloat16 or float32 wire (--wire-dtype).")
+    # A byte view of the tensor's storage; no numpy round trip, bfloat16 included.
+    raw = wire.view(torch.uint8).numpy().tobytes() if wire.numel() else b""
+    return tensor_spec(wire), raw
+
+
+def decode_tensor(spec: object, body: memoryview, *, max_rows: int, width: int, allowed: tuple[str, ...]) -> torch.Tensor:
+    """Validate a tensor spec against the body and the model, and return a [rows, width] tensor.
+
+    Checks dtype, rank, shape (rows in 1..max_rows, columns == width), byte count and finiteness, in
+    that order, before any value reaches a model.
+    """
+    if not isinstance(spec, dict):
+        raise ProtocolError("field 'tensor' must be an object with 'dtype' and 'shape'.")
+    dtype, shape = spec.get("dtype"), spec.get("shape")
+    if dtype not in allowed:
+        raise ProtocolError(f"tensor dtype {dtype!r} is not accepted here; use one of {', '.join(allowed)}.")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_is_int(s) for s in shape)):
+        raise ProtocolError("tensor shape must be a list of two integers [rows, hidden_size].")
+    rows, cols = shape
+    if cols != width:
+        raise ProtocolError(f"tensor has {cols} columns but the model's hidden size is {width}.")
+    if not 1 <= rows <= max_rows:
+        raise ProtocolError(f"tensor has {rows} rows; between 1 and {max_rows} are accepted per message.")
+    torch_dtype = WIRE_DTYPES[dtype]
+    expected = rows * cols * torch_dtype.itemsize
+    if len(body) != expected:
+        raise ProtocolError(f"tensor body is {len(body)} bytes; shape {shape} in {dtype} needs {expected}.")
+    # bytearray: torch.frombuffer wants a writable buffer, and the copy detaches us from the frame.
+    tensor = torch.frombuffer(bytearray(body), dtype=torch_dtype).reshape(rows, cols)
+    if not bool(torch.isfinite(tensor).all()):
+        raise ProtocolError("tensor contains NaN or infinity.")
+    return tensor
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(value: object, name: str, low: int, high: float = math.inf) -> int:
+    if not _is_int(value) or not low <= value <= high:
+        raise ProtocolError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}.")
+    return value
+
+
+def check_int_list(value: object, name: str, low: int, high: float, max_len: int) -> list[int]:
+    if not isinstance(value, list) or len(value) > max_len:
+        raise ProtocolError(f"field {name!r} must be a list of at most {max_len} integers.")
+    for item in value:
+        check_int(item, name, low, high)
+    return value
+
+
+def check_str(value: object, name: str, max_len: int = 256) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= max_len:
+        raise ProtocolError(f"field {name!r} must be a non-empty string of at most {max_len} characters.")
+    return value

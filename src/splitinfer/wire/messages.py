@@ -1,0 +1,268 @@
+"""The protocol's messages: frozen dataclasses with `encode()` and validated decoding (sans-I/O).
+
+    client -> server   Hello   open or resume a session; pins the cloud shard fingerprint and split
+                       Step    one block: hidden states [q, d] + positions + block structure, and the
+                               rows of the previous block to keep (lazy KV commit)
+                       Close   end the session and free its cache
+    server -> client   Welcome the session id and the limits the client must respect
+                       Result  hidden states [q, d] for the block, with the server's timings
+                       Error   a code from errors.py and a sentence
+
+Every field is checked (type, range, shape, dtype, finiteness) here, before anything reaches a model.
+Consistency with the session (positions, keep lists) is checked by the cloud session, which knows it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import ProtocolError, SplitInferError
+from ..masks import STRUCTURE_KINDS, BlockStructure
+from .frame import (
+    WIRE_DTYPES,
+    check_int,
+    check_int_list,
+    check_str,
+    decode_frame,
+    decode_tensor,
+    encode_frame,
+    encode_tensor,
+)
+
+PROTOCOL_VERSION = 1
+MAX_POSITION = 1 << 24
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a decoder needs to know to validate tensors."""
+
+    hidden_size: int
+    max_block_rows: int = 1024  # rows per Step (prefill chunks included)
+    dtypes: tuple[str, ...] = tuple(WIRE_DTYPES)
+
+
+@dataclass(frozen=True)
+class Hello:
+    fingerprint: str  # the cloud shard fingerprint from the client's local manifest
+    cloud_layers: tuple[int, int]  # [start, end) the client expects the server to hold
+    wire_dtype: str  # dtype of hidden states in both directions
+    session_id: str | None = None  # resume this session if the server still has it
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return encode_frame(
+            {
+                "type": "hello",
+                "version": self.version,
+                "fingerprint": self.fingerprint,
+                "cloud_layers": list(self.cloud_layers),
+                "wire_dtype": self.wire_dtype,
+                "session_id": self.session_id,
+            }
+        )
+
+
+@dataclass(frozen=True)
+class Welcome:
+    session_id: str
+    committed: int  # rows the server holds for this session (0 for a new one)
+    resumed: bool  # True when session_id was an existing session
+    max_message_bytes: int
+    max_block_rows: int
+    next_seq: int = 0  # the seq the server expects next (a resumed client checks it)
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return encode_frame(
+            {
+                "type": "welcome",
+                "next_seq": self.next_seq,
+                "version": self.version,
+                "session_id": self.session_id,
+                "committed": self.committed,
+                "resumed": self.resumed,
+                "max_message_bytes": self.max_message_bytes,
+                "max_block_rows": self.max_block_rows,
+            }
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    seq: int  # request counter of the session, echoed in the Result
+    keep: tuple[int, ...]  # rows of the previous (pending) block to commit, ascending; () drops it
+    positions: tuple[int, ...]  # absolute position of each row of this block
+    structure: BlockStructure
+    hidden: torch.Tensor  # [q, d]
+    wire_dtype: str = "float16"
+
+    def encode(self) -> bytes:
+        spec, raw = encode_tensor(self.hidden, self.wire_dtype)
+        header = {
+            "type": "step",
+            "seq": self.seq,
+            "keep": list(self.keep),
+            "positions": list(self.positions),
+            "structure": self.structure.as_dict(),
+            "tensor": spec,
+        }
+        return encode_frame(header, raw)
+
+
+@dataclass(frozen=True, eq=False)
+class Result:
+    seq: int
+    hidden: torch.Tensor  # [q, d]
+    compute_ms: float  # time the server spent in the middle layers for this block
+    handle_ms: float  # time from receiving the request to having the reply encoded (>= compute_ms)
+    committed: int  # the session's committed rows after applying `keep`, before this block
+    wire_dtype: str = "float16"
+
+    def encode(self) -> bytes:
+        spec, raw = encode_tensor(self.hidden, self.wire_dtype)
+        header = {
+            "type": "result",
+            "seq": self.seq,
+            "compute_ms": round(self.compute_ms, 4),
+            "handle_ms": round(self.handle_ms, 4),
+            "committed": self.committed,
+            "tensor": spec,
+        }
+        return encode_frame(header, raw)
+
+
+@dataclass(frozen=True)
+class Error:
+    code: str
+    message: str
+    seq: int | None = None
+
+    @classmethod
+    def from_exception(cls, exc: SplitInferError, seq: int | None = None) -> "Error":
+        return cls(exc.code, str(exc), seq)
+
+    def encode(self) -> bytes:
+        return encode_frame({"type": "error", "code": self.code, "message": self.message, "seq": self.seq})
+
+
+@dataclass(frozen=True)
+class Close:
+    def encode(self) -> bytes:
+        return encode_frame({"type": "close"})
+
+
+ClientMessage = Hello | Step | Close
+ServerMessage = Welcome | Result | Error
+
+
+def _check_version(header: dict) -> int:
+    return check_int(header.get("version"), "version", 0, 1 << 16)
+
+
+def _check_float(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ProtocolError(f"field {name!r} must be a finite non-negative number, got {value!r}.")
+    return float(value)
+
+
+def _decode_structure(value: object, q: int) -> BlockStructure:
+    if not isinstance(value, dict) or value.get("kind") not in STRUCTURE_KINDS:
+        raise ProtocolError(f"field 'structure' must be an object with kind in {STRUCTURE_KINDS}.")
+    kind = value["kind"]
+    if kind == "chain":
+        return BlockStructure.chain()
+    if kind == "tree":
+        parents = check_int_list(value.get("parents"), "structure.parents", -1, q - 1, q)
+        if len(parents) != q or any(p >= i for i, p in enumerate(parents)):
+            raise ProtocolError("tree parents must list one parent per row, each earlier than its child (or -1).")
+        return BlockStructure.tree(parents)
+    bits = value.get("bits")
+    if not isinstance(bits, str) or len(bits) != 2 * ((q * q + 7) // 8):
+        raise ProtocolError(f"matrix bits must be {(q * q + 7) // 8} bytes of hex for a {q}-row block.")
+    try:
+        structure = BlockStructure("matrix", bits=bits)
+        allowed = structure.allowed(q)
+    except ValueError as exc:
+        raise ProtocolError("matrix bits are not valid hex.") from exc
+    if not np.diagonal(allowed).all():
+        raise ProtocolError("every row of a matrix block must see itself (set the diagonal).")
+    return structure
+
+
+def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
+    header, body = decode_frame(data)
+    kind = header.get("type")
+    if kind == "hello":
+        layers = check_int_list(header.get("cloud_layers"), "cloud_layers", 0, 1 << 16, 2)
+        if len(layers) != 2:
+            raise ProtocolError("field 'cloud_layers' must be [start, end).")
+        dtype = header.get("wire_dtype")
+        if dtype not in limits.dtypes:
+            raise ProtocolError(f"wire dtype {dtype!r} is not accepted; use one of {', '.join(limits.dtypes)}.")
+        session_id = header.get("session_id")
+        if session_id is not None:
+            check_str(session_id, "session_id", 128)
+        return Hello(
+            fingerprint=check_str(header.get("fingerprint"), "fingerprint", 128),
+            cloud_layers=(layers[0], layers[1]),
+            wire_dtype=dtype,
+            session_id=session_id,
+            version=_check_version(header),
+        )
+    if kind == "step":
+        seq = check_int(header.get("seq"), "seq", 0)
+        hidden = decode_tensor(
+            header.get("tensor"), body, max_rows=limits.max_block_rows, width=limits.hidden_size, allowed=limits.dtypes
+        )
+        q = hidden.shape[0]
+        positions = check_int_list(header.get("positions"), "positions", 0, MAX_POSITION, q)
+        if len(positions) != q:
+            raise ProtocolError(f"field 'positions' has {len(positions)} entries for {q} rows.")
+        keep = check_int_list(header.get("keep"), "keep", 0, limits.max_block_rows - 1, limits.max_block_rows)
+        if keep != sorted(set(keep)):
+            raise ProtocolError("field 'keep' must be strictly ascending row indices.")
+        structure = _decode_structure(header.get("structure"), q)
+        return Step(seq, tuple(keep), tuple(positions), structure, hidden, wire_dtype=header["tensor"]["dtype"])
+    if kind == "close":
+        return Close()
+    raise ProtocolError(f"unknown client message type {kind!r}; expected hello, step or close.")
+
+
+def decode_server_message(data: bytes, limits: Limits) -> ServerMessage:
+    header, body = decode_frame(data)
+    kind = header.get("type")
+    if kind == "result":
+        hidden = decode_tensor(
+            header.get("tensor"), body, max_rows=limits.max_block_rows, width=limits.hidden_size, allowed=limits.dtypes
+        )
+        return Result(
+            seq=check_int(header.get("seq"), "seq", 0),
+            hidden=hidden,
+            compute_ms=_check_float(header.get("compute_ms"), "compute_ms"),
+            handle_ms=_check_float(header.get("handle_ms"), "handle_ms"),
+            committed=check_int(header.get("committed"), "committed", 0),
+            wire_dtype=header["tensor"]["dtype"],
+        )
+    if kind == "welcome":
+        return Welcome(
+            session_id=check_str(header.get("session_id"), "session_id", 128),
+            committed=check_int(header.get("committed"), "committed", 0),
+            resumed=bool(header.get("resumed")),
+            max_message_bytes=check_int(header.get("max_message_bytes"), "max_message_bytes", 1024),
+            max_block_rows=check_int(header.get("max_block_rows"), "max_block_rows", 1),
+            next_seq=check_int(header.get("next_seq"), "next_seq", 0),
+            version=_check_version(header),
+        )
+    if kind == "error":
+        seq = header.get("seq")
+        return Error(
+            code=check_str(header.get("code"), "code", 64),
+            message=check_str(header.get("message"), "message", 4096),
+            seq=None if seq is None else check_int(seq, "seq", 0),
+        )
+    raise ProtocolError(f"unknown server message type {kind!r}; expected welcome, result or error.")
