@@ -1,0 +1,51 @@
+"""Tiny random models of several families, built from configs with a fixed seed (nothing downloaded)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from splitinfer.model.shards import prepare
+from splitinfer.model.source import SourceModel
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=20_000,
+    tie_word_embeddings=False,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    # A small sliding window so generation runs past it and the windowed mask is exercised.
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=12),
+    "qwen2": lambda: Qwen2Config(**{**COMMON, "tie_word_embeddings": True}),
+}
+
+
+def tiny_model(family: str, seed: int = 0):
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[family]()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # Larger weights than the default init give peaked logits, so greedy choices are not near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+def prepare_tiny(tmp_path: Path, family: str, head: int, tail: int, seed: int = 0):
+    model = tiny_model(family, seed)
+    out = tmp_path / f"{family}-{head}-{tail}"
+    prepare(SourceModel(f"tiny-{family}", model.config, model, None), out, head, tail, "float32")
+    return model, out
