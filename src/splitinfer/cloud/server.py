@@ -64,10 +64,8 @@ class CloudServer:
                         if session is None:
                             raise ProtocolError("send hello before the first step.")
                         session = self.table.get(session.id)  # raises if it expired meanwhile
-                        result = await loop.run_in_executor(
-                            self._executor, self.table.run_step, session, message, received_at
-                        )
-                        await ws.send(await loop.run_in_executor(self._executor, result.encode))
+                        reply = await loop.run_in_executor(self._executor, self._compute, session, message, received_at)
+                        await ws.send(reply)
                     elif isinstance(message, Close):
                         if session is not None:
                             self.table.close(session.id)
@@ -82,6 +80,10 @@ class CloudServer:
         except Exception:  # noqa: BLE001 - the server must keep serving everyone else
             log.exception("unexpected failure on a connection from %s", ws.remote_address)
             await ws.close(code=1011, reason="internal error")
+
+    def _compute(self, session: CloudSession, step: Step, received_at: float) -> bytes:
+        # One hop to the worker thread per step: compute and encode together.
+        return self.table.run_step(session, step, received_at).encode()
 
     async def _sweep(self) -> None:
         while True:

@@ -12,13 +12,13 @@ import math
 import struct
 import sys
 
+import numpy as np
 import torch
 
 from ..errors import MessageTooLarge, ProtocolError
 
 MAX_HEADER_BYTES = 64 * 1024
 WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
 _LENGTH = struct.Struct(">I")
 
 # The codec writes the host's bytes as they are; every platform torch supports in practice is
@@ -45,8 +45,8 @@ def decode_frame(data: bytes) -> tuple[dict, memoryview]:
         raise ProtocolError(f"header length {length} is impossible for a {len(view)}-byte message.")
     try:
         header = json.loads(bytes(view[4 : 4 + length]).decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
-        raise ProtocolError(f"message header is not valid UTF-8 JSON: {exc}") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise ProtocolError(f"message header is not valid UTF-8 JSON: {show(exc)}") from exc
     if not isinstance(header, dict):
         raise ProtocolError("message header must be a JSON object.")
     return header, view[4 + length :]
@@ -56,8 +56,18 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not allowed in a header")
 
 
-def tensor_spec(tensor: torch.Tensor) -> dict:
-    return {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
+# Integer views make the finiteness check one vectorised numpy op for every wire dtype (bfloat16
+# included, which numpy cannot represent): a value is NaN or infinite iff its exponent bits are all ones.
+_BITS = {
+    "float16": (np.uint16, 0x7C00),
+    "bfloat16": (np.uint16, 0x7F80),
+    "float32": (np.uint32, 0x7F800000),
+}
+
+
+def _all_finite(bits: np.ndarray, dtype: str) -> bool:
+    mask = _BITS[dtype][1]
+    return not bool(np.any((bits & mask) == mask))
 
 
 def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[dict, bytes]:
@@ -65,12 +75,12 @@ def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[dict, bytes]:
     if dtype not in WIRE_DTYPES:
         raise ProtocolError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, not {dtype!r}.")
     wire = tensor.detach().to("cpu", WIRE_DTYPES[dtype]).contiguous()
-    if not bool(torch.isfinite(wire).all()):
+    int_type = torch.int16 if wire.element_size() == 2 else torch.int32
+    bits = wire.view(int_type).numpy().view(_BITS[dtype][0])
+    if not _all_finite(bits, dtype):
         # float16 overflows above 65504; some models have activations that large.
         raise ProtocolError(f"hidden states are not finite in {dtype}; use a bfloat16 or float32 wire (--wire-dtype).")
-    # A byte view of the tensor's storage; no numpy round trip, bfloat16 included.
-    raw = wire.view(torch.uint8).numpy().tobytes() if wire.numel() else b""
-    return tensor_spec(wire), raw
+    return {"dtype": dtype, "shape": list(wire.shape)}, bits.tobytes()
 
 
 def decode_tensor(spec: object, body: memoryview, *, max_rows: int, width: int, allowed: tuple[str, ...]) -> torch.Tensor:
@@ -83,7 +93,7 @@ def decode_tensor(spec: object, body: memoryview, *, max_rows: int, width: int, 
         raise ProtocolError("field 'tensor' must be an object with 'dtype' and 'shape'.")
     dtype, shape = spec.get("dtype"), spec.get("shape")
     if dtype not in allowed:
-        raise ProtocolError(f"tensor dtype {dtype!r} is not accepted here; use one of {', '.join(allowed)}.")
+        raise ProtocolError(f"tensor dtype {show(dtype)} is not accepted here; use one of {', '.join(allowed)}.")
     if not (isinstance(shape, list) and len(shape) == 2 and all(_is_int(s) for s in shape)):
         raise ProtocolError("tensor shape must be a list of two integers [rows, hidden_size].")
     rows, cols = shape
@@ -95,11 +105,18 @@ def decode_tensor(spec: object, body: memoryview, *, max_rows: int, width: int, 
     expected = rows * cols * torch_dtype.itemsize
     if len(body) != expected:
         raise ProtocolError(f"tensor body is {len(body)} bytes; shape {shape} in {dtype} needs {expected}.")
-    # bytearray: torch.frombuffer wants a writable buffer, and the copy detaches us from the frame.
-    tensor = torch.frombuffer(bytearray(body), dtype=torch_dtype).reshape(rows, cols)
-    if not bool(torch.isfinite(tensor).all()):
+    # A copy: it detaches the tensor from the frame's buffer and makes it writable.
+    bits = np.frombuffer(body, dtype=_BITS[dtype][0]).copy()
+    if not _all_finite(bits, dtype):
         raise ProtocolError("tensor contains NaN or infinity.")
-    return tensor
+    signed = np.int16 if torch_dtype.itemsize == 2 else np.int32
+    return torch.from_numpy(bits.view(signed)).view(torch_dtype).reshape(rows, cols)
+
+
+def show(value: object, limit: int = 80) -> str:
+    """A peer's value quoted in an error message, cut short: errors must not echo unbounded input."""
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _is_int(value: object) -> bool:
@@ -108,7 +125,7 @@ def _is_int(value: object) -> bool:
 
 def check_int(value: object, name: str, low: int, high: float = math.inf) -> int:
     if not _is_int(value) or not low <= value <= high:
-        raise ProtocolError(f"field {name!r} must be an integer in [{low}, {high}], got {value!r}.")
+        raise ProtocolError(f"field {name!r} must be an integer in [{low}, {high}], got {show(value)}.")
     return value
 
 

@@ -31,10 +31,12 @@ from .frame import (
     decode_tensor,
     encode_frame,
     encode_tensor,
+    show,
 )
 
 PROTOCOL_VERSION = 1
 MAX_POSITION = 1 << 24
+MAX_ERROR_CHARS = 1000  # error sentences are cut here; peers' values are quoted shorter still
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,8 @@ class Error:
 
     @classmethod
     def from_exception(cls, exc: SplitInferError, seq: int | None = None) -> "Error":
-        return cls(exc.code, str(exc), seq)
+        message = str(exc) or f"{type(exc).__name__} ({exc.code})"
+        return cls(exc.code, message[:MAX_ERROR_CHARS], seq)
 
     def encode(self) -> bytes:
         return encode_frame({"type": "error", "code": self.code, "message": self.message, "seq": self.seq})
@@ -166,7 +169,7 @@ def _check_version(header: dict) -> int:
 
 def _check_float(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ProtocolError(f"field {name!r} must be a finite non-negative number, got {value!r}.")
+        raise ProtocolError(f"field {name!r} must be a finite non-negative number, got {show(value)}.")
     return float(value)
 
 
@@ -185,13 +188,12 @@ def _decode_structure(value: object, q: int) -> BlockStructure:
     if not isinstance(bits, str) or len(bits) != 2 * ((q * q + 7) // 8):
         raise ProtocolError(f"matrix bits must be {(q * q + 7) // 8} bytes of hex for a {q}-row block.")
     try:
-        structure = BlockStructure("matrix", bits=bits)
-        allowed = structure.allowed(q)
+        allowed = BlockStructure("matrix", bits=bits).allowed(q)
     except ValueError as exc:
         raise ProtocolError("matrix bits are not valid hex.") from exc
     if not np.diagonal(allowed).all():
         raise ProtocolError("every row of a matrix block must see itself (set the diagonal).")
-    return structure
+    return BlockStructure.matrix(allowed)  # canonical form: lower-case hex, zero padding
 
 
 def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
@@ -203,7 +205,7 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
             raise ProtocolError("field 'cloud_layers' must be [start, end).")
         dtype = header.get("wire_dtype")
         if dtype not in limits.dtypes:
-            raise ProtocolError(f"wire dtype {dtype!r} is not accepted; use one of {', '.join(limits.dtypes)}.")
+            raise ProtocolError(f"wire dtype {show(dtype)} is not accepted; use one of {', '.join(limits.dtypes)}.")
         session_id = header.get("session_id")
         if session_id is not None:
             check_str(session_id, "session_id", 128)
@@ -230,7 +232,7 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         return Step(seq, tuple(keep), tuple(positions), structure, hidden, wire_dtype=header["tensor"]["dtype"])
     if kind == "close":
         return Close()
-    raise ProtocolError(f"unknown client message type {kind!r}; expected hello, step or close.")
+    raise ProtocolError(f"unknown client message type {show(kind)}; expected hello, step or close.")
 
 
 def decode_server_message(data: bytes, limits: Limits) -> ServerMessage:
@@ -265,4 +267,4 @@ def decode_server_message(data: bytes, limits: Limits) -> ServerMessage:
             message=check_str(header.get("message"), "message", 4096),
             seq=None if seq is None else check_int(seq, "seq", 0),
         )
-    raise ProtocolError(f"unknown server message type {kind!r}; expected welcome, result or error.")
+    raise ProtocolError(f"unknown server message type {show(kind)}; expected welcome, result or error.")
