@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("bench", help="local-only vs split sequential at 0 and 80 ms added round trip")
     s.add_argument("--shards", default="shards/smollm2")
-    s.add_argument("--out", default="bench-out", help="directory for results.json and results.md")
+    s.add_argument("--out", default="bench-out", help="directory for runtime.json and runtime.md")
     s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
     s.add_argument("--rtt-ms", default="0,80", help="comma-separated added round trips")
     s.add_argument("--max-new-tokens", type=int, default=64)
