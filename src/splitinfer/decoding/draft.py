@@ -1,0 +1,110 @@
+"""Drafts, token tries and the acceptance rule (pure functions; no model, no network).
+
+A step verifies one block: row 0 is the *root*, the last emitted token that has not been run through the
+model yet, and rows 1.. are draft tokens arranged as a tree (`parents[i]` is the block row of row i's
+parent). Running the block gives one logits row per block row; logits row r predicts the token that
+follows the path ending at r. Acceptance walks from the root: choose a token from the row's
+distribution (argmax for greedy); if a child of the row carries that token, move to it and repeat,
+otherwise stop. The chosen tokens are exactly those that decoding without a draft would have chosen,
+so greedy output is identical to sequential decoding, and with sampling each token is still drawn from
+the model's own distribution at that point (exact speculative sampling for one-hot drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Draft:
+    """Draft nodes below the root. Node i is block row i + 1; parents index block rows (0 = root)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # estimated probability that the node is accepted
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def block(self, root: int) -> tuple[list[int], list[int]]:
+        """(block tokens, block parents) with the root as row 0."""
+        return [root, *self.tokens], [-1, *self.parents]
+
+
+class TokenTrie:
+    """Candidate continuations merged from several sources, each node with its best estimated path probability."""
+
+    def __init__(self):
+        self.children: list[dict[int, int]] = [{}]  # node 0 is the root
+        self.token: list[int] = [-1]
+        self.parent: list[int] = [-1]
+        self.score: list[float] = [1.0]
+
+    def add_path(self, tokens: list[int], probs: list[float]) -> None:
+        """Insert a continuation; probs[i] is the conditional probability of tokens[i] given the path."""
+        node, path_prob = 0, 1.0
+        for token, p in zip(tokens, probs):
+            path_prob *= p
+            child = self.children[node].get(token)
+            if child is None:
+                child = len(self.token)
+                self.children[node][token] = child
+                self.children.append({})
+                self.token.append(token)
+                self.parent.append(node)
+                self.score.append(path_prob)
+            else:
+                self.score[child] = max(self.score[child], path_prob)
+            node = child
+
+    def __len__(self) -> int:
+        return len(self.token) - 1
+
+    def best(self, budget: int) -> Draft:
+        """The `budget` nodes with the highest path scores, as a connected tree in breadth-first order.
+
+        A node's score never exceeds its parent's, and ties are broken by depth, so the chosen set always
+        contains the ancestors of every chosen node.
+        """
+        if budget <= 0 or len(self) == 0:
+            return Draft()
+        depth = [0] * len(self.token)
+        for n in range(1, len(self.token)):
+            depth[n] = depth[self.parent[n]] + 1
+            # keep the invariant explicit even if a source reported a child above its parent
+            self.score[n] = min(self.score[n], self.score[self.parent[n]])
+        ranked = sorted(range(1, len(self.token)), key=lambda n: (-self.score[n], depth[n], n))[:budget]
+        chosen = sorted(ranked, key=lambda n: (depth[n], n))
+        row = {0: 0}
+        draft = Draft()
+        for n in chosen:
+            if self.parent[n] not in row:
+                continue  # cannot happen with monotone scores; guards rounding ties
+            row[n] = len(draft.tokens) + 1
+            draft.tokens.append(self.token[n])
+            draft.parents.append(row[self.parent[n]])
+            draft.scores.append(self.score[n])
+        return draft
+
+
+def accept(
+    tokens: list[int], parents: list[int], logits: torch.Tensor, choose: Callable[[torch.Tensor], int]
+) -> tuple[list[int], int]:
+    """Walk the verified block. Returns (accepted block rows starting with 0, the next chosen token).
+
+    tokens, parents: the block (row 0 is the root). logits: [q, vocab]. choose: a row -> a token.
+    """
+    children: dict[int, dict[int, int]] = {}
+    for row in range(1, len(tokens)):
+        children.setdefault(parents[row], {})[tokens[row]] = row
+    path, row = [0], 0
+    while True:
+        token = choose(logits[row])
+        child = children.get(row, {}).get(token)
+        if child is None:
+            return path, token
+        path.append(child)
+        row = child
