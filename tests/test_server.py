@@ -11,7 +11,8 @@ from websockets.sync.client import connect
 
 from splitinfer.cloud.server import ServerConfig, ServerThread
 from splitinfer.cloud.sessions import SessionConfig
-from splitinfer.decoding.sequential import decode_sequential
+from splitinfer.decoding.loop import decode
+from splitinfer.decoding.strategies import Sequential
 from splitinfer.errors import CapacityError, ShardMismatch
 from splitinfer.launch import free_port
 from splitinfer.local.client import SplitClient
@@ -43,7 +44,7 @@ def run_with_hook(local, middle, n, hook, config=F32):
         tokens.append(token)
         hook(len(tokens), session)
 
-    decode_sequential(session, session.prefill(PROMPT), n, set(), emit)
+    decode(session, PROMPT, session.prefill(PROMPT), n, set(), emit, Sequential())
     session.close()
     return tokens, session
 

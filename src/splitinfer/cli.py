@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", required=True)
     s.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--strategy", default="sequential", help="decoding strategy")
+    s.add_argument("--strategy", default="tree", choices=("tree", "sequential", "lookahead", "jacobi"),
+                   help="decoding strategy; all give the same greedy output (default: tree)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     s.add_argument("--steps", action="store_true", help="with --json, include per-step telemetry")
     s.add_argument("--wire-dtype", choices=DTYPE_CHOICES, default="float16")

@@ -56,6 +56,7 @@ class KVCache:
         self._keys[layer_idx], self._values[layer_idx] = keys, values
         return keys, values
 
+    @torch.inference_mode()  # the buffers are inference tensors (created under inference mode)
     def keep(self, rows: Sequence[int]) -> None:
         """Commit the given rows of the pending block (ascending block indices); drop the others."""
         rows = list(rows)

@@ -14,13 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..decoding.loop import decode
+from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
 from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_cloud, load_local
 from ..telemetry import summarize
 from .middle import InProcessMiddle, RemoteMiddle
 from .session import ClientConfig, SplitSession
 
-STRATEGIES = ("sequential",)
 
 
 @dataclass
@@ -107,12 +108,19 @@ class SplitClient:
         prompt: str | list[int],
         max_new_tokens: int = 128,
         chat: bool = True,
-        strategy: str = "sequential",
+        strategy: str | Strategy = "tree",
         on_text: Callable[[str], None] | None = None,
         stop_ids: set[int] | None = None,
     ) -> Generation:
-        if strategy not in STRATEGIES:
-            raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        """Generate from text (chat template applied unless chat=False) or from token ids.
+
+        A strategy named by string is created fresh for this call, so nothing learned from one
+        generation leaks into the next; pass a Strategy instance to keep its state across calls.
+        """
+        if isinstance(strategy, str):
+            if strategy not in STRATEGIES:
+                raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+            strategy = make_strategy(strategy)
         if max_new_tokens < 1:
             raise ConfigError("--max-new-tokens must be at least 1.")
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
@@ -133,14 +141,12 @@ class SplitClient:
             logprobs.append(logprob)
             streamer.push(tokens, token in stops)
 
-        from ..decoding.sequential import decode_sequential
-
         session = SplitSession(self.local, self.make_middle(), self.config)
         try:
             t0 = time.perf_counter()
             first = session.prefill(prompt_ids)
             t1 = time.perf_counter()
-            finish = decode_sequential(session, first, max_new_tokens, stops, emit)
+            finish = decode(session, prompt_ids, first, max_new_tokens, stops, emit, strategy)
             t2 = time.perf_counter()
         finally:
             session.close()
@@ -148,7 +154,7 @@ class SplitClient:
         text = streamer.text(tokens, stops)
         stats = summarize(session.records, len(tokens), decode_s=t2 - t1, prefill_s=t1 - t0)
         stats["mode"] = self.mode
-        stats["strategy"] = strategy
+        stats["strategy"] = strategy.name
         stats["wire_dtype"] = self.config.wire_dtype if self.mode == "split" else None
         return Generation(text, prompt_ids, tokens, finish, logprobs, stats, [r.as_dict() for r in session.records])
 

@@ -53,8 +53,14 @@ class SplitSession:
         self._connected = False
 
     # -- one block through the whole model ---------------------------------------------------------
-    def run_block(self, tokens: list[int], structure: BlockStructure, kind: str = "decode") -> torch.Tensor:
-        """tokens: q ids of the block -> logits [q, vocab] float32. The block stays pending until `commit`."""
+    def run_block(
+        self, tokens: list[int], structure: BlockStructure, kind: str = "decode", last_only: bool = False
+    ) -> torch.Tensor:
+        """tokens: q ids of the block -> logits [q, vocab] float32 ([1, vocab] with `last_only`).
+
+        The block stays pending until `commit`. Prefill asks for the last row only: the LM head is the
+        most expensive local layer, and a prompt's other rows need no logits.
+        """
         assert self._pending_q == 0, "commit the previous block first"
         q = len(tokens)
         depths = structure.depths(q)
@@ -72,7 +78,7 @@ class SplitSession:
         t2 = time.perf_counter()
         with torch.inference_mode():
             out = self.local.tail(returned.to(self._device, hidden.dtype)[None], pos, allowed, self.tail_cache)
-            logits = self.local.logits(out)
+            logits = self.local.logits(out[:, -1:] if last_only else out)
         t3 = time.perf_counter()
         record.local_ms = ((t1 - t0) + (t3 - t2)) * 1e3
         self.records.append(record)
@@ -96,7 +102,7 @@ class SplitSession:
         chunk = self._chunk_rows()
         for start in range(0, len(tokens), chunk):
             part = tokens[start : start + chunk]
-            logits = self.run_block(part, BlockStructure.chain(), kind="prefill")
+            logits = self.run_block(part, BlockStructure.chain(), kind="prefill", last_only=True)
             self.commit(list(range(len(part))))
         return logits[-1]
 

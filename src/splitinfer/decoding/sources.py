@@ -1,0 +1,133 @@
+"""Where draft tokens come from. Each source adds candidate continuations of the context to a TokenTrie.
+
+- `SuffixIndex`: the longest suffix of the context that occurred before (in the prompt, the output so
+  far, earlier outputs) and what followed it, with frequencies (the idea of SuffixDecoding / prompt
+  lookup, kept as an n-gram position index).
+- `TokenRecycling`: for every token, the top-k successors the model predicted the last time that token
+  was an input row, with their probabilities; recorded from logits rows the LM head computes anyway.
+- `NgramPool`: the original paper's lookahead pool: n-grams keyed on a single token, most recent first.
+
+Sources only propose; checking is the verifier's job.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import torch
+
+from .draft import TokenTrie
+
+
+class SuffixIndex:
+    """Positions of all n-grams (n <= max_match) over a few token sequences, for continuation lookup."""
+
+    def __init__(self, max_match: int = 8, max_occurrences: int = 64):
+        self.max_match = max_match
+        self.max_occurrences = max_occurrences
+        self.docs: list[list[int]] = []
+        # n-gram -> (doc, end) positions, oldest first; `end` is the index just after the n-gram.
+        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
+
+    def add_doc(self, tokens: list[int] = ()) -> int:
+        self.docs.append([])
+        doc = len(self.docs) - 1
+        self.extend(doc, list(tokens))
+        return doc
+
+    def extend(self, doc: int, tokens: list[int]) -> None:
+        seq = self.docs[doc]
+        for token in tokens:
+            seq.append(token)
+            end = len(seq)
+            for n in range(1, min(self.max_match, end) + 1):
+                self._index[tuple(seq[end - n : end])].append((doc, end))
+
+    def propose(self, context: list[int], trie: TokenTrie, max_depth: int, weight: float = 1.0) -> int:
+        """Add continuations of the longest earlier match of the context's suffix. Returns the match length."""
+        for n in range(min(self.max_match, len(context)), 0, -1):
+            key = tuple(context[-n:])
+            occurrences = [
+                (doc, end) for doc, end in self._index.get(key, ()) if end < len(self.docs[doc])
+            ][-self.max_occurrences :]
+            if occurrences:
+                break
+        else:
+            return 0
+        # Count continuations in a small trie, then turn counts into conditional frequencies.
+        counts: dict[tuple[int, ...], int] = defaultdict(int)
+        for doc, end in occurrences:
+            continuation = self.docs[doc][end : end + max_depth]
+            for d in range(1, len(continuation) + 1):
+                counts[tuple(continuation[:d])] += 1
+        # A longer match is likelier to continue the same way; a single occurrence is weaker evidence.
+        confidence = weight * n / (n + 1.0)
+        total = len(occurrences)
+
+        def conditional(prefix: tuple[int, ...]) -> float:
+            parent = counts[prefix[:-1]] if len(prefix) > 1 else total
+            return confidence * counts[prefix] / (parent + 1.0)
+
+        internal = {path[:-1] for path in counts}
+        for path in counts:
+            if path not in internal:  # leaves only: their prefixes are inserted along the way
+                trie.add_path(list(path), [conditional(path[:d]) for d in range(1, len(path) + 1)])
+        return n
+
+
+class TokenRecycling:
+    """Top-k successors per token with probabilities, refreshed from every logits row computed."""
+
+    def __init__(self, k: int = 8):
+        self.k = k
+        self._next: dict[int, tuple[list[int], list[float]]] = {}
+
+    def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """tokens: the block's input tokens; logits: [q, vocab], row r predicts what follows tokens[r]."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = probs.topk(self.k, dim=-1)
+        ids, ps = top.indices.tolist(), top.values.tolist()
+        for r, token in enumerate(tokens):
+            self._next[token] = (ids[r], ps[r])
+
+    def propose(self, root: int, trie: TokenTrie, max_nodes: int, max_depth: int, weight: float = 1.0) -> None:
+        """Best-first expansion from the root token through the successor table."""
+        frontier = [(1.0, [root], [])]  # (path probability, tokens incl. root, probs)
+        added = 0
+        while frontier and added < max_nodes:
+            frontier.sort(key=lambda item: -item[0])
+            prob, path, probs = frontier.pop(0)
+            if len(path) > 1:
+                trie.add_path(path[1:], probs)
+                added += 1
+            if len(path) - 1 >= max_depth or path[-1] not in self._next:
+                continue
+            ids, ps = self._next[path[-1]]
+            for token, p in zip(ids, ps):
+                frontier.append((prob * p * weight, path + [token], probs + [p * weight]))
+            frontier = frontier[: 4 * max_nodes]
+
+
+class NgramPool:
+    """The original lookahead pool: for each token, the (n-1)-grams that followed it, most recent first."""
+
+    def __init__(self, n: int = 5, candidates: int = 5, pool_size: int = 32):
+        self.n = n
+        self.candidates = candidates
+        self._pool: dict[int, deque[tuple[int, ...]]] = defaultdict(lambda: deque(maxlen=pool_size))
+        self._seq: list[int] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self._seq.append(token)
+            if len(self._seq) >= self.n:
+                gram = tuple(self._seq[-self.n :])
+                bucket = self._pool[gram[0]]
+                if gram[1:] in bucket:
+                    bucket.remove(gram[1:])
+                bucket.appendleft(gram[1:])
+
+    def propose(self, root: int, trie: TokenTrie) -> None:
+        # The paper's pool is unranked: candidates are taken as they come, here the most recent first.
+        for gram in list(self._pool.get(root, ()))[: self.candidates]:
+            trie.add_path(list(gram), [1.0] * len(gram))
