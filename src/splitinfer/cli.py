@@ -108,8 +108,16 @@ def cmd_generate(args) -> int:
     _threads(args)
     client = _load_client(args)
     stream = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    from .decoding.sampling import SamplingConfig
+
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed) if args.temperature > 0 else None
     result = client.generate(
-        args.prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat, strategy=args.strategy, on_text=stream
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        chat=not args.no_chat,
+        strategy=args.strategy,
+        on_text=stream,
+        sampling=sampling,
     )
     if args.json:
         print(json.dumps(result.as_dict(with_steps=args.steps)))
@@ -189,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--strategy", default="tree", choices=("tree", "sequential", "lookahead", "jacobi"),
                    help="decoding strategy; all give the same greedy output (default: tree)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy; > 0 samples")
+    s.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens")
+    s.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus mass")
+    s.add_argument("--seed", type=int, help="with sampling: random seed")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     s.add_argument("--steps", action="store_true", help="with --json, include per-step telemetry")
     s.add_argument("--wire-dtype", choices=DTYPE_CHOICES, default="float16")

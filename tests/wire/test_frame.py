@@ -74,8 +74,8 @@ STEP = Step(
     wire_dtype="float16",
 )
 STEP_BYTES = (
-    b"\x00\x00\x00\x8e"  # 142
-    b'{"type":"step","seq":3,"keep":[0,2],"positions":[5,6],"structure":{"kind":"tree","parents":[-1,0]},'
+    b"\x00\x00\x00\x96"  # 150
+    b'{"type":"step","seq":3,"keep":[[0,1],[2,1]],"positions":[5,6],"structure":{"kind":"tree","parents":[-1,0]},'
     b'"tensor":{"dtype":"float16","shape":[2,2]}}'
     b"\x00\x3c\x00\xc0\x00\x38\xff\x7b"
 )
@@ -385,7 +385,7 @@ def _hello_header() -> dict:
 
 
 def _step_parts() -> tuple[dict, bytes]:
-    return json.loads(STEP_BYTES[4:146]), STEP_BYTES[146:]
+    return json.loads(STEP_BYTES[4:154]), STEP_BYTES[154:]
 
 
 def _set(header: dict, path: tuple, value) -> dict:
@@ -447,10 +447,13 @@ def test_hello_dtype_must_be_one_the_server_accepts():
         (("positions",), [-1, 0], "'positions' must be an integer"),
         (("positions",), [0, MAX_POSITION + 1], "'positions' must be an integer"),
         (("positions",), _DELETE, "'positions' must be a list"),
-        (("keep",), [2, 0], "'keep' must be strictly ascending"),
-        (("keep",), [1, 1], "'keep' must be strictly ascending"),
-        (("keep",), [64], "'keep' must be an integer in \\[0, 63\\]"),
-        (("keep",), [-1], "'keep' must be an integer"),
+        (("keep",), [[2, 1], [0, 1]], "'keep' runs must be ascending and disjoint"),
+        (("keep",), [[1, 2], [2, 1]], "'keep' runs must be ascending and disjoint"),
+        (("keep",), [[64, 1]], "'keep' must be an integer in \\[0, 63\\]"),
+        (("keep",), [[60, 5]], "'keep' must be an integer in \\[1, 4\\]"),
+        (("keep",), [[0, 0]], "'keep' must be an integer in \\[1, 64\\]"),
+        (("keep",), [[-1, 1]], "'keep' must be an integer"),
+        (("keep",), [3], "'keep' must be a list of \\[start, count\\] runs"),
         (("keep",), _DELETE, "'keep' must be a list"),
         (("structure", "parents"), [-1, 1], "each earlier than its child"),
         (("structure", "parents"), [1, -1], "each earlier than its child"),
@@ -496,7 +499,8 @@ def test_step_field_validation(path, value, match):
         (("structure",), {"kind": "matrix", "bits": "d0"}),  # 1101: row 0 also sees row 1; allowed in a matrix
         (("structure", "parents"), [-1, -1]),  # two roots
         (("keep",), []),
-        (("keep",), [63]),
+        (("keep",), [[63, 1]]),
+        (("keep",), [[0, 2], [5, 3]]),
         (("seq",), 2**40),
     ],
 )

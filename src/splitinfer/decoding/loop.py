@@ -22,11 +22,8 @@ import torch
 from ..local.session import SplitSession
 from ..masks import BlockStructure
 from .draft import accept
+from .sampling import greedy
 from .strategies import Strategy
-
-
-def greedy(row: torch.Tensor) -> int:
-    return int(torch.argmax(row))
 
 
 def decode(

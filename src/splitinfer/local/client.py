@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..decoding.loop import decode
+from ..decoding.sampling import SamplingConfig, make_chooser
 from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
 from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_cloud, load_local
@@ -111,6 +112,7 @@ class SplitClient:
         strategy: str | Strategy = "tree",
         on_text: Callable[[str], None] | None = None,
         stop_ids: set[int] | None = None,
+        sampling: SamplingConfig | None = None,
     ) -> Generation:
         """Generate from text (chat template applied unless chat=False) or from token ids.
 
@@ -146,7 +148,7 @@ class SplitClient:
             t0 = time.perf_counter()
             first = session.prefill(prompt_ids)
             t1 = time.perf_counter()
-            finish = decode(session, prompt_ids, first, max_new_tokens, stops, emit, strategy)
+            finish = decode(session, prompt_ids, first, max_new_tokens, stops, emit, strategy, make_chooser(sampling))
             t2 = time.perf_counter()
         finally:
             session.close()

@@ -108,7 +108,7 @@ class Step:
         header = {
             "type": "step",
             "seq": self.seq,
-            "keep": list(self.keep),
+            "keep": keep_runs(self.keep),
             "positions": list(self.positions),
             "structure": self.structure.as_dict(),
             "tensor": spec,
@@ -173,6 +173,33 @@ def _check_float(value: object, name: str) -> float:
     return float(value)
 
 
+def keep_runs(rows: tuple[int, ...]) -> list[list[int]]:
+    """Ascending rows as [start, count] runs: the first step after a 512-row prefill chunk names one run,
+    not 512 numbers, so bytes per step stay flat whatever came before."""
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and runs[-1][0] + runs[-1][1] == r:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    return runs
+
+
+def _decode_keep(value: object, max_rows: int) -> list[int]:
+    if not isinstance(value, list) or len(value) > max_rows:
+        raise ProtocolError(f"field 'keep' must be a list of at most {max_rows} [start, count] runs.")
+    rows: list[int] = []
+    for run in value:
+        if not isinstance(run, list) or len(run) != 2:
+            raise ProtocolError("field 'keep' must be a list of [start, count] runs.")
+        start = check_int(run[0], "keep", 0, max_rows - 1)
+        count = check_int(run[1], "keep", 1, max_rows - start)
+        if rows and start <= rows[-1]:
+            raise ProtocolError("field 'keep' runs must be ascending and disjoint.")
+        rows.extend(range(start, start + count))
+    return rows
+
+
 def _decode_structure(value: object, q: int) -> BlockStructure:
     if not isinstance(value, dict) or value.get("kind") not in STRUCTURE_KINDS:
         raise ProtocolError(f"field 'structure' must be an object with kind in {STRUCTURE_KINDS}.")
@@ -225,9 +252,7 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         positions = check_int_list(header.get("positions"), "positions", 0, MAX_POSITION, q)
         if len(positions) != q:
             raise ProtocolError(f"field 'positions' has {len(positions)} entries for {q} rows.")
-        keep = check_int_list(header.get("keep"), "keep", 0, limits.max_block_rows - 1, limits.max_block_rows)
-        if keep != sorted(set(keep)):
-            raise ProtocolError("field 'keep' must be strictly ascending row indices.")
+        keep = _decode_keep(header.get("keep"), limits.max_block_rows)
         structure = _decode_structure(header.get("structure"), q)
         return Step(seq, tuple(keep), tuple(positions), structure, hidden, wire_dtype=header["tensor"]["dtype"])
     if kind == "close":

@@ -1,0 +1,108 @@
+"""Every strategy's greedy output equals sequential greedy output, token for token, with the right logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitinfer.cloud.server import ServerThread
+from splitinfer.decoding.draft import Draft
+from splitinfer.decoding.strategies import STRATEGIES, Strategy, Tree, TreeConfig
+from splitinfer.local.client import SplitClient
+from splitinfer.local.session import ClientConfig
+from splitinfer.model.shards import load_cloud
+
+from tiny import prepare_tiny
+
+# Repetition in the prompt gives the suffix index and the n-gram pool something to find.
+PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71] * 3 + [3, 17]
+NEW = 40
+
+
+def reference(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+class Oracle(Strategy):
+    """Knows the true continuation; puts a wrong sibling first so accepted rows are not a block prefix."""
+
+    name = "oracle"
+
+    def __init__(self, truth: list[int], depth: int = 3):
+        self.truth, self.depth = truth, depth
+
+    def propose(self, history):
+        done = len(history) - len(PROMPT)  # tokens emitted so far; the root is truth[done - 1]
+        nxt = self.truth[done : done + self.depth]
+        if not nxt:
+            return Draft()
+        wrong = (nxt[0] + 1) % 96
+        # rows: 1 = wrong sibling, 2 = right child, 3 = a decoy under the wrong one, 4.. = the right chain
+        tokens = [wrong, nxt[0], (wrong + 5) % 96, *nxt[1:]]
+        rows_of_truth = [2] + list(range(4, 4 + len(nxt) - 1))
+        parents = [0, 0, 1] + rows_of_truth[:-1]
+        return Draft(tokens=tokens, parents=parents, scores=[0.5] * len(tokens))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_all_strategies_match_hf_greedy(tmp_path, family):
+    model, shards = prepare_tiny(tmp_path, family, 2, 1)
+    expected = reference(model, PROMPT, NEW)
+    client = SplitClient.local_only(shards)
+    for name in STRATEGIES:
+        got = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=name)
+        assert got.token_ids == expected, name
+
+
+def test_strategies_over_the_wire_with_rejections_and_compaction(tmp_path):
+    model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
+    expected = reference(model, PROMPT, NEW)
+    sequential = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="sequential")
+    with ServerThread(load_cloud(shards / "cloud")) as server:
+        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"))
+        oracle = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Oracle(expected))
+        fixed = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=12)))
+        lookahead = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="lookahead")
+    for result in (oracle, fixed, lookahead):
+        assert result.token_ids == expected
+        # The logprob of every token comes from the row that predicted it, as in sequential decoding.
+        assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(sequential.logprobs), atol=1e-4)
+    # The oracle's right branch is the second child: accepted rows are [0, 2, 4, ...], never a prefix.
+    assert oracle.stats["mean_accepted_per_step"] > 3.0
+    assert any(s["rows"] > 1 and s["accepted"] > 1 for s in oracle.steps)
+    # Rejected nodes happen (the wrong sibling is always rejected) and the output is still exact.
+    assert all(s["accepted"] < s["rows"] for s in oracle.steps if s["kind"] == "decode" and s["rows"] > 1)
+
+
+def test_long_context_tree_matches_sequential(tmp_path):
+    """4.5k tokens of context, tree strategy with forced drafts, float32 wire: identical to sequential."""
+    _, shards = prepare_tiny(tmp_path, "qwen2", 2, 2)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 96, (4_500,)).tolist()
+    local = SplitClient.local_only(shards)
+    expected = local.generate(prompt, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
+    with ServerThread(load_cloud(shards / "cloud")) as server:
+        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"))
+        got = client.generate(prompt, max_new_tokens=24, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=16)))
+    assert got.token_ids == expected
+    assert got.stats["steps"] < 23 or got.stats["mean_accepted_per_step"] >= 1.0
+
+
+def test_decode_bytes_per_step_do_not_grow_with_context(tmp_path):
+    """Masks are rebuilt from the block structure: the same block costs the same bytes at 256 and 16k."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    per_step = {}
+    with ServerThread(load_cloud(shards / "cloud")) as server:
+        client = SplitClient.connect(shards / "local", server.url)
+        for context in (256, 4096, 16_384):
+            torch.manual_seed(context)
+            prompt = torch.randint(0, 96, (context,)).tolist()
+            got = client.generate(prompt, max_new_tokens=4, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=8)))
+            steps = [s for s in got.steps if s["kind"] == "decode"]
+            per_step[context] = [(s["rows"], s["bytes_up"] + s["bytes_down"]) for s in steps]
+    for context in (4096, 16_384):
+        for (rows_a, bytes_a), (rows_b, bytes_b) in zip(per_step[256], per_step[context]):
+            if rows_a == rows_b:
+                # Only the digits of the position numbers may differ.
+                assert abs(bytes_b - bytes_a) <= 0.05 * bytes_a, (context, bytes_a, bytes_b)
