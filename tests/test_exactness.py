@@ -48,7 +48,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
     config = ClientConfig(wire_dtype="float32", prefill_chunk=5)
     with ServerThread(load_cloud(shards / "cloud")) as server:
         client = SplitClient.connect(shards / "local", server.url, config)
-        got = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
+        got = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set(), strategy="sequential")
     assert got.token_ids == expected
     assert got.stats["prefill_messages"] == 3
     assert got.stats["steps"] == NEW_TOKENS - 1

@@ -36,7 +36,7 @@ def reference(smollm2_shards):
 def margin_at(local_client, prompt_ids, tokens, step):
     """top-1 minus top-2 logit of the local model before generating tokens[step]."""
     session = SplitSession(local_client.local, local_client.make_middle(), ClientConfig(wire_dtype="float32"))
-    top = session.prefill(prompt_ids + tokens[:step]).topk(2).values
+    top = session.prefill(prompt_ids + tokens[:step])[-1].topk(2).values
     session.close()
     return float(top[0] - top[1])
 

@@ -7,6 +7,7 @@
     splitinfer wan       --listen 9000 --upstream 127.0.0.1:8765 --rtt-ms 80 [--jitter-ms J] [--bandwidth-mbit B]
     splitinfer demo      --shards shards/smollm2 [--rtt-ms 80]
     splitinfer bench     --shards shards/smollm2 [--out docs/bench]
+    splitinfer bench-spec --shards shards/smollm2 [--out docs/bench]
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def cmd_demo(args) -> int:
         result = client.generate(
             args.prompt, max_new_tokens=args.max_new_tokens, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush())
         )
-        print(f"\n\n[{result.finish_reason}] split sequential, float16 wire")
+        print(f"\n\n[{result.finish_reason}] split, {result.stats['strategy']} decoding, float16 wire")
         print(_stats_table(result.stats))
     return 0
 
@@ -160,6 +161,13 @@ def cmd_bench(args) -> int:
     from .bench.runtime import run_runtime_bench
 
     run_runtime_bench(args)
+    return 0
+
+
+def cmd_bench_spec(args) -> int:
+    from .bench.speculative import run_speculative_bench
+
+    run_speculative_bench(args)
     return 0
 
 
@@ -237,6 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--per-category", type=int, default=1, help="prompts taken from each category")
     s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("bench-spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--out", default="bench-out", help="directory for speculative.json and speculative.md")
+    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    s.add_argument("--strategies", default="sequential,lookahead,tree")
+    s.add_argument("--rtt-ms", default="0,80", help="comma-separated added round trips")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
+    s.set_defaults(func=cmd_bench_spec)
     return p
 
 

@@ -10,6 +10,7 @@ more than one row, on a GPU tens of rows cost about one: the fit learns which ma
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -19,21 +20,42 @@ class ControllerConfig:
     max_nodes: int = 32  # draft nodes per step at most
     window: int = 48  # recent steps used for the cost fit
     prior_per_row: float = 0.05  # per-row cost as a fraction of a one-row step, until measured
-    calibration_decay: float = 0.9  # weight of history in the acceptance calibration
+    calibration_decay: float = 0.97  # weight of history in the acceptance calibration
+    calibration_prior: float = 8.0  # pseudo-observations of a calibrated drafter at the start
+    calibration_floor: float = 0.25  # never trust drafts less than this, so the controller keeps exploring
 
 
-def fit_cost(samples) -> tuple[float, float] | None:
-    """Least-squares (fixed, per_row) from (rows, ms) samples; None without two distinct row counts."""
+def weighted_median(values: list[float], weights: list[float]) -> float:
+    pairs = sorted(zip(values, weights))
+    half, running = sum(weights) / 2.0, 0.0
+    for value, weight in pairs:
+        running += weight
+        if running >= half:
+            return value
+    return pairs[-1][0]
+
+
+def fit_cost(samples, prior_slope: float | None = None, prior_weight: float = 4.0) -> tuple[float, float] | None:
+    """(fixed, per_row) from (rows, ms) samples; None without two distinct row counts.
+
+    Robust rather than least squares: one slow step (a scheduler hiccup, a garbage collection) must not
+    teach the controller that rows are expensive. The one-row cost is the median time of the smallest
+    blocks; the per-row cost is the median of the slopes from there to each larger block, weighted by
+    how many rows larger it was (a 2-row step's noise would otherwise count as much as a 30-row step's
+    signal), with an optional prior slope counted as `prior_weight` rows.
+    """
     rows = [q for q, _ in samples]
     if len(set(rows)) < 2:
         return None
-    n = len(samples)
-    mean_q = sum(rows) / n
-    mean_t = sum(t for _, t in samples) / n
-    sxx = sum((q - mean_q) ** 2 for q in rows)
-    sxy = sum((q - mean_q) * (t - mean_t) for q, t in samples)
-    per_row = max(sxy / sxx, 0.0)
-    return max(mean_t - per_row * mean_q, 0.0), per_row
+    base_q = min(rows)
+    base_t = statistics.median(t for q, t in samples if q == base_q)
+    slopes = [(t - base_t) / (q - base_q) for q, t in samples if q != base_q]
+    weights = [float(q - base_q) for q, _ in samples if q != base_q]
+    if prior_slope is not None:
+        slopes.append(prior_slope)
+        weights.append(prior_weight)
+    per_row = max(weighted_median(slopes, weights), 0.0)
+    return max(base_t - per_row * base_q, 0.0), per_row
 
 
 def best_size(scores: list[float], fixed: float, per_row: float) -> int:
@@ -51,17 +73,21 @@ class BlockController:
     def __init__(self, config: ControllerConfig = ControllerConfig()):
         self.config = config
         self._samples: deque[tuple[int, float]] = deque(maxlen=config.window)
-        self._predicted = 1.0  # discounted sums for calibration of draft scores
-        self._accepted = 1.0
+        # Discounted sums of predicted and accepted draft nodes. Without a floor, a bad start drives the
+        # calibration to zero, the controller stops drafting, and nothing is ever observed to revise it.
+        self._predicted = config.calibration_prior
+        self._accepted = config.calibration_prior
 
     @property
     def calibration(self) -> float:
-        return min(self._accepted / self._predicted, 4.0)
+        return min(max(self._accepted / self._predicted, self.config.calibration_floor), 4.0)
 
     def cost(self) -> tuple[float, float]:
-        fitted = fit_cost(self._samples)
-        if fitted is not None:
-            return fitted
+        if self._samples:
+            single = statistics.median(t for _, t in self._samples)
+            fitted = fit_cost(self._samples, prior_slope=single * self.config.prior_per_row)
+            if fitted is not None:
+                return fitted
         if self._samples:
             single = sum(t for _, t in self._samples) / len(self._samples)
             return single, single * self.config.prior_per_row
@@ -70,7 +96,6 @@ class BlockController:
     def choose(self, scores: list[float]) -> int:
         """How many of the (descending) draft scores to send this step."""
         calibrated = [min(s * self.calibration, 1.0) for s in scores[: self.config.max_nodes]]
-        # Keep the list non-increasing after capping so the prefix rule stays valid.
         fixed, per_row = self.cost()
         return best_size(calibrated, fixed, per_row)
 

@@ -25,6 +25,7 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)  # estimated probability that the node is accepted
+    sources: list[str] = field(default_factory=list)  # which source gave each node its score
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -42,8 +43,9 @@ class TokenTrie:
         self.token: list[int] = [-1]
         self.parent: list[int] = [-1]
         self.score: list[float] = [1.0]
+        self.source: list[str] = [""]
 
-    def add_path(self, tokens: list[int], probs: list[float]) -> None:
+    def add_path(self, tokens: list[int], probs: list[float], source: str = "") -> None:
         """Insert a continuation; probs[i] is the conditional probability of tokens[i] given the path."""
         node, path_prob = 0, 1.0
         for token, p in zip(tokens, probs):
@@ -56,8 +58,10 @@ class TokenTrie:
                 self.token.append(token)
                 self.parent.append(node)
                 self.score.append(path_prob)
-            else:
-                self.score[child] = max(self.score[child], path_prob)
+                self.source.append(source)
+            elif path_prob > self.score[child]:
+                self.score[child] = path_prob
+                self.source[child] = source
             node = child
 
     def __len__(self) -> int:
@@ -87,6 +91,7 @@ class TokenTrie:
             draft.tokens.append(self.token[n])
             draft.parents.append(row[self.parent[n]])
             draft.scores.append(self.score[n])
+            draft.sources.append(self.source[n])
         return draft
 
 

@@ -29,15 +29,19 @@ from .strategies import Strategy
 def decode(
     session: SplitSession,
     prompt: list[int],
-    first_logits: torch.Tensor,
+    prompt_logits: torch.Tensor,
     max_new_tokens: int,
     stop_ids: set[int],
     emit: Callable[[int, float], None],
     strategy: Strategy,
     choose: Callable[[torch.Tensor], int] = greedy,
 ) -> str:
-    """Decode after prefill; `emit(token, logprob)` per token. Returns "stop" or "length"."""
-    strategy.start(prompt)
+    """Decode after prefill; `emit(token, logprob)` per token. Returns "stop" or "length".
+
+    prompt_logits: [r, vocab] logits of the prompt's last r rows (r >= 1; the strategy asked for r).
+    """
+    strategy.start(prompt, prompt_logits)
+    first_logits = prompt_logits[-1]
     history = list(prompt)
     produced = 0
 

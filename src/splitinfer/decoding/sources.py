@@ -12,6 +12,8 @@ Sources only propose; checking is the verifier's job.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import defaultdict, deque
 
 import torch
@@ -71,7 +73,7 @@ class SuffixIndex:
         internal = {path[:-1] for path in counts}
         for path in counts:
             if path not in internal:  # leaves only: their prefixes are inserted along the way
-                trie.add_path(list(path), [conditional(path[:d]) for d in range(1, len(path) + 1)])
+                trie.add_path(list(path), [conditional(path[:d]) for d in range(1, len(path) + 1)], "suffix")
         return n
 
 
@@ -91,21 +93,20 @@ class TokenRecycling:
             self._next[token] = (ids[r], ps[r])
 
     def propose(self, root: int, trie: TokenTrie, max_nodes: int, max_depth: int, weight: float = 1.0) -> None:
-        """Best-first expansion from the root token through the successor table."""
-        frontier = [(1.0, [root], [])]  # (path probability, tokens incl. root, probs)
+        """Best-first expansion from the root token through the successor table (a max-heap on path probability)."""
+        counter = itertools.count()  # tie-breaker: heapq never compares the lists
+        frontier = [(-1.0, next(counter), [root], [])]
         added = 0
         while frontier and added < max_nodes:
-            frontier.sort(key=lambda item: -item[0])
-            prob, path, probs = frontier.pop(0)
+            neg_prob, _, path, probs = heapq.heappop(frontier)
             if len(path) > 1:
-                trie.add_path(path[1:], probs)
+                trie.add_path(path[1:], probs, "recycling")
                 added += 1
             if len(path) - 1 >= max_depth or path[-1] not in self._next:
                 continue
             ids, ps = self._next[path[-1]]
             for token, p in zip(ids, ps):
-                frontier.append((prob * p * weight, path + [token], probs + [p * weight]))
-            frontier = frontier[: 4 * max_nodes]
+                heapq.heappush(frontier, (neg_prob * p * weight, next(counter), path + [token], probs + [p * weight]))
 
 
 class NgramPool:
@@ -130,4 +131,4 @@ class NgramPool:
     def propose(self, root: int, trie: TokenTrie) -> None:
         # The paper's pool is unranked: candidates are taken as they come, here the most recent first.
         for gram in list(self._pool.get(root, ()))[: self.candidates]:
-            trie.add_path(list(gram), [1.0] * len(gram))
+            trie.add_path(list(gram), [1.0] * len(gram), "ngram")

@@ -22,9 +22,10 @@ from .sources import NgramPool, SuffixIndex, TokenRecycling
 
 class Strategy:
     name = "base"
+    prompt_logits_rows = 1  # logits rows of the prompt's end the strategy wants at start (the LM head costs)
 
-    def start(self, prompt: list[int]) -> None:
-        """Called once per generation with the prompt ids."""
+    def start(self, prompt: list[int], prompt_logits: torch.Tensor) -> None:
+        """Called once per generation with the prompt ids and the logits of its last rows [r, vocab]."""
 
     def propose(self, history: list[int]) -> Draft:
         """history: prompt + emitted tokens; its last token is the root of the next block."""
@@ -53,7 +54,7 @@ class Jacobi(Strategy):
         self.config = config
         self._guesses: list[int] = []
 
-    def start(self, prompt):
+    def start(self, prompt, prompt_logits):
         self._guesses = []
 
     def propose(self, history):
@@ -81,7 +82,7 @@ class Lookahead(Strategy):
     def __init__(self, config: LookaheadConfig = LookaheadConfig()):
         self.config = config
 
-    def start(self, prompt):
+    def start(self, prompt, prompt_logits):
         self.pool = NgramPool(self.config.ngram, self.config.candidates)
         self.pool.extend(prompt)
 
@@ -100,8 +101,26 @@ class TreeConfig:
     recycling_k: int = 8  # successors kept per token
     recycling_nodes: int = 48  # candidate nodes expanded from the successor table per step
     max_match: int = 8  # longest suffix looked up in the index
+    prompt_rows: int = 256  # prompt rows whose logits seed the successor table (LM head cost, once)
     fixed_nodes: int | None = None  # verify exactly this many nodes per step (no cost model): for studies
     controller: ControllerConfig = ControllerConfig()
+
+
+class SourceCalibration:
+    """How far to trust one source: discounted accepted / predicted over its draft nodes."""
+
+    def __init__(self, prior: float = 2.0, decay: float = 0.98):
+        self.decay = decay
+        self.predicted = prior
+        self.accepted = prior
+
+    @property
+    def weight(self) -> float:
+        return min(max(self.accepted / self.predicted, 0.05), 1.0)
+
+    def update(self, predicted: float, accepted: float) -> None:
+        self.predicted = self.decay * self.predicted + predicted
+        self.accepted = self.decay * self.accepted + accepted
 
 
 class Tree(Strategy):
@@ -111,21 +130,28 @@ class Tree(Strategy):
 
     def __init__(self, config: TreeConfig = TreeConfig(), earlier: list[list[int]] | None = None):
         self.config = config
-        self.recycling = TokenRecycling(config.recycling_k)  # kept across generations: it is model knowledge
+        self.prompt_logits_rows = config.prompt_rows
+        self.recycling = TokenRecycling(config.recycling_k)
         self.controller = BlockController(config.controller)
+        self.calibration = {"suffix": SourceCalibration(), "recycling": SourceCalibration()}
         self.earlier = earlier if earlier is not None else []
         self.last_draft = Draft()
 
-    def start(self, prompt):
+    def start(self, prompt, prompt_logits):
         self.index = SuffixIndex(self.config.max_match)
         for doc in self.earlier:
             self.index.add_doc(doc)
         self.doc = self.index.add_doc(prompt)
+        # Row r of prompt_logits predicts what follows the r-th of the prompt's last rows.
+        self.recycling.observe(prompt[len(prompt) - prompt_logits.shape[0] :], prompt_logits)
 
     def propose(self, history):
         trie = TokenTrie()
-        self.index.propose(history, trie, self.config.max_depth)
-        self.recycling.propose(history[-1], trie, self.config.recycling_nodes, self.config.max_depth)
+        self.index.propose(history, trie, self.config.max_depth, weight=self.calibration["suffix"].weight)
+        self.recycling.propose(
+            history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
+            weight=self.calibration["recycling"].weight,
+        )
         scores = sorted(trie.score[1:], reverse=True)
         n = self.config.fixed_nodes if self.config.fixed_nodes is not None else self.controller.choose(scores)
         self.last_draft = trie.best(n)
@@ -134,8 +160,18 @@ class Tree(Strategy):
     def observe(self, tokens, parents, logits, path, emitted, step_ms):
         self.recycling.observe(tokens, logits)
         self.index.extend(self.doc, emitted)
-        predicted = sum(self.last_draft.scores)
-        self.controller.observe(len(tokens), step_ms, predicted, len(path) - 1)
+        draft = self.last_draft
+        accepted_rows = set(path)
+        for source, calibration in self.calibration.items():
+            nodes = [i for i, s in enumerate(draft.sources) if s == source]
+            if nodes:
+                # Conditional acceptance given the parent was accepted: the quantity the source predicts.
+                live = [i for i in nodes if draft.parents[i] in accepted_rows]
+                if live:
+                    predicted = sum(draft.scores[i] / max(draft.scores[draft.parents[i] - 1], 1e-6)
+                                    if draft.parents[i] > 0 else draft.scores[i] for i in live)
+                    calibration.update(predicted / calibration.weight, sum((i + 1) in accepted_rows for i in live))
+        self.controller.observe(len(tokens), step_ms, sum(draft.scores), len(path) - 1)
 
 
 STRATEGIES = {"sequential": Sequential, "jacobi": Jacobi, "lookahead": Lookahead, "tree": Tree}

@@ -146,9 +146,9 @@ class SplitClient:
         session = SplitSession(self.local, self.make_middle(), self.config)
         try:
             t0 = time.perf_counter()
-            first = session.prefill(prompt_ids)
+            prompt_logits = session.prefill(prompt_ids, logits_rows=strategy.prompt_logits_rows)
             t1 = time.perf_counter()
-            finish = decode(session, prompt_ids, first, max_new_tokens, stops, emit, strategy, make_chooser(sampling))
+            finish = decode(session, prompt_ids, prompt_logits, max_new_tokens, stops, emit, strategy, make_chooser(sampling))
             t2 = time.perf_counter()
         finally:
             session.close()

@@ -54,12 +54,12 @@ class SplitSession:
 
     # -- one block through the whole model ---------------------------------------------------------
     def run_block(
-        self, tokens: list[int], structure: BlockStructure, kind: str = "decode", last_only: bool = False
+        self, tokens: list[int], structure: BlockStructure, kind: str = "decode", logits_from: int = 0
     ) -> torch.Tensor:
-        """tokens: q ids of the block -> logits [q, vocab] float32 ([1, vocab] with `last_only`).
+        """tokens: q ids of the block -> logits [q - logits_from, vocab] float32 for rows logits_from..q-1.
 
-        The block stays pending until `commit`. Prefill asks for the last row only: the LM head is the
-        most expensive local layer, and a prompt's other rows need no logits.
+        The block stays pending until `commit`. Prefill asks for few rows: the LM head is the most
+        expensive local layer, and most prompt rows need no logits.
         """
         assert self._pending_q == 0, "commit the previous block first"
         q = len(tokens)
@@ -78,7 +78,7 @@ class SplitSession:
         t2 = time.perf_counter()
         with torch.inference_mode():
             out = self.local.tail(returned.to(self._device, hidden.dtype)[None], pos, allowed, self.tail_cache)
-            logits = self.local.logits(out[:, -1:] if last_only else out)
+            logits = self.local.logits(out[:, logits_from:])
         t3 = time.perf_counter()
         record.local_ms = ((t1 - t0) + (t3 - t2)) * 1e3
         self.records.append(record)
@@ -96,15 +96,19 @@ class SplitSession:
         self.length += len(rows)
         self._pending_sent, self._pending_q = None, 0
 
-    def prefill(self, tokens: list[int]) -> torch.Tensor:
-        """Run and commit `tokens` in chunks; returns the logits row of the last one [vocab]."""
-        logits = None
+    def prefill(self, tokens: list[int], logits_rows: int = 1) -> torch.Tensor:
+        """Run and commit `tokens` in chunks; returns logits [min(logits_rows, len), vocab] of the last rows."""
+        first_wanted = len(tokens) - max(1, min(logits_rows, len(tokens)))
         chunk = self._chunk_rows()
+        parts = []
         for start in range(0, len(tokens), chunk):
             part = tokens[start : start + chunk]
-            logits = self.run_block(part, BlockStructure.chain(), kind="prefill", last_only=True)
+            logits_from = min(max(first_wanted - start, 0), len(part))
+            logits = self.run_block(part, BlockStructure.chain(), kind="prefill", logits_from=logits_from)
+            if logits.shape[0]:
+                parts.append(logits)
             self.commit(list(range(len(part))))
-        return logits[-1]
+        return torch.cat(parts)
 
     def _chunk_rows(self) -> int:
         chunk = self.config.prefill_chunk

@@ -243,3 +243,23 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
     if manifest.get("has_tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return LocalHalf(manifest, config, embed, head, tail, norm, lm_head, tokenizer)
+
+
+def load_whole_hf(shards: str | Path) -> nn.Module:
+    """The whole HF model reassembled from OUT/local and OUT/cloud (reference runs, e.g. HF generate)."""
+    from transformers import AutoModelForCausalLM
+
+    shards = Path(shards)
+    local_manifest = read_manifest(shards / "local", "local")
+    cloud_manifest = read_manifest(shards / "cloud", "cloud")
+    if local_manifest["cloud_fingerprint"] != cloud_manifest["cloud_fingerprint"]:
+        raise ModelError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
+    config, weights = _load_checked(shards / "local", local_manifest, verify=False)
+    weights.update(load_file(str(shards / "cloud" / WEIGHTS)))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPES[local_manifest["dtype"]])
+    model.load_state_dict(weights, strict=False)
+    model.tie_weights()
+    missing = set(model.state_dict()) - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise ModelError(f"the shards lack {sorted(missing)[:3]}; re-run prepare.")
+    return model.eval()

@@ -1,0 +1,261 @@
+"""Speculative decoding benchmark: accepted tokens per step and tok/s of each strategy against sequential.
+
+    splitinfer bench-spec --shards shards/smollm2 --out docs/bench
+
+Same fairness rules as the runtime benchmark (runtime.py): client on core 0, cloud on core 1, one thread
+each, WAN emulator on core 1, configurations interleaved within each repetition, one warm-up each,
+medians. Speed-ups are ratios of tok/s on the same prompt in the same repetition at the same round trip.
+As a reference drafter it runs transformers' own prompt-lookup decoding locally on the same prompts and
+counts its accepted tokens per model call. Each generation starts with a fresh strategy: nothing learned
+on one prompt (or on an earlier repetition of it) is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..launch import cloud_server, wan_proxy
+from ..local.client import SplitClient
+from ..local.session import ClientConfig, SplitSession
+from ..model.shards import load_whole_hf
+from .runtime import _pin_self, load_prompts
+
+
+def prompt_lookup_reference(shards: Path, prompts: list[dict], client: SplitClient, max_new_tokens: int) -> dict:
+    """transformers' prompt-lookup decoding (prompt_lookup_num_tokens=10), run locally: accepted per call."""
+    model = load_whole_hf(shards)
+    calls = {"n": 0}
+    original = model.forward
+
+    def counting_forward(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    model.forward = counting_forward
+    results = {}
+    for p in prompts:
+        ids = client.encode_prompt(p["prompt"], p.get("chat", True))
+        calls["n"] = 0
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=10,
+            eos_token_id=sorted(client.stop_ids()) or None,
+        )
+        generated = out.shape[1] - len(ids)
+        decode_calls = max(calls["n"] - 1, 1)  # the first call is the prefill, which yields the first token
+        results[p["id"]] = {
+            "category": p["category"],
+            "generated": generated,
+            "decode_calls": decode_calls,
+            "accepted_per_step": round((generated - 1) / decode_calls, 4),
+            "token_ids": out[0, len(ids):].tolist(),
+        }
+    return results
+
+
+def margin_before(client: SplitClient, prompt_ids: list[int], tokens: list[int], step: int) -> float:
+    """Top-1 minus top-2 logit of the local float32 model before tokens[step] (for divergence reports)."""
+    session = SplitSession(client.local, client.make_middle(), ClientConfig(wire_dtype="float32"))
+    top = session.prefill(prompt_ids + tokens[:step])[-1].topk(2).values
+    session.close()
+    return round(float(top[0] - top[1]), 5)
+
+
+def run_speculative_bench(args) -> dict:
+    shards = Path(args.shards)
+    rtts = [float(x) for x in str(args.rtt_ms).split(",") if x.strip()]
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if "sequential" not in strategies:
+        strategies.insert(0, "sequential")
+    prompts = load_prompts(args.prompts, args.per_category)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _pin_self(0)
+    local = SplitClient.local_only(shards)
+    reference = prompt_lookup_reference(shards, prompts, local, args.max_new_tokens)
+    print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()}, file=sys.stderr)
+
+    runs: list[dict] = []
+    with ExitStack() as stack:
+        url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
+        targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
+        clients = {rtt: SplitClient.connect(shards / "local", target, ClientConfig()) for rtt, target in targets.items()}
+        configs = [(s, rtt) for rtt in rtts for s in strategies]
+        for strategy, rtt in configs:
+            clients[rtt].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
+        for rep in range(args.repeats):
+            for strategy, rtt in configs:
+                for p in prompts:
+                    result = clients[rtt].generate(
+                        p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True), strategy=strategy
+                    )
+                    decode = [s for s in result.steps if s["kind"] == "decode"]
+                    runs.append(
+                        {
+                            "strategy": strategy,
+                            "rtt_ms": rtt,
+                            "repeat": rep,
+                            "prompt_id": p["id"],
+                            "category": p["category"],
+                            "prompt_token_ids": result.prompt_token_ids,
+                            "token_ids": result.token_ids,
+                            "tokens_per_s": result.stats["tokens_per_s"],
+                            "accepted": [s["accepted"] for s in decode],
+                            "rows": [s["rows"] for s in decode],
+                            "bytes": [s["bytes_up"] + s["bytes_down"] for s in decode],
+                            "stats": result.stats,
+                        }
+                    )
+                    print(
+                        f"[{rep}] {strategy:<10} @{rtt:>4g} ms {p['id']:<16} {result.stats['tokens_per_s']:7.2f} tok/s "
+                        f"{result.stats['mean_accepted_per_step']:.2f} acc/step",
+                        file=sys.stderr,
+                    )
+    divergences = find_divergences(runs, local)
+    report = {
+        "command": "splitinfer bench-spec " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "splitinfer": __version__,
+        "torch": torch.__version__,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "setup": "client: this process, core 0, 1 thread; cloud server: child process, core 1, 1 thread; "
+        "WAN emulator: child process on core 1; float16 wire; greedy; fresh strategy state per generation",
+        "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "prompts": [p["id"] for p in prompts],
+        "prompt_lookup": reference,
+        "summary": summarize(runs, reference),
+        "divergences": divergences,
+        "runs": runs,
+    }
+    (out / "speculative.json").write_text(json.dumps(report, indent=1))
+    (out / "speculative.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def find_divergences(runs: list[dict], local: SplitClient) -> list[dict]:
+    """Every generation whose tokens differ from sequential's (same prompt, round trip and repetition)."""
+    sequential = {(r["prompt_id"], r["rtt_ms"], r["repeat"]): r for r in runs if r["strategy"] == "sequential"}
+    found = []
+    for r in runs:
+        ref = sequential[(r["prompt_id"], r["rtt_ms"], r["repeat"])]
+        if r["strategy"] == "sequential" or r["token_ids"] == ref["token_ids"]:
+            continue
+        step = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref["token_ids"])) if a != b), None)
+        if step is None:
+            step = min(len(r["token_ids"]), len(ref["token_ids"]))
+        found.append(
+            {
+                "strategy": r["strategy"], "prompt_id": r["prompt_id"], "rtt_ms": r["rtt_ms"], "repeat": r["repeat"],
+                "first_different_token": step,
+                "local_float32_margin": margin_before(local, r["prompt_token_ids"], ref["token_ids"], step),
+            }
+        )
+    return found
+
+
+def summarize(runs: list[dict], reference: dict) -> dict:
+    by_config: dict[tuple[str, float], list[dict]] = {}
+    for r in runs:
+        by_config.setdefault((r["strategy"], r["rtt_ms"]), []).append(r)
+    sequential_tps = {(r["prompt_id"], r["rtt_ms"], r["repeat"]): r["tokens_per_s"] for r in runs if r["strategy"] == "sequential"}
+    pld_mean = statistics.mean(v["accepted_per_step"] for v in reference.values())
+    rows = []
+    for (strategy, rtt), mine in by_config.items():
+        accepted = [a for r in mine for a in r["accepted"]]
+        per_prompt = {}
+        for r in mine:
+            if r["repeat"] == 0:
+                per_prompt[r["prompt_id"]] = (r["category"], sum(r["accepted"]) / max(len(r["accepted"]), 1))
+        categories = {}
+        for category, value in per_prompt.values():
+            categories.setdefault(category, []).append(value)
+        mean_over_prompts = statistics.mean(v for _, v in per_prompt.values())
+        ratios = [r["tokens_per_s"] / sequential_tps[(r["prompt_id"], r["rtt_ms"], r["repeat"])] for r in mine]
+        rows.append(
+            {
+                "strategy": strategy,
+                "rtt_ms": rtt,
+                "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in mine), 3),
+                "speedup_vs_sequential_median": round(statistics.median(ratios), 3),
+                "speedup_vs_sequential_min": round(min(ratios), 3),
+                "mean_accepted_per_step": round(mean_over_prompts, 3),
+                "mean_accepted_pooled": round(sum(accepted) / max(len(accepted), 1), 3),
+                "vs_prompt_lookup": round(mean_over_prompts / pld_mean, 3),
+                "max_accepted_per_step": max(accepted, default=0),
+                "accepted_histogram": dict(sorted(Counter(accepted).items())),
+                "median_rows_per_step": statistics.median(x for r in mine for x in r["rows"]),
+                "median_bytes_per_step": statistics.median(x for r in mine for x in r["bytes"]),
+                "per_category_accepted": {c: round(statistics.mean(v), 3) for c, v in sorted(categories.items())},
+            }
+        )
+    pld_categories: dict[str, list[float]] = {}
+    for v in reference.values():
+        pld_categories.setdefault(v["category"], []).append(v["accepted_per_step"])
+    return {
+        "rows": rows,
+        "prompt_lookup_mean_accepted": round(pld_mean, 3),
+        "prompt_lookup_per_category": {c: round(statistics.mean(v), 3) for c, v in sorted(pld_categories.items())},
+    }
+
+
+def markdown(report: dict) -> str:
+    summary = report["summary"]
+    categories = sorted({c for row in summary["rows"] for c in row["per_category_accepted"]})
+    lines = [
+        f"# Speculative decoding benchmark: {report['model']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Setup: {report['setup']}. {len(report['prompts'])} prompts, {report['max_new_tokens']} new tokens, "
+        f"{report['repeats']} repetitions after one warm-up per configuration. torch {report['torch']}.",
+        "",
+        "| strategy | added RTT ms | tok/s (median) | speed-up vs sequential (median, min) | accepted/step (mean over prompts) "
+        "| max | rows/step (median) | bytes/step (median) | vs prompt lookup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in summary["rows"]:
+        lines.append(
+            f"| {r['strategy']} | {r['rtt_ms']:g} | {r['tokens_per_s_median']} | {r['speedup_vs_sequential_median']}x, "
+            f"{r['speedup_vs_sequential_min']}x | {r['mean_accepted_per_step']} | {r['max_accepted_per_step']} | "
+            f"{r['median_rows_per_step']} | {r['median_bytes_per_step']} | {r['vs_prompt_lookup']}x |"
+        )
+    lines += [
+        "",
+        f"Accepted tokens per step by category (repetition 0); transformers prompt lookup (local, "
+        f"`prompt_lookup_num_tokens=10`) for reference, mean {summary['prompt_lookup_mean_accepted']}:",
+        "",
+        "| strategy | added RTT ms | " + " | ".join(categories) + " |",
+        "|---|---:|" + "---:|" * len(categories),
+        "| prompt lookup (local) | - | " + " | ".join(str(summary["prompt_lookup_per_category"].get(c, "")) for c in categories) + " |",
+    ]
+    for r in summary["rows"]:
+        lines.append(
+            f"| {r['strategy']} | {r['rtt_ms']:g} | " + " | ".join(str(r["per_category_accepted"].get(c, "")) for c in categories) + " |"
+        )
+    lines += ["", "Distribution of accepted tokens per step (count of steps):", ""]
+    for r in summary["rows"]:
+        lines.append(f"- {r['strategy']} @ {r['rtt_ms']:g} ms: {r['accepted_histogram']}")
+    divergences = report["divergences"]
+    lines += [""]
+    if divergences:
+        lines.append("Generations whose tokens differ from sequential decoding at the same round trip (float16 wire), "
+                     "with the local float32 model's top-1 minus top-2 logit at the first different token:")
+        lines.append("")
+        for d in divergences:
+            lines.append(f"- {d['strategy']} @ {d['rtt_ms']:g} ms, {d['prompt_id']} (rep {d['repeat']}): token "
+                         f"{d['first_different_token']}, margin {d['local_float32_margin']}")
+    else:
+        lines.append("Every generation was token-identical to sequential decoding at the same round trip.")
+    return "\n".join(lines) + "\n"
