@@ -87,3 +87,15 @@ def test_split_must_leave_layers_on_both_sides(tmp_path):
         prepare_tiny(tmp_path, "llama", 3, 3)
     with pytest.raises(ModelError, match="at least one local layer"):
         prepare_tiny(tmp_path, "llama", 0, 2)
+
+
+def test_whole_model_reassembles_from_both_shards(tmp_path):
+    import torch
+
+    from splitinfer.model.shards import load_whole_hf
+
+    model, shards = prepare_tiny(tmp_path, "qwen2", 2, 2)  # tied embeddings
+    whole = load_whole_hf(shards)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(whole(ids).logits, model(ids).logits)

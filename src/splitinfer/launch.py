@@ -48,6 +48,14 @@ def _spawn(args: list[str], cpu: int | None, threads: int | None, quiet: bool) -
     return subprocess.Popen([sys.executable, "-m", "splitinfer", *args], env=env, preexec_fn=preexec, stdout=out, stderr=out)
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @contextmanager
 def cloud_server(shard: str | Path, cpu: int | None = None, threads: int | None = None, quiet: bool = True, extra=()):
     """Yields the ws:// URL of a server child process on a free loopback port."""
@@ -57,11 +65,7 @@ def cloud_server(shard: str | Path, cpu: int | None = None, threads: int | None 
         wait_for_port(port, proc)
         yield f"ws://127.0.0.1:{port}", proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
 
 
 @contextmanager
@@ -77,8 +81,4 @@ def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_m
         wait_for_port(port, proc, timeout_s=30)
         yield f"ws://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)

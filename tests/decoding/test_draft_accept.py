@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitinfer.decoding.draft import Draft, TokenTrie, accept
+from splitinfer.decoding.draft import MAX_STEP_PROB, Draft, TokenTrie, accept
 
 VOCAB = 16
 
@@ -229,7 +229,7 @@ def test_add_path_merges_shared_prefixes_and_keeps_max_path_product():
     assert trie.score[n1] == 0.9  # max(0.5, 0.9)
     assert trie.score[n2] == 0.25  # max(0.5*0.5, 0.9*0.1=0.09)
     assert trie.score[n3] == 0.125  # 0.5**3
-    assert abs(trie.score[n4] - 0.09) < 1e-12  # 0.9*0.1*1.0
+    assert abs(trie.score[n4] - 0.9 * 0.1 * MAX_STEP_PROB) < 1e-12  # a step probability of 1.0 is capped
     # A path that only lowers scores changes nothing.
     trie.add_path([1, 2], [0.1, 0.1])
     assert len(trie) == 4 and trie.score[n1] == 0.9 and trie.score[n2] == 0.25

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from splitinfer.decoding.draft import MAX_STEP_PROB
 import torch
 
 from splitinfer.decoding.draft import TokenTrie
@@ -261,7 +263,8 @@ def test_ngram_pool_keys_on_first_token_most_recent_first():
     leaves, paths = pool_paths(pool, 1)
     assert leaves == [(4, 5), (2, 3)]  # each candidate is n-1 tokens, most recent first
     assert all(len(p) == 2 for p in leaves)
-    assert all(score == 1.0 for score in paths.values())  # the pool is unranked
+    # the pool is unranked: every step has the same (capped) probability, so scores depend on depth only
+    assert all(score == MAX_STEP_PROB ** len(path) for path, score in paths.items())
     assert pool_paths(pool, 2)[0] == [(3, 1)]
     assert pool_paths(pool, 5)[0] == []  # nothing started with 5 yet
 

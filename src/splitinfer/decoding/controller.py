@@ -23,6 +23,8 @@ class ControllerConfig:
     calibration_decay: float = 0.97  # weight of history in the acceptance calibration
     calibration_prior: float = 8.0  # pseudo-observations of a calibrated drafter at the start
     calibration_floor: float = 0.25  # never trust drafts less than this, so the controller keeps exploring
+    explore_rows: int = 16  # block size of an exploration step, which measures what rows really cost
+    explore_every: int = 24  # at most this many steps without a block that large
 
 
 def weighted_median(values: list[float], weights: list[float]) -> float:
@@ -58,9 +60,14 @@ def fit_cost(samples, prior_slope: float | None = None, prior_weight: float = 4.
     return max(base_t - per_row * base_q, 0.0), per_row
 
 
-def best_size(scores: list[float], fixed: float, per_row: float) -> int:
-    """The n maximising (1 + sum(scores[:n])) / (fixed + per_row * (n + 1)); scores sorted descending."""
-    best_n, best_rate, expected = 0, 1.0 / (fixed + per_row), 1.0
+def best_size(scores: list[float], fixed: float, per_row: float, single: float | None = None) -> int:
+    """The n maximising (1 + sum(scores[:n])) / (fixed + per_row * (n + 1)); scores sorted descending.
+
+    `single`, when given, is the measured time of a one-row step, which need not lie on the line: on a
+    CPU a one-row step takes a matrix-vector path, and the second row costs far more than the tenth.
+    """
+    best_n, expected = 0, 1.0
+    best_rate = 1.0 / (single if single is not None else fixed + per_row)
     for n, s in enumerate(scores, start=1):
         expected += s
         rate = expected / (fixed + per_row * (n + 1))
@@ -77,30 +84,42 @@ class BlockController:
         # calibration to zero, the controller stops drafting, and nothing is ever observed to revise it.
         self._predicted = config.calibration_prior
         self._accepted = config.calibration_prior
+        self._since_large = 0  # steps since the last block of at least explore_rows rows
 
     @property
     def calibration(self) -> float:
         return min(max(self._accepted / self._predicted, self.config.calibration_floor), 4.0)
 
     def cost(self) -> tuple[float, float]:
+        """(fixed, per_row) of multi-row blocks."""
         if self._samples:
             single = statistics.median(t for _, t in self._samples)
-            fitted = fit_cost(self._samples, prior_slope=single * self.config.prior_per_row)
+            multi = [(q, t) for q, t in self._samples if q > 1]
+            fitted = fit_cost(multi, prior_slope=single * self.config.prior_per_row)
             if fitted is not None:
                 return fitted
-        if self._samples:
-            single = sum(t for _, t in self._samples) / len(self._samples)
             return single, single * self.config.prior_per_row
         return 100.0, 5.0
+
+    def single_step(self) -> float | None:
+        """Median time of one-row steps, when there are any."""
+        times = [t for q, t in self._samples if q == 1]
+        return statistics.median(times) if times else None
 
     def choose(self, scores: list[float]) -> int:
         """How many of the (descending) draft scores to send this step."""
         calibrated = [min(s * self.calibration, 1.0) for s in scores[: self.config.max_nodes]]
         fixed, per_row = self.cost()
-        return best_size(calibrated, fixed, per_row)
+        n = best_size(calibrated, fixed, per_row, self.single_step())
+        # Small blocks alone cannot tell what a row costs (their noise is divided by one or two rows),
+        # and an over-estimate would keep blocks small for ever: now and then, measure a large one.
+        if self._since_large >= self.config.explore_every and len(calibrated) >= self.config.explore_rows - 1:
+            n = max(n, self.config.explore_rows - 1)
+        return n
 
     def observe(self, rows: int, step_ms: float, predicted: float, accepted_drafts: int) -> None:
         self._samples.append((rows, step_ms))
+        self._since_large = 0 if rows >= self.config.explore_rows else self._since_large + 1
         if predicted > 0:
             d = self.config.calibration_decay
             self._predicted = d * self._predicted + predicted

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# No source is ever certain; a calibrated weight above 1 must not make a path probability exceed 1.
+MAX_STEP_PROB = 0.98
+
 
 @dataclass
 class Draft:
@@ -49,7 +52,7 @@ class TokenTrie:
         """Insert a continuation; probs[i] is the conditional probability of tokens[i] given the path."""
         node, path_prob = 0, 1.0
         for token, p in zip(tokens, probs):
-            path_prob *= p
+            path_prob *= min(p, MAX_STEP_PROB)
             child = self.children[node].get(token)
             if child is None:
                 child = len(self.token)

@@ -46,27 +46,39 @@ class SuffixIndex:
                 self._index[tuple(seq[end - n : end])].append((doc, end))
 
     def propose(self, context: list[int], trie: TokenTrie, max_depth: int, weight: float = 1.0) -> int:
-        """Add continuations of the longest earlier match of the context's suffix. Returns the match length."""
+        """Add continuations of earlier matches of the context's suffix. Returns the longest match length.
+
+        The longest match counts most, but shorter matches add their (other) occurrences too, with less
+        confidence: a single long match gives one path, and the tree wants alternatives below it.
+        """
+        seen: set[tuple[int, int]] = set()
+        longest = 0
         for n in range(min(self.max_match, len(context)), 0, -1):
-            key = tuple(context[-n:])
             occurrences = [
-                (doc, end) for doc, end in self._index.get(key, ()) if end < len(self.docs[doc])
+                (doc, end)
+                for doc, end in self._index.get(tuple(context[-n:]), ())
+                if end < len(self.docs[doc]) and (doc, end) not in seen
             ][-self.max_occurrences :]
-            if occurrences:
+            if not occurrences:
+                continue
+            longest = longest or n
+            seen.update(occurrences)
+            # A longer match is likelier to continue the same way.
+            self._add_continuations(occurrences, trie, max_depth, weight * n / (n + 1.0))
+            if len(seen) >= self.max_occurrences:
                 break
-        else:
-            return 0
-        # Count continuations in a small trie, then turn counts into conditional frequencies.
+        return longest
+
+    def _add_continuations(self, occurrences, trie: TokenTrie, max_depth: int, confidence: float) -> None:
         counts: dict[tuple[int, ...], int] = defaultdict(int)
         for doc, end in occurrences:
             continuation = self.docs[doc][end : end + max_depth]
             for d in range(1, len(continuation) + 1):
                 counts[tuple(continuation[:d])] += 1
-        # A longer match is likelier to continue the same way; a single occurrence is weaker evidence.
-        confidence = weight * n / (n + 1.0)
         total = len(occurrences)
 
         def conditional(prefix: tuple[int, ...]) -> float:
+            # frequency among the occurrences that reached the parent; +1 leaves room for "something else"
             parent = counts[prefix[:-1]] if len(prefix) > 1 else total
             return confidence * counts[prefix] / (parent + 1.0)
 
@@ -74,7 +86,6 @@ class SuffixIndex:
         for path in counts:
             if path not in internal:  # leaves only: their prefixes are inserted along the way
                 trie.add_path(list(path), [conditional(path[:d]) for d in range(1, len(path) + 1)], "suffix")
-        return n
 
 
 class TokenRecycling:

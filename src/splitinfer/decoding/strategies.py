@@ -116,7 +116,9 @@ class SourceCalibration:
 
     @property
     def weight(self) -> float:
-        return min(max(self.accepted / self.predicted, 0.05), 1.0)
+        # Above 1 when the source is too modest (a copied passage continues more surely than its
+        # frequencies say); per-step probabilities are capped in TokenTrie.add_path.
+        return min(max(self.accepted / self.predicted, 0.05), 2.0)
 
     def update(self, predicted: float, accepted: float) -> None:
         self.predicted = self.decay * self.predicted + predicted

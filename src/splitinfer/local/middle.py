@@ -17,7 +17,7 @@ from websockets.sync.client import ClientConnection, connect
 from ..cloud.sessions import SessionConfig, SessionTable
 from ..errors import ProtocolError, TransportError, error_from_code
 from ..model.shards import CloudHalf
-from ..wire.messages import Error, Hello, Limits, Result, Step, Welcome, decode_server_message
+from ..wire.messages import Close, Error, Hello, Limits, Result, Step, Welcome, decode_server_message
 
 
 @dataclass
@@ -54,21 +54,11 @@ class RemoteMiddle:
         self._ws: ClientConnection | None = None
 
     def _exchange(self, payload: bytes):
-        if self._ws is None:
-            raise TransportError("not connected")
-        try:
-            self._ws.send(payload)
-            reply = self._ws.recv(timeout=self.reply_timeout_s)
-        except TimeoutError as exc:
-            self._drop()
-            raise TransportError(f"no reply from {self.url} within {self.reply_timeout_s:.0f} s.") from exc
-        except (ConnectionClosed, OSError) as exc:
-            self._drop()
-            raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
+        reply = self._exchange_raw(payload)
         message = decode_server_message(reply, self.limits)
         if isinstance(message, Error):
             raise error_from_code(message.code, f"server: {message.message}")
-        return message, len(reply)
+        return message
 
     def open(self, resume_id: str | None = None) -> Welcome:
         self._drop()
@@ -84,7 +74,7 @@ class RemoteMiddle:
         except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
             raise TransportError(f"cannot connect to {self.url}: {exc}. Is `splitinfer serve` running there?") from exc
         hello = Hello(self.fingerprint, self.cloud_layers, self.wire_dtype, session_id=resume_id)
-        welcome, _ = self._exchange(hello.encode())
+        welcome = self._exchange(hello.encode())
         if not isinstance(welcome, Welcome):
             raise ProtocolError("the server answered hello with something other than welcome.")
         self.welcome = welcome
@@ -139,8 +129,6 @@ class RemoteMiddle:
         """Ask the server to free the session (best effort), then close the connection."""
         if self._ws is not None and end_session:
             try:
-                from ..wire.messages import Close
-
                 self._ws.send(Close().encode())
             except (OSError, ConnectionClosed):
                 pass

@@ -208,24 +208,24 @@ class LocalHalf:
             return self.lm_head(self.norm(hidden))[0].float()
 
 
-def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> CloudHalf:
-    directory = Path(directory)
-    manifest = read_manifest(directory, "cloud")
-    split = _split_of(manifest)
+def _open(directory: Path, role: str, dtype: str | None, verify: bool):
+    """Manifest, split, config, weights, compute dtype and the meta-device skeleton of one shard."""
+    manifest = read_manifest(directory, role)
     config, weights = _load_checked(directory, manifest, verify)
-    torch_dtype = DTYPES[dtype or manifest["dtype"]]
-    model = skeleton(config)
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
+    return manifest, _split_of(manifest), config, weights, DTYPES[dtype or manifest["dtype"]], skeleton(config)
+
+
+def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> CloudHalf:
+    manifest, split, config, weights, torch_dtype, model = _open(Path(directory), "cloud", dtype, verify)
     stack = build_stack(config, model, split.cloud_start, split.cloud_end, weights, device, torch_dtype)
     return CloudHalf(manifest=manifest, config=config, stack=stack)
 
 
 def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> LocalHalf:
     directory = Path(directory)
-    manifest = read_manifest(directory, "local")
-    split = _split_of(manifest)
-    config, weights = _load_checked(directory, manifest, verify)
-    torch_dtype = DTYPES[dtype or manifest["dtype"]]
-    model = skeleton(config)
+    manifest, split, config, weights, torch_dtype, model = _open(directory, "local", dtype, verify)
 
     def part(prefix: str) -> dict[str, torch.Tensor]:
         return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}

@@ -8,7 +8,6 @@ the model family's own HF decoder layers; this module only supplies positions, m
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -80,11 +79,6 @@ def _cache_keyword(layer: nn.Module) -> str:
         if name in params:
             return name
     return "past_key_values"
-
-
-@dataclass
-class StackOutput:
-    hidden: torch.Tensor  # [1, q, d]
 
 
 class LayerStack(nn.Module):
