@@ -11,7 +11,7 @@ from scipy.stats import chi2_contingency
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from splitinfer.decoding import loop
-from splitinfer.decoding.draft import Draft
+from splitinfer.decoding.draft import Draft, children_of
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser, target_probs
 from splitinfer.decoding.strategies import Sequential, Strategy, Tree, TreeConfig
 from splitinfer.local.client import SplitClient
@@ -71,9 +71,7 @@ def homogeneity_p(a: Counter, b: Counter, min_count: int = 5) -> float:
 
 def wrong_accept(tokens, parents, logits, choose):
     """A plausible but wrong rule: take a child if it is the row's most likely token, else sample."""
-    children = {}
-    for row in range(1, len(tokens)):
-        children.setdefault(parents[row], {})[tokens[row]] = row
+    children = children_of(tokens, parents)
     path, row = [0], 0
     while True:
         best = int(torch.argmax(logits[row]))

@@ -98,6 +98,14 @@ class TokenTrie:
         return draft
 
 
+def children_of(tokens: list[int], parents: list[int]) -> dict[int, dict[int, int]]:
+    """Block row -> {token: child row} for the draft rows of a block."""
+    children: dict[int, dict[int, int]] = {}
+    for row in range(1, len(tokens)):
+        children.setdefault(parents[row], {})[tokens[row]] = row
+    return children
+
+
 def accept(
     tokens: list[int], parents: list[int], logits: torch.Tensor, choose: Callable[[torch.Tensor], int]
 ) -> tuple[list[int], int]:
@@ -105,9 +113,7 @@ def accept(
 
     tokens, parents: the block (row 0 is the root). logits: [q, vocab]. choose: a row -> a token.
     """
-    children: dict[int, dict[int, int]] = {}
-    for row in range(1, len(tokens)):
-        children.setdefault(parents[row], {})[tokens[row]] = row
+    children = children_of(tokens, parents)
     path, row = [0], 0
     while True:
         token = choose(logits[row])
