@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import sys
@@ -21,8 +22,13 @@ import tempfile
 from pathlib import Path
 
 from .errors import SplitInferError
+from .local.auth import add_client_auth_args, client_auth_from_args
 
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+
+# Subcommands that live beside the code they drive. Each module has `register(subparsers)`, which adds
+# its parsers with `set_defaults(func=...)`; it must import nothing heavy (torch) at module level.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def _threads(args) -> None:
@@ -82,7 +88,7 @@ def _load_client(args):
     if not args.shard or not args.server:
         raise SplitInferError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
     config = ClientConfig(wire_dtype=args.wire_dtype, prefill_chunk=args.prefill_chunk)
-    return SplitClient.connect(args.shard, args.server, config, device=args.device)
+    return SplitClient.connect(args.shard, args.server, config, device=args.device, auth=client_auth_from_args(args))
 
 
 def _stats_table(stats: dict) -> str:
@@ -218,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="with --local-only: a HF directory or .gguf file (default: the embedded model)")
     s.add_argument("--device", default="cpu")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
+    add_client_auth_args(s)
     s.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("wan", help="a user-space WAN emulator (TCP proxy adding delay, jitter, bandwidth limit)")
@@ -256,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=2)
     s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
     s.set_defaults(func=cmd_bench_spec)
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return p
 
 

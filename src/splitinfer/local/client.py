@@ -20,6 +20,7 @@ from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
 from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_cloud, load_local
 from ..telemetry import summarize
+from .auth import ClientAuth
 from .middle import InProcessMiddle, RemoteMiddle
 from .session import ClientConfig, SplitSession
 
@@ -57,13 +58,21 @@ class SplitClient:
         self.mode = "split"
 
     @classmethod
-    def connect(cls, local_shard: str | Path, url: str, config: ClientConfig = ClientConfig(), device: str = "cpu") -> "SplitClient":
+    def connect(
+        cls,
+        local_shard: str | Path,
+        url: str,
+        config: ClientConfig = ClientConfig(),
+        device: str = "cpu",
+        auth: ClientAuth = ClientAuth(),
+    ) -> "SplitClient":
         local = load_local(local_shard, device=device)
         split = local.manifest["split"]
 
         def make_middle():
             return RemoteMiddle(
-                url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, config.wire_dtype
+                url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, config.wire_dtype,
+                auth=auth,
             )
 
         return cls(local, make_middle, config)

@@ -17,6 +17,7 @@ from websockets.sync.client import ClientConnection, connect
 from ..cloud.sessions import SessionConfig, SessionTable
 from ..errors import ProtocolError, TransportError, error_from_code
 from ..model.shards import CloudHalf
+from .auth import ClientAuth
 from ..wire.messages import Close, Error, Hello, Limits, Result, Step, Welcome, decode_server_message
 
 
@@ -41,6 +42,7 @@ class RemoteMiddle:
         open_timeout_s: float = 10.0,
         reply_timeout_s: float = 120.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        auth: ClientAuth = ClientAuth(),
     ):
         self.url = url
         self.fingerprint = fingerprint
@@ -49,6 +51,7 @@ class RemoteMiddle:
         self.open_timeout_s = open_timeout_s
         self.reply_timeout_s = reply_timeout_s
         self.max_message_bytes = max_message_bytes
+        self.auth = auth
         self.limits = Limits(hidden_size=hidden_size, max_block_rows=1 << 16, dtypes=(wire_dtype,))
         self.welcome: Welcome | None = None
         self._ws: ClientConnection | None = None
@@ -70,6 +73,8 @@ class RemoteMiddle:
                 open_timeout=self.open_timeout_s,
                 ping_interval=20,
                 ping_timeout=60,
+                additional_headers=self.auth.headers(),
+                ssl=self.auth.ssl_context(self.url),
             )
         except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
             raise TransportError(f"cannot connect to {self.url}: {exc}. Is `splitinfer serve` running there?") from exc
