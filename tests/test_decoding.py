@@ -7,7 +7,7 @@ import torch
 
 from splitinfer.cloud.server import ServerThread
 from splitinfer.decoding.draft import Draft
-from splitinfer.decoding.strategies import STRATEGIES, Strategy, Tree, TreeConfig
+from splitinfer.decoding.strategies import STRATEGIES, Lookahead, LookaheadConfig, Strategy, Tree, TreeConfig
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
@@ -60,11 +60,16 @@ def test_strategies_over_the_wire_with_rejections_and_compaction(tmp_path):
     expected = reference(model, PROMPT, NEW)
     sequential = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="sequential")
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"))
+        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
         oracle = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Oracle(expected))
         fixed = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=12)))
         lookahead = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="lookahead")
-    for result in (oracle, fixed, lookahead):
+        windowed = client.generate(
+            PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Lookahead(LookaheadConfig(ngram=4, window=5))
+        )
+    # The Jacobi window rides along as side rows of every block (1 root + 5 x 3 window rows at least).
+    assert min(s["rows"] for s in windowed.steps if s["kind"] == "decode") >= 16
+    for result in (oracle, fixed, lookahead, windowed):
         assert result.token_ids == expected
         # The logprob of every token comes from the row that predicted it, as in sequential decoding.
         assert torch.allclose(torch.tensor(result.logprobs), torch.tensor(sequential.logprobs), atol=1e-4)
@@ -83,7 +88,7 @@ def test_long_context_tree_matches_sequential(tmp_path):
     local = SplitClient.local_only(shards)
     expected = local.generate(prompt, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"))
+        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
         got = client.generate(prompt, max_new_tokens=24, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=16)))
     assert got.token_ids == expected
     assert got.stats["steps"] < 23 or got.stats["mean_accepted_per_step"] >= 1.0
@@ -94,7 +99,7 @@ def test_decode_bytes_per_step_do_not_grow_with_context(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     per_step = {}
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url)
+        client = SplitClient.connect(shards / "local", server.url, allow_public_weights=True)
         for context in (256, 4096, 16_384):
             torch.manual_seed(context)
             prompt = torch.randint(0, 96, (context,)).tolist()

@@ -47,7 +47,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
     # A prefill chunk smaller than the prompt exercises chunking and the lazy commit of every chunk.
     config = ClientConfig(wire_dtype="float32", prefill_chunk=5)
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, config)
+        client = SplitClient.connect(shards / "local", server.url, config, allow_public_weights=True)
         got = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set(), strategy="sequential")
     assert got.token_ids == expected
     assert got.stats["prefill_messages"] == 3
@@ -68,7 +68,7 @@ def test_float16_wire_stays_close(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
     expected = reference(model, PROMPT, NEW_TOKENS)
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        got = SplitClient.connect(shards / "local", server.url).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
+        got = SplitClient.connect(shards / "local", server.url, allow_public_weights=True).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
     assert got.token_ids == expected
     assert got.stats["wire_dtype"] == "float16"
 

@@ -110,7 +110,7 @@ def test_shard_mismatch_is_refused(tiny, tmp_path):
     shards, _ = tiny
     _, other = prepare_tiny(tmp_path, "llama", 2, 2, seed=1)  # same shapes, other weights
     with ServerThread(load_cloud(other / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, F32)
+        client = SplitClient.connect(shards / "local", server.url, F32, allow_public_weights=True)
         with pytest.raises(ShardMismatch, match="prepared together"):
             client.generate(PROMPT, max_new_tokens=2, stop_ids=set())
 
@@ -132,7 +132,7 @@ def test_token_budget_answers_retry_later(tiny):
     shards, _ = tiny
     config = ServerConfig(port=0, sessions=SessionConfig(max_cached_tokens=10))
     with ServerThread(load_cloud(shards / "cloud"), config) as server:
-        client = SplitClient.connect(shards / "local", server.url, F32)
+        client = SplitClient.connect(shards / "local", server.url, F32, allow_public_weights=True)
         with pytest.raises(CapacityError, match="KV budget"):
             client.generate(PROMPT, max_new_tokens=2, stop_ids=set())
 
@@ -146,7 +146,7 @@ def test_concurrent_sessions_and_a_hostile_peer(tiny):
 
         def worker(i):
             try:
-                client = SplitClient.connect(shards / "local", server.url, F32)
+                client = SplitClient.connect(shards / "local", server.url, F32, allow_public_weights=True)
                 results[i] = client.generate(PROMPT, max_new_tokens=20, stop_ids=set()).token_ids
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
@@ -189,7 +189,7 @@ def test_long_prompt_is_chunked_under_the_default_message_limit(tiny):
     prompt = torch.randint(0, 96, (16_384,)).tolist()
     reference = SplitClient.local_only(shards).generate(prompt, max_new_tokens=4, stop_ids=set())
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"))
+        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
         got = client.generate(prompt, max_new_tokens=4, stop_ids=set())
     assert got.token_ids == reference.token_ids
     assert got.stats["prefill_messages"] == 32

@@ -44,7 +44,7 @@ def margin_at(local_client, prompt_ids, tokens, step):
 def test_float32_wire_is_identical_to_local(smollm2_shards, reference):
     local, expected = reference
     with ServerThread(load_cloud(smollm2_shards / "cloud")) as server:
-        client = SplitClient.connect(smollm2_shards / "local", server.url, ClientConfig(wire_dtype="float32"))
+        client = SplitClient.connect(smollm2_shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
         for p in bench_prompts():
             got = client.generate(p["prompt"], max_new_tokens=NEW_TOKENS)
             assert got.token_ids == expected[p["id"]].token_ids, p["id"]
@@ -53,7 +53,7 @@ def test_float32_wire_is_identical_to_local(smollm2_shards, reference):
 def test_float16_wire_matches_or_diverges_only_at_a_near_tie(smollm2_shards, reference, capsys):
     local, expected = reference
     with ServerThread(load_cloud(smollm2_shards / "cloud")) as server:
-        client = SplitClient.connect(smollm2_shards / "local", server.url)
+        client = SplitClient.connect(smollm2_shards / "local", server.url, allow_public_weights=True)
         for p in bench_prompts():
             got = client.generate(p["prompt"], max_new_tokens=NEW_TOKENS)
             want = expected[p["id"]]
@@ -69,12 +69,21 @@ def test_float16_wire_matches_or_diverges_only_at_a_near_tie(smollm2_shards, ref
 
 def test_cli_generate_json_through_a_served_shard(smollm2_shards):
     with cloud_server(smollm2_shards / "cloud") as (url, _):
-        out = subprocess.run(
+        refused = subprocess.run(
             [sys.executable, "-m", "splitinfer", "generate", "--shard", str(smollm2_shards / "local"), "--server", url,
-             "--prompt", "Name three primary colours.", "--max-new-tokens", "12", "--json"],
+             "--prompt", "hi"],
             capture_output=True, text=True, timeout=300,
         )
+        out = subprocess.run(
+            [sys.executable, "-m", "splitinfer", "generate", "--shard", str(smollm2_shards / "local"), "--server", url,
+             "--prompt", "Name three primary colours.", "--max-new-tokens", "12", "--json", "--allow-public-weights"],
+            capture_output=True, text=True, timeout=300,
+        )
+    # Stock public local weights: refused without the flag, allowed and warned about with it.
+    assert refused.returncode == 2 and "--allow-public-weights" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
     assert out.returncode == 0, out.stderr
+    assert "stock public weights" in out.stderr
     result = json.loads(out.stdout)  # exactly one JSON object on stdout
     assert set(result) >= {"text", "prompt_token_ids", "token_ids", "finish_reason", "stats"}
     assert len(result["token_ids"]) <= 12 and result["text"]

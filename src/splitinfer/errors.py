@@ -73,6 +73,12 @@ class TransportError(SplitInferError):
     retryable = True
 
 
+class AuthError(SplitInferError):
+    """The server refused the client's credentials, or the client does not trust the server's certificate."""
+
+    code = "auth"
+
+
 class RemoteError(SplitInferError):
     """The server reported an error whose code this client does not know."""
 
@@ -92,6 +98,7 @@ _BY_CODE = {
         SessionError,
         CapacityError,
         TransportError,
+        AuthError,
     )
 }
 

@@ -41,10 +41,24 @@ class KVCache:
         self.pending = q
         return keys[:, :, :end], values[:, :, :end]
 
-    def _grow(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, needed: int):
+    def capacity_for(self, rows: int) -> int:
+        """Rows each layer's buffer holds once `rows` rows have been written (the growth rule of `_grow`)."""
         capacity = max(self._capacity, 16)
-        while capacity < needed:
+        while capacity < rows:
             capacity *= 2
+        return capacity
+
+    def projected_nbytes(self, rows: int, bytes_per_row: int) -> int:
+        """Bytes the buffers will hold after writing up to `rows` rows; `bytes_per_row` covers all layers.
+
+        Buffers never shrink while the cache lives, so this is what a memory budget must reserve.
+        """
+        if rows == 0 and all(k is None for k in self._keys):
+            return 0
+        return self.capacity_for(rows) * bytes_per_row
+
+    def _grow(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, needed: int):
+        capacity = self.capacity_for(needed)
         self._capacity = capacity
         shape = (key.shape[0], key.shape[1], capacity, key.shape[3])
         keys = key.new_empty(shape)
@@ -81,6 +95,12 @@ class KVCache:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
         self.pending = 0
+
+    def release(self) -> None:
+        """Free the buffers (the session is gone); the cache is empty afterwards and may be reused."""
+        self._keys = [None] * self.num_layers
+        self._values = [None] * self.num_layers
+        self.length = self.pending = 0
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (allocated capacity, not only used rows)."""

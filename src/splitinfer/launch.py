@@ -57,21 +57,43 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def cloud_server(shard: str | Path, cpu: int | None = None, threads: int | None = None, quiet: bool = True, extra=()):
-    """Yields the ws:// URL of a server child process on a free loopback port."""
-    port = free_port()
-    proc = _spawn(["serve", "--shard", str(shard), "--port", str(port), *extra], cpu, threads, quiet)
+def cloud_server(
+    shard: str | Path,
+    cpu: int | None = None,
+    threads: int | None = None,
+    quiet: bool = True,
+    extra=(),
+    token_file: str | Path | None = None,
+    tls_cert: str | Path | None = None,
+    tls_key: str | Path | None = None,
+    port: int | None = None,
+):
+    """Yields (URL, process) of a server child on a loopback port: wss:// with tls_cert/tls_key, else ws://.
+
+    Tokens go by file (never on the command line, where `ps` shows them); `port` reuses a port, e.g. to
+    restart a server where its clients expect it.
+    """
+    port = port or free_port()
+    args = ["serve", "--shard", str(shard), "--port", str(port), *extra]
+    if token_file:
+        args += ["--token-file", str(token_file)]
+    if tls_cert:
+        args += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key or tls_cert)]
+    proc = _spawn(args, cpu, threads, quiet)
     try:
         wait_for_port(port, proc)
-        yield f"ws://127.0.0.1:{port}", proc
+        yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc
     finally:
         _stop(proc)
 
 
 @contextmanager
 def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_ms: float = 0.0, bandwidth_mbit: float | None = None):
-    """Yields the ws:// URL of a `splitinfer wan` child in front of `upstream_url` (a loopback ws:// URL)."""
-    host_port = upstream_url.removeprefix("ws://")
+    """Yields the URL of a `splitinfer wan` child in front of `upstream_url` (a loopback ws:// or wss:// URL).
+
+    The proxy relays TCP bytes, so TLS passes through it end to end and the scheme stays the same.
+    """
+    scheme, _, host_port = upstream_url.partition("://")
     port = free_port()
     args = ["wan", "--listen", str(port), "--upstream", host_port, "--rtt-ms", str(rtt_ms), "--jitter-ms", str(jitter_ms)]
     if bandwidth_mbit:
@@ -79,6 +101,6 @@ def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_m
     proc = _spawn(args, cpu, None, quiet=True)
     try:
         wait_for_port(port, proc, timeout_s=30)
-        yield f"ws://127.0.0.1:{port}"
+        yield f"{scheme}://127.0.0.1:{port}"
     finally:
         _stop(proc)

@@ -327,3 +327,45 @@ def test_best_is_a_connected_bfs_tree_of_the_top_scoring_nodes(case):
     excluded = set(range(1, len(raw))) - set(chosen)
     if chosen and excluded:
         assert min(eff[n] for n in chosen) >= max(eff[n] for n in excluded)
+
+
+def test_side_rows_see_the_root_and_their_chain_and_no_tree_row_sees_them():
+    from splitinfer.decoding.draft import SideRows, block_layout
+    from splitinfer.masks import tree_allowed
+
+    parents = [-1, 0, 0, 1]  # root, two children, a grandchild
+    side = SideRows(tokens=[7, 8, 9], depths=[1, 2, 2], sees=[[0], [0, 1], [0, 2]])
+    allowed, depths = block_layout(parents, side)
+    assert allowed.shape == (7, 7)
+    assert (allowed[:4, :4] == tree_allowed(parents)).all()
+    assert not allowed[:4, 4:].any()  # the tree's logits cannot depend on side rows
+    assert allowed[4].tolist() == [True, False, False, False, True, False, False]
+    assert allowed[6].tolist() == [True, False, False, False, True, False, True]
+    assert depths == [0, 1, 1, 2, 1, 2, 2]
+
+
+def test_lookahead_window_rows_form_chains_of_consecutive_positions():
+    import torch
+
+    from splitinfer.decoding.strategies import Lookahead, LookaheadConfig
+
+    strategy = Lookahead(LookaheadConfig(ngram=4, candidates=2, window=3))
+    prompt = list(range(10, 30))
+    strategy.start(prompt, torch.zeros(1, 50))
+    draft = strategy.propose(prompt)
+    side = draft.side
+    assert len(side.tokens) == 3 * 3
+    for row, seen in enumerate(side.sees):
+        # A row sees a chain at depths 1..its own depth, one row per depth, itself last.
+        assert sorted(side.depths[j] for j in seen) == list(range(1, side.depths[row] + 1))
+        assert row in seen
+    # After a step every column becomes a 4-gram in the pool, keyed on its level-0 guess.
+    q = 1 + len(draft) + len(side.tokens)
+    logits = torch.zeros(q, 50)
+    logits[:, 42] = 1.0  # the model predicts 42 everywhere
+    level0 = list(strategy.levels[0])
+    strategy.observe([prompt[-1]] + draft.tokens, [-1] + draft.parents, logits, [0], [42], 10.0)
+    for col, first in enumerate(level0):
+        assert any(gram[-1] == 42 for gram in strategy.pool._pool[first])
+    # The window slid by one emitted token and kept its shape.
+    assert [len(level) for level in strategy.levels] == [3, 3, 3]

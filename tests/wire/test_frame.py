@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import struct
 
 import numpy as np
@@ -40,7 +41,12 @@ from splitinfer.wire.messages import (
     decode_server_message,
 )
 
-FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# SPLITINFER_FUZZ_EXAMPLES raises the count for a longer campaign (see docs/security.md).
+FUZZ = settings(
+    max_examples=int(os.environ.get("SPLITINFER_FUZZ_EXAMPLES", "250")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 # --------------------------------------------------------------------------------------------------
 # Golden bytes

@@ -1,31 +1,55 @@
-"""Runtime benchmark: local-only vs split sequential at several added round trips, with the breakdown.
+"""The runtime sweep behind `splitinfer bench`: added round trip x decoding mode x prompt category.
 
-Fair on a 2-core machine: the client (and the local-only model) runs in this process pinned to core 0
-with one torch thread; the cloud server runs in a child process pinned to core 1 with one thread, and
-the WAN emulator shares core 1 (it only forwards bytes while the server waits). Modes are interleaved
-within each repetition, so drift on a shared machine hits them alike; one warm-up generation per mode
-is discarded; figures are medians over prompts x repetitions.
+Modes: `local-only` (the whole model in this process, sequential), `local-only-pld` (the whole HF model
+with transformers' prompt-lookup decoding), and `split-sequential`, `split-lookahead`, `split-tree`
+through a `splitinfer serve` child behind one `splitinfer wan` emulator per round trip. Local modes have
+no round trip and run once per repetition; split modes run at every RTT.
+
+Fair on a 2-core machine: the client (and the local-only models) run in this process pinned to core 0
+with one torch thread; the cloud server runs pinned to core 1 with one thread, and the WAN emulators
+share core 1 (they only forward bytes while the server waits). Configurations are interleaved within
+each repetition, so drift on a shared machine hits them alike; one warm-up generation per configuration
+is discarded. This module only measures and records per-generation figures from the client's and
+server's telemetry; summary.py turns them into medians, fits and checks.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from .. import __version__
 from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
+from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
+
+LOCAL_MODES = ("local-only", "local-only-pld")
+SPLIT_MODES = ("split-sequential", "split-lookahead", "split-tree")
+MODES = LOCAL_MODES + SPLIT_MODES
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    rtts_ms: tuple[float, ...] = (0.0, 20.0, 40.0, 80.0, 150.0)  # added round trips for the split modes
+    modes: tuple[str, ...] = MODES
+    max_new_tokens: int = 40  # per generation (fewer when the model stops early)
+    per_category: int = 1  # prompts taken from each category of the prompt file
+    repeats: int = 3  # measured repetitions after one warm-up per configuration
+    probes: int = 20  # small probe messages per RTT (the emulated-RTT check)
+    pld_tokens: int = 10  # transformers' prompt_lookup_num_tokens
+
+
+# Checks that the whole pipeline works in minutes; too few samples for figures worth quoting.
+QUICK = SweepConfig(rtts_ms=(0.0, 40.0, 80.0), max_new_tokens=16, repeats=1, probes=10)
 
 
 def load_prompts(path: str | None, per_category: int) -> list[dict]:
@@ -48,10 +72,6 @@ def _pin_self(cpu: int) -> None:
     torch.set_num_threads(1)
 
 
-def _median(values):
-    return round(statistics.median(values), 3) if values else None
-
-
 def codec_microbench(hidden_size: int, repeats: int = 2000) -> dict:
     """Warm client-side cost of encoding one decode step and decoding its reply (median, microseconds)."""
     from ..masks import BlockStructure
@@ -69,120 +89,126 @@ def codec_microbench(hidden_size: int, repeats: int = 2000) -> dict:
     return {"encode_step_and_decode_result_us": round(statistics.median(times), 2), "repeats": repeats}
 
 
-def run_runtime_bench(args) -> dict:
-    shards = Path(args.shards)
-    rtts = [float(x) for x in str(args.rtt_ms).split(",") if x.strip()]
-    prompts = load_prompts(args.prompts, args.per_category)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _pin_self(0)
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
 
+
+def record_from_steps(stats: dict, steps: list[dict]) -> dict:
+    """Per-generation figures from a Generation's telemetry: means per decode step, so parts add up."""
+    decode = [s for s in steps if s["kind"] == "decode"]
+    step_ms = [s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"] for s in decode]
+    wall_ms = stats["decode_s"] * 1e3 / len(decode) if decode else 0.0
+    return {
+        "tokens_per_s": stats["tokens_per_s"],
+        "generated": stats["generated_tokens"],
+        "steps": len(decode),
+        "accepted_per_step": _mean([s["accepted"] for s in decode]),
+        "bytes_per_step": _mean([s["bytes_up"] + s["bytes_down"] for s in decode]),
+        "network_ms": _mean([max(s["round_trip_ms"] - s["server_ms"], 0.0) for s in decode]),
+        "cloud_compute_ms": _mean([s["cloud_compute_ms"] for s in decode]),
+        "server_other_ms": _mean([max(s["server_ms"] - s["cloud_compute_ms"], 0.0) for s in decode]),
+        "local_compute_ms": _mean([s["local_ms"] for s in decode]),
+        "serialize_ms": _mean([s["serialize_ms"] for s in decode]),
+        "step_ms": _mean(step_ms),
+        # decode wall time per step minus the measured step: drafting and bookkeeping between steps
+        "between_steps_ms": max(wall_ms - _mean(step_ms), 0.0),
+        "prefill_ms": stats["prefill_ms"],
+    }
+
+
+class PromptLookupRunner:
+    """transformers' prompt-lookup decoding on the whole model, timed per model call (local-only-pld)."""
+
+    def __init__(self, shards: Path, client: SplitClient, pld_tokens: int):
+        from ..model.shards import load_whole_hf
+
+        self.model = load_whole_hf(shards)
+        self.client = client
+        self.pld_tokens = pld_tokens
+        self.call_ends: list[float] = []
+        original = self.model.forward
+
+        def timed_forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self.call_ends.append(time.perf_counter())
+            return out
+
+        self.model.forward = timed_forward
+
+    def generate(self, prompt: str, chat: bool, max_new_tokens: int) -> tuple[list[int], dict]:
+        ids = self.client.encode_prompt(prompt, chat)
+        self.call_ends = []
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                prompt_lookup_num_tokens=self.pld_tokens, eos_token_id=sorted(self.client.stop_ids()) or None,
+            )
+        end = time.perf_counter()
+        tokens = out[0, len(ids):].tolist()
+        calls = max(len(self.call_ends) - 1, 1)  # the first call is the prefill, which yields the first token
+        decode_ms = (end - self.call_ends[0]) * 1e3
+        per_call = decode_ms / calls
+        record = {
+            "tokens_per_s": round((len(tokens) - 1) / (decode_ms / 1e3), 3) if len(tokens) > 1 else 0.0,
+            "generated": len(tokens), "steps": calls, "accepted_per_step": (len(tokens) - 1) / calls,
+            "bytes_per_step": 0.0, "network_ms": 0.0, "cloud_compute_ms": 0.0, "server_other_ms": 0.0,
+            # the whole model in one call; transformers' own drafting is inside this time
+            "local_compute_ms": per_call, "serialize_ms": 0.0, "step_ms": per_call, "between_steps_ms": 0.0,
+            "prefill_ms": None,
+        }
+        return tokens, record
+
+
+def probe_rtt(url: str, count: int, size: int = 1300) -> list[float]:
+    """Round trips (ms) of `count` decode-sized probe messages each way on an idle connection."""
+    middle = RemoteMiddle(url, "-", (0, 0), hidden_size=1)
+    try:
+        middle.probe(size, size)  # connection warm-up
+        return [middle.probe(size, size) for _ in range(count)]
+    finally:
+        middle.close(end_session=False)
+
+
+def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print) -> dict:
+    """Every configuration, interleaved per repetition; returns raw per-generation runs and probe RTTs."""
+    _pin_self(0)
     local_only = SplitClient.local_only(shards)
+    pld = PromptLookupRunner(shards, local_only, config.pld_tokens) if "local-only-pld" in config.modes else None
     runs: list[dict] = []
+    probes: dict[str, list[float]] = {}
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
-        clients = {"local-only": local_only}
-        for rtt in rtts:
+        split_modes = [m for m in config.modes if m in SPLIT_MODES]
+        configs: list[tuple[str, float]] = [(m, 0.0) for m in config.modes if m in LOCAL_MODES]
+        clients: dict[float, SplitClient] = {}
+        for rtt in config.rtts_ms if split_modes else ():
             target = url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))
-            clients[f"split-sequential@{rtt:g}"] = SplitClient.connect(shards / "local", target, ClientConfig())
-        for mode, client in clients.items():  # warm-up: first calls allocate and fill caches
-            client.generate(prompts[0]["prompt"], max_new_tokens=8)
-        for rep in range(args.repeats):
-            for mode, client in clients.items():
+            probes[f"{rtt:g}"] = probe_rtt(target, config.probes)
+            clients[rtt] = SplitClient.connect(shards / "local", target, ClientConfig(), allow_public_weights=True)
+            configs += [(m, rtt) for m in split_modes]
+
+        def one(mode: str, rtt: float, prompt: dict, max_new_tokens: int) -> tuple[list[int], dict]:
+            chat = prompt.get("chat", True)
+            if mode == "local-only-pld":
+                return pld.generate(prompt["prompt"], chat, max_new_tokens)
+            if mode == "local-only":
+                g = local_only.generate(prompt["prompt"], max_new_tokens, chat=chat, strategy="sequential")
+            else:
+                g = clients[rtt].generate(prompt["prompt"], max_new_tokens, chat=chat, strategy=mode.split("-", 1)[1])
+            return g.token_ids, record_from_steps(g.stats, g.steps)
+
+        for mode, rtt in configs:  # warm-up: first calls allocate buffers and fill caches
+            one(mode, rtt, prompts[0], 8)
+        for rep in range(config.repeats):
+            for mode, rtt in configs:
                 for p in prompts:
-                    result = client.generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True))
-                    runs.append(
-                        {
-                            "mode": mode,
-                            "rtt_ms": 0.0 if mode == "local-only" else float(mode.split("@")[1]),
-                            "repeat": rep,
-                            "prompt_id": p["id"],
-                            "category": p["category"],
-                            "token_ids": result.token_ids,
-                            "stats": result.stats,
-                            "steps": result.steps,
-                        }
-                    )
-                    print(f"[{rep}] {mode:<24} {p['id']:<18} {result.stats['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
-
-    summary = summarize_runs(runs)
-    report = {
-        "command": "splitinfer bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-        "splitinfer": __version__,
-        "torch": torch.__version__,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
-        "setup": "client and local-only model: this process, core 0, 1 thread; cloud server: child process, "
-        "core 1, 1 thread; WAN emulator: child process on core 1; float16 wire; greedy",
-        "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
-        "prompts": [p["id"] for p in prompts],
-        "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats,
-        "summary": summary,
-        "codec_warm": codec_microbench(local_only.local.config.hidden_size),
-        "runs": [{k: v for k, v in r.items() if k != "steps"} for r in runs],
-    }
-    (out / "runtime.json").write_text(json.dumps(report, indent=1))
-    (out / "runtime.md").write_text(markdown(report))
-    print(markdown(report))
-    return report
+                    tokens, record = one(mode, rtt, p, config.max_new_tokens)
+                    runs.append({"mode": mode, "rtt_ms": rtt, "repeat": rep, "prompt_id": p["id"],
+                                 "category": p["category"], "token_ids": tokens, **record})
+                    log(f"[{rep}] {mode:<16} @{rtt:>4g} ms {p['id']:<14} {record['tokens_per_s']:7.2f} tok/s "
+                        f"{record['accepted_per_step']:.2f} acc/step")
+    return {"runs": runs, "probe_rtt_ms": probes, "hidden_size": local_only.local.config.hidden_size}
 
 
-def summarize_runs(runs: list[dict]) -> list[dict]:
-    reference = {(r["prompt_id"], r["repeat"]): r["token_ids"] for r in runs if r["mode"] == "local-only"}
-    rows = []
-    for mode in dict.fromkeys(r["mode"] for r in runs):
-        mine = [r for r in runs if r["mode"] == mode]
-        steps = [s for r in mine for s in r["steps"] if s["kind"] == "decode"]
-        step_total = [s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"] for s in steps]
-        rows.append(
-            {
-                "mode": mode,
-                "rtt_ms": mine[0]["rtt_ms"],
-                "generations": len(mine),
-                "tokens_per_s": _median([r["stats"]["tokens_per_s"] for r in mine]),
-                "step_ms": _median(step_total),
-                "network_ms": _median([max(s["round_trip_ms"] - s["server_ms"], 0.0) for s in steps]),
-                "cloud_compute_ms": _median([s["cloud_compute_ms"] for s in steps]),
-                "server_other_ms": _median([s["server_ms"] - s["cloud_compute_ms"] for s in steps]),
-                "local_compute_ms": _median([s["local_ms"] for s in steps]),
-                "serialize_ms": _median([s["serialize_ms"] for s in steps]),
-                "bytes_per_step": _median([s["bytes_up"] + s["bytes_down"] for s in steps]),
-                "identical_to_local_only": sum(
-                    r["token_ids"] == reference.get((r["prompt_id"], r["repeat"])) for r in mine
-                ),
-            }
-        )
-    return rows
-
-
-def markdown(report: dict) -> str:
-    lines = [
-        f"# Runtime benchmark: {report['model']}",
-        "",
-        f"Command: `{report['command']}`",
-        "",
-        f"Setup: {report['setup']}. Prompts: {', '.join(report['prompts'])}; {report['max_new_tokens']} new tokens; "
-        f"{report['repeats']} repetitions after one warm-up per mode; medians. torch {report['torch']}, "
-        f"{report['machine']['cpus']} CPUs.",
-        "",
-        "| mode | added RTT ms | tok/s | step ms | network ms | cloud compute ms | server other ms | local compute ms "
-        "| serialize ms | bytes/step | identical to local-only |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["summary"]:
-        lines.append(
-            f"| {r['mode']} | {r['rtt_ms']:g} | {r['tokens_per_s']} | {r['step_ms']} | {r['network_ms']} | "
-            f"{r['cloud_compute_ms']} | {r['server_other_ms']} | {r['local_compute_ms']} | {r['serialize_ms']} | "
-            f"{r['bytes_per_step']} | {r['identical_to_local_only']}/{r['generations']} |"
-        )
-    lines += [
-        "",
-        "Step = client round trip + local compute + client serialization. Network = round trip minus the server's "
-        "handling time. For local-only, 'cloud compute' is the middle layers run in-process. Absolute times hold "
-        "for this machine only; compare the ratios measured side by side in one run.",
-        "",
-        f"Codec, warm (encode one decode step + decode its reply, median of {report['codec_warm']['repeats']}): "
-        f"{report['codec_warm']['encode_step_and_decode_result_us']} us. The in-situ 'serialize' column is larger "
-        "because that code runs first after the process has slept through the round trip (cold caches and clocks).",
-    ]
-    return "\n".join(lines) + "\n"
+def log_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

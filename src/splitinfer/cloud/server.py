@@ -1,27 +1,34 @@
 """The cloud server: a WebSocket adapter over SessionTable. It only moves bytes and schedules work.
 
-Decoding and validation happen on the event loop (cheap); the middle layers run on one worker thread,
-so one session's compute never stalls another connection's I/O. permessage-deflate is off: float16
-activations do not compress, and inflating small frames into huge ones is a classic bomb; `max_size`
-bounds every message instead.
+Decoding and validation happen on the event loop (cheap); the middle layers run on one compute thread
+(scheduler.py), which batches concurrent sessions' steps, so compute never stalls any connection's I/O.
+permessage-deflate is off: float16 activations do not compress, and inflating small frames into huge
+ones is a classic bomb; `max_size` bounds every message instead.
+
+Authentication happens in the HTTP handshake (`_authorize`), before the WebSocket upgrade: a peer
+without a valid bearer token gets HTTP 401 and never reaches the protocol. Sessions belong to the token
+that opened them. A connection that keeps sending invalid messages is closed (1008) after
+`max_errors_per_connection` of them; a message over `max_message_bytes` is closed by websockets (1009).
 """
 
 from __future__ import annotations
 
 import asyncio
+import http
 import logging
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from ..errors import ProtocolError, SplitInferError
+from ..errors import MessageTooLarge, ProtocolError, SplitInferError
+from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
-from ..wire.messages import Close, Error, Hello, Limits, Step, decode_client_message
+from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
+from .scheduler import BatchConfig, Scheduler
 from .sessions import CloudSession, SessionConfig, SessionTable
 
 log = logging.getLogger("splitinfer.cloud")
@@ -33,6 +40,16 @@ class ServerConfig:
     port: int = 8765  # 0 picks a free port
     sessions: SessionConfig = SessionConfig()
     sweep_interval_s: float = 5.0  # how often idle sessions are looked for
+    batching: BatchConfig = BatchConfig()  # how concurrent sessions' steps are gathered into one pass
+    tokens: TokenSet = TokenSet()  # accepted bearer tokens; empty = no authentication (loopback, --insecure)
+    tls_cert: str | None = None  # PEM certificate chain; with tls_key, the server speaks wss://
+    tls_key: str | None = None  # PEM private key of tls_cert
+    client_ca: str | None = None  # PEM CA bundle; when set, clients must present a certificate it signed (mTLS)
+    max_errors_per_connection: int = 16  # invalid messages tolerated on one connection before it is closed
+
+    @property
+    def scheme(self) -> str:
+        return "wss" if self.tls_cert else "ws"
 
 
 class CloudServer:
@@ -43,13 +60,27 @@ class CloudServer:
         self.limits = Limits(
             hidden_size=half.config.hidden_size, max_block_rows=config.sessions.max_block_rows
         )
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="splitinfer-compute")
+        # One compute thread batches the steps of concurrent sessions and encodes their replies.
+        self.scheduler = Scheduler(self.table, config.batching, finish=lambda result: result.encode())
         self._server = None
         self.port: int | None = None
+        self.metrics = None  # a metrics.CloudMetrics (`serve --metrics-port`); None records nothing
+
+    def _authorize(self, connection: ServerConnection, request):
+        """websockets' process_request hook: refuse a missing or wrong token before the upgrade."""
+        if self.config.tokens.identify(request.headers.get("Authorization")) is not None:
+            return None
+        log.info("refused a connection from %s: missing or invalid bearer token", connection.remote_address)
+        response = connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or invalid bearer token\n")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="splitinfer"'
+        if self.metrics is not None:
+            self.metrics.error("auth")
+        return response
 
     async def _handle(self, ws: ServerConnection) -> None:
         session: CloudSession | None = None
-        loop = asyncio.get_running_loop()
+        owner = self.config.tokens.identify(ws.request.headers.get("Authorization"))
+        errors = 0
         try:
             async for data in ws:
                 received_at = time.perf_counter()
@@ -57,15 +88,20 @@ class CloudServer:
                 try:
                     message = decode_client_message(data, self.limits)
                     if isinstance(message, Hello):
-                        session, welcome = self.table.open(message)
+                        session, welcome = self.table.open(message, owner=owner)
                         await ws.send(welcome.encode())
                     elif isinstance(message, Step):
                         seq = message.seq
                         if session is None:
                             raise ProtocolError("send hello before the first step.")
-                        session = self.table.get(session.id)  # raises if it expired meanwhile
-                        reply = await loop.run_in_executor(self._executor, self._compute, session, message, received_at)
+                        session = self.table.get(session.id, owner)  # raises if it expired meanwhile
+                        reply = await self.scheduler.run(session, message, received_at)
+                        if self.metrics is not None:
+                            self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
                         await ws.send(reply)
+                    elif isinstance(message, Probe):
+                        seq = message.seq
+                        await ws.send(self._probe_reply(message))
                     elif isinstance(message, Close):
                         if session is not None:
                             self.table.close(session.id)
@@ -74,16 +110,37 @@ class CloudServer:
                         return
                 except SplitInferError as exc:
                     log.info("error for %s: %s: %s", ws.remote_address, exc.code, exc)
+                    if self.metrics is not None:
+                        self.metrics.error(exc.code)
                     await ws.send(Error.from_exception(exc, seq).encode())
+                    errors += isinstance(exc, ProtocolError)  # capacity or expiry is not the peer's fault
+                    if errors >= self.config.max_errors_per_connection:
+                        await ws.close(code=1008, reason="too many invalid messages")
+                        return
         except ConnectionClosed:
             pass  # the session stays until its TTL, so the client can resume it
         except Exception:  # noqa: BLE001 - the server must keep serving everyone else
             log.exception("unexpected failure on a connection from %s", ws.remote_address)
             await ws.close(code=1011, reason="internal error")
 
-    def _compute(self, session: CloudSession, step: Step, received_at: float) -> bytes:
-        # One hop to the worker thread per step: compute and encode together.
-        return self.table.run_step(session, step, received_at).encode()
+    def _probe_reply(self, probe: Probe) -> bytes:
+        # Path measurement (`splitinfer probe`): no session, no compute; the reply obeys the message limit,
+        # checked before allocating it (a peer may ask for up to MAX_PROBE_BYTES).
+        limit = self.config.sessions.max_message_bytes
+        reply = b""
+        if probe.reply_bytes < limit:
+            reply = ProbeReply(probe.seq, len(probe.payload), bytes(probe.reply_bytes)).encode()
+        if not reply or len(reply) > limit:
+            raise MessageTooLarge(
+                f"a probe asked for {probe.reply_bytes} reply bytes; this server's message limit is {limit} bytes "
+                "(header included), so ask for fewer reply bytes."
+            )
+        return reply
+
+    def _ssl_context(self):
+        if not self.config.tls_cert:
+            return None
+        return server_ssl_context(self.config.tls_cert, self.config.tls_key or self.config.tls_cert, self.config.client_ca)
 
     async def _sweep(self) -> None:
         while True:
@@ -97,6 +154,8 @@ class CloudServer:
             self.config.port,
             compression=None,
             max_size=self.config.sessions.max_message_bytes,
+            process_request=self._authorize,
+            ssl=self._ssl_context(),
             ping_interval=20,
             ping_timeout=60,
         )
@@ -104,8 +163,9 @@ class CloudServer:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         stack = self.half.stack
         log.info(
-            "serving layers [%d, %d) of %s on ws://%s:%d",
-            stack.start, stack.end, self.half.manifest["model_id"], self.config.host, self.port,
+            "serving layers [%d, %d) of %s on %s://%s:%d (%s)",
+            stack.start, stack.end, self.half.manifest["model_id"], self.config.scheme, self.config.host, self.port,
+            f"{len(self.config.tokens.digests)} token(s)" if self.config.tokens.enabled else "no authentication",
         )
 
     async def stop(self) -> None:
@@ -114,7 +174,7 @@ class CloudServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
-        self._executor.shutdown(wait=True)
+        self.scheduler.close()
 
     async def serve_forever(self) -> None:
         await self.start()
@@ -138,7 +198,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.server.config.host}:{self.server.port}"
+        return f"{self.server.config.scheme}://{self.server.config.host}:{self.server.port}"
 
     def close(self) -> None:
         if self._thread.is_alive():

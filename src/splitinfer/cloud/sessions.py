@@ -1,8 +1,11 @@
 """Cloud sessions: per-session KV cache of the middle layers, TTL, capacity budget, step execution.
 
-This module holds the cloud's state machine and is free of I/O: the server adapter calls `open`,
-`run_step` (on a worker thread) and `expire`. A session outlives its connection, so a client whose link
-dropped can resume it; one that expired or was lost in a restart is rebuilt by the client (re-prefill).
+This module holds the cloud's state machine and is free of I/O: the server adapter calls `open` and
+`expire`, and its compute thread (scheduler.py) calls `run_steps` with the steps of several sessions,
+which batch.py runs in one pass. The KV budget (rows and bytes) is charged per session when a step is
+validated; idle sessions are evicted, least recently used first, before anything is refused. A session
+outlives its connection, so a client whose link dropped can resume it; one that expired, was evicted or
+was lost in a restart is rebuilt by the client (re-prefill).
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CapacityError, ProtocolError, SessionError, ShardMismatch, VersionMismatch
+from ..errors import CapacityError, ProtocolError, SessionError, ShardMismatch, SplitInferError, VersionMismatch
 from ..kv import KVCache
 from ..model.shards import CloudHalf
 from ..wire.messages import PROTOCOL_VERSION, Hello, Result, Step, Welcome
+from .batch import Block, forward_blocks
 
 log = logging.getLogger("splitinfer.cloud")
 
@@ -31,10 +35,15 @@ class SessionConfig:
     max_cached_tokens: int = 262_144  # KV rows over all sessions (committed + pending); the memory budget
     max_block_rows: int = 1024  # rows per step; also bounds prefill chunks
     max_message_bytes: int = 16 * 1024 * 1024  # WebSocket message limit, announced to clients
+    max_kv_bytes: int | None = None  # KV buffer bytes over all sessions (allocated, not only used); None: no limit
+    evict_idle_s: float = 2.0  # a session idle this long may be evicted to make room (its client re-prefills)
+    max_sessions_per_owner: int | None = None  # sessions one token may hold at once, so one client cannot take all
 
     def __post_init__(self):
         if self.ttl_s <= 0 or self.max_sessions < 1 or self.max_cached_tokens < 1 or self.max_block_rows < 1:
             raise ValueError("session TTL, max sessions, cached-token budget and block rows must all be positive.")
+        if (self.max_kv_bytes is not None and self.max_kv_bytes < 1) or self.evict_idle_s < 0:
+            raise ValueError("the KV byte budget must be positive and the eviction idle time not negative.")
 
 
 @dataclass
@@ -45,6 +54,10 @@ class CloudSession:
     last_used: float
     next_seq: int = 0
     pending_positions: tuple[int, ...] = ()
+    owner: str = "anonymous"  # identity (token digest) that opened it; no other identity may use it
+    reserved_rows: int = 0  # KV rows counted against the budget (those of the last step, committed + block)
+    reserved_bytes: int = 0  # KV buffer bytes counted against the byte budget
+    busy: int = 0  # steps queued or running (guarded by the table lock); a busy session is never evicted
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -65,6 +78,9 @@ class SessionTable:
         device = next(half.stack.parameters()).device
         self._device = device
         self._dtype = next(half.stack.parameters()).dtype
+        self.kv_bytes_per_token = half.stack.kv_bytes_per_token()
+        self.evictions = 0  # sessions dropped to make room for others
+        self.refusals = 0  # steps or sessions refused for lack of room
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -73,7 +89,12 @@ class SessionTable:
         with self._lock:
             return sum(s.rows for s in self._sessions.values())
 
-    def open(self, hello: Hello) -> tuple[CloudSession, Welcome]:
+    def open(self, hello: Hello, owner: str = "anonymous") -> tuple[CloudSession, Welcome]:
+        """Resume `hello.session_id` if `owner` opened it and it still exists; otherwise open a new session.
+
+        Another identity's session id is treated exactly like an unknown one (a fresh session is opened), so
+        a client learns nothing about sessions that are not its own.
+        """
         if hello.version != PROTOCOL_VERSION:
             raise VersionMismatch(
                 f"client speaks protocol v{hello.version}, this server v{PROTOCOL_VERSION}; upgrade the older side."
@@ -87,19 +108,29 @@ class SessionTable:
             )
         now = self.clock()
         with self._lock:
-            if hello.session_id is not None and hello.session_id in self._sessions:
-                session = self._sessions[hello.session_id]
+            existing = self._sessions.get(hello.session_id) if hello.session_id is not None else None
+            if existing is not None and existing.owner == owner:
+                session = existing
                 if session.wire_dtype != hello.wire_dtype:
                     raise ProtocolError("a session cannot change its wire dtype on resume; open a new session.")
                 session.last_used = now
                 resumed = True
             else:
-                if len(self._sessions) >= self.config.max_sessions:
+                cap = self.config.max_sessions_per_owner
+                if cap is not None and sum(s.owner == owner for s in self._sessions.values()) >= cap:
+                    self.refusals += 1
+                    raise CapacityError(
+                        f"this client already holds {cap} sessions, its limit on this server; close one "
+                        "(or let it expire) and retry later."
+                    )
+                if len(self._sessions) >= self.config.max_sessions and not self._evict_one_locked(None):
+                    self.refusals += 1
                     raise CapacityError(
                         f"the server is at its limit of {self.config.max_sessions} sessions; retry later."
                     )
                 session = CloudSession(
-                    id=secrets.token_urlsafe(18), cache=stack.new_cache(), wire_dtype=hello.wire_dtype, last_used=now
+                    id=secrets.token_urlsafe(18), cache=stack.new_cache(), wire_dtype=hello.wire_dtype, last_used=now,
+                    owner=owner,
                 )
                 self._sessions[session.id] = session
                 resumed = False
@@ -113,24 +144,27 @@ class SessionTable:
         )
         return session, welcome
 
-    def get(self, session_id: str) -> CloudSession:
+    def get(self, session_id: str, owner: str | None = None) -> CloudSession:
         with self._lock:
             session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or (owner is not None and session.owner != owner):
             raise SessionError("the session is unknown to this server (expired or lost in a restart); re-prefill.")
         return session
 
     def close(self, session_id: str) -> None:
         with self._lock:
-            self._sessions.pop(session_id, None)
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            _free(session)
 
     def expire(self) -> list[str]:
         """Drop sessions idle for longer than the TTL; returns their ids."""
         deadline = self.clock() - self.config.ttl_s
         with self._lock:
             gone = [sid for sid, s in self._sessions.items() if s.last_used < deadline and not s.lock.locked()]
-            for sid in gone:
-                del self._sessions[sid]
+            dropped = [self._sessions.pop(sid) for sid in gone]
+        for session in dropped:
+            _free(session)
         if gone:
             log.info("expired %d idle session(s)", len(gone))
         return gone
@@ -157,34 +191,140 @@ class SessionTable:
             raise ProtocolError(f"matrix block positions must lie in [{committed}, {committed + q}).")
         if max(step.positions) >= self.max_position:
             raise ProtocolError(f"position {max(step.positions)} exceeds the model's context of {self.max_position} tokens.")
-        # The budget counts every session's rows; pending rows of this session are about to be replaced.
-        others = self.cached_tokens() - session.rows
-        if others + committed + q > self.config.max_cached_tokens:
-            raise CapacityError(
-                f"the server's KV budget of {self.config.max_cached_tokens} tokens is in use; retry later."
-            )
+        self._reserve(session, committed + q)
+
+    # -- KV budget: reservation, eviction, numbers for metrics -----------------------------------------
+    def _reserve(self, session: CloudSession, rows: int) -> None:
+        """Count `session` at `rows` KV rows, evicting idle sessions (least recently used first) if needed."""
+        need_bytes = session.cache.projected_nbytes(rows, self.kv_bytes_per_token)
+        budget_bytes, budget_rows = self.config.max_kv_bytes, self.config.max_cached_tokens
+        with self._lock:
+            while True:
+                others = [s for s in self._sessions.values() if s is not session]
+                over_rows = sum(s.reserved_rows for s in others) + rows > budget_rows
+                used_bytes = sum(s.reserved_bytes for s in others) + need_bytes
+                over_bytes = budget_bytes is not None and used_bytes > budget_bytes
+                if not (over_rows or over_bytes):
+                    break
+                if not self._evict_one_locked(session):
+                    self.refusals += 1
+                    limit = f"{budget_rows} tokens" + (f" / {budget_bytes} bytes" if budget_bytes is not None else "")
+                    raise CapacityError(
+                        f"the server's KV budget of {limit} is in use (this step needs {rows} rows, "
+                        f"{need_bytes} bytes); retry later or on another replica."
+                    )
+            session.reserved_rows, session.reserved_bytes = rows, need_bytes
+
+    def _evict_one_locked(self, keep: CloudSession | None) -> bool:
+        """Drop the least recently used idle session other than `keep`; False if none may go. Hold the lock."""
+        now = self.clock()
+        idle = [
+            s for s in self._sessions.values()
+            if s is not keep and s.busy == 0 and not s.lock.locked() and now - s.last_used >= self.config.evict_idle_s
+        ]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda s: s.last_used)
+        del self._sessions[victim.id]
+        victim.cache.release()  # the connection may still hold the session object; free its memory now
+        self.evictions += 1
+        log.info("evicted idle session %s... (%d KV rows) to make room", victim.id[:6], victim.reserved_rows)
+        return True
+
+    def claim(self, session: CloudSession) -> None:
+        """Mark a step of `session` as queued: it cannot be evicted until `release`."""
+        with self._lock:
+            session.busy += 1
+
+    def release(self, session: CloudSession) -> None:
+        with self._lock:
+            session.busy -= 1
+
+    def stats(self) -> dict:
+        """Numbers for a metrics exporter: sessions, KV rows and bytes against their budgets, evictions."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+            evictions, refusals = self.evictions, self.refusals
+        return {
+            "sessions": len(sessions),
+            "kv_tokens": sum(s.rows for s in sessions),
+            "kv_reserved_tokens": sum(s.reserved_rows for s in sessions),
+            "kv_reserved_bytes": sum(s.reserved_bytes for s in sessions),
+            "kv_allocated_bytes": sum(s.cache.nbytes() for s in sessions),
+            "kv_budget_tokens": self.config.max_cached_tokens,
+            "kv_budget_bytes": self.config.max_kv_bytes,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "evictions": evictions,
+            "refusals": refusals,
+        }
+
+    # -- steps -------------------------------------------------------------------------------------------
+    def run_steps(self, items: Sequence[tuple[CloudSession, Step, float]]) -> list[Result | SplitInferError]:
+        """Validate each (session, step, received_at), apply its lazy commit, and run all valid blocks through
+        the middle layers in one batched pass. Returns a Result or the error for each item, in order: one
+        session's bad step never fails another's. Call from the one compute thread."""
+        outcomes: list[Result | SplitInferError | None] = [None] * len(items)
+        held: list[CloudSession] = []
+        ready: list[int] = []
+        blocks: list[Block] = []
+        try:
+            for i, (session, step, _) in enumerate(items):
+                if any(s is session for s in held):
+                    outcomes[i] = ProtocolError("a session has one step in flight at a time; wait for each reply.")
+                    continue
+                session.lock.acquire()
+                held.append(session)
+                try:
+                    with self._lock:
+                        alive = self._sessions.get(session.id) is session
+                    if not alive:
+                        raise SessionError("the session was evicted or closed on this server; re-prefill.")
+                    self._check_step(session, step)
+                    session.cache.keep(step.keep)
+                except SplitInferError as exc:
+                    outcomes[i] = exc
+                    continue
+                hidden = step.hidden.to(self._device, self._dtype)  # [q, d]
+                positions = torch.tensor(step.positions, dtype=torch.long, device=self._device)
+                blocks.append(Block(hidden, positions, step.structure.allowed(len(step.positions)), session.cache))
+                ready.append(i)
+            start = time.perf_counter()
+            outs = forward_blocks(self.half.stack, blocks)
+            if outs and outs[0].device.type == "cuda":
+                torch.cuda.synchronize(outs[0].device)
+            compute_ms = (time.perf_counter() - start) * 1e3  # the whole batch's pass, shared by its steps
+            for i, out in zip(ready, outs):
+                session, step, received_at = items[i]
+                session.pending_positions = step.positions
+                session.next_seq += 1
+                session.last_used = self.clock()
+                outcomes[i] = Result(
+                    seq=step.seq,
+                    hidden=out,
+                    compute_ms=compute_ms,
+                    handle_ms=(time.perf_counter() - received_at) * 1e3,
+                    committed=session.cache.length,
+                    wire_dtype=session.wire_dtype,
+                )
+        finally:
+            for session in held:
+                session.lock.release()
+        return outcomes
 
     def run_step(self, session: CloudSession, step: Step, received_at: float) -> Result:
-        """Validate, apply the lazy commit, run the middle layers. Call from a worker thread."""
-        with session.lock:
-            self._check_step(session, step)
-            session.cache.keep(step.keep)
-            start = time.perf_counter()
-            hidden = step.hidden.to(self._device, self._dtype)[None]  # [1, q, d]
-            positions = torch.tensor(step.positions, dtype=torch.long, device=self._device)
-            allowed = step.structure.allowed(len(step.positions))
-            out = self.half.stack(hidden, positions, allowed, session.cache)[0]
-            if out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
-            compute_ms = (time.perf_counter() - start) * 1e3
-            session.pending_positions = step.positions
-            session.next_seq += 1
-            session.last_used = self.clock()
-            return Result(
-                seq=step.seq,
-                hidden=out,
-                compute_ms=compute_ms,
-                handle_ms=(time.perf_counter() - received_at) * 1e3,
-                committed=session.cache.length,
-                wire_dtype=session.wire_dtype,
-            )
+        """One step alone (the in-process middle, tests); raises its error."""
+        outcome = self.run_steps([(session, step, received_at)])[0]
+        if isinstance(outcome, SplitInferError):
+            raise outcome
+        return outcome
+
+
+def _free(session: CloudSession) -> None:
+    """Release a dropped session's KV buffers now, not when the last stray reference to it goes (a
+    finished batch, a frame): user activations must not outlive their session. A session with a step
+    queued or running keeps them; that step fails on the missing session or finishes first."""
+    if session.busy == 0 and session.lock.acquire(blocking=False):
+        try:
+            session.cache.release()
+        finally:
+            session.lock.release()

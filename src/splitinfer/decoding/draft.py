@@ -15,10 +15,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from ..masks import tree_allowed, tree_depths
 
 # No source is ever certain; a calibrated weight above 1 must not make a path probability exceed 1.
 MAX_STEP_PROB = 0.98
+
+
+@dataclass
+class SideRows:
+    """Rows verified in the same block as the tree but never accepted (e.g. a Jacobi lookahead window).
+
+    Side row i sits `depths[i]` positions below the root and sees the root and the side rows in
+    `sees[i]` (itself included); no tree row sees a side row, so the tree's logits are unchanged.
+    """
+
+    tokens: list[int]
+    depths: list[int]
+    sees: list[list[int]]
 
 
 @dataclass
@@ -29,6 +45,7 @@ class Draft:
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)  # estimated probability that the node is accepted
     sources: list[str] = field(default_factory=list)  # which source gave each node its score
+    side: SideRows | None = None  # rows after the tree that only gather information
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -96,6 +113,17 @@ class TokenTrie:
             draft.scores.append(self.score[n])
             draft.sources.append(self.source[n])
         return draft
+
+
+def block_layout(parents: list[int], side: SideRows) -> tuple[np.ndarray, list[int]]:
+    """The [q, q] visibility and the depth of every row of a tree block followed by side rows."""
+    t, r = len(parents), len(side.tokens)
+    allowed = np.zeros((t + r, t + r), dtype=bool)
+    allowed[:t, :t] = tree_allowed(parents)
+    for i, seen in enumerate(side.sees):
+        allowed[t + i, 0] = True
+        allowed[t + i, [t + j for j in seen]] = True
+    return allowed, tree_depths(parents) + list(side.depths)
 
 
 def children_of(tokens: list[int], parents: list[int]) -> dict[int, dict[int, int]]:

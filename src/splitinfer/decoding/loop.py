@@ -21,7 +21,7 @@ import torch
 
 from ..local.session import SplitSession
 from ..masks import BlockStructure
-from .draft import accept
+from .draft import accept, block_layout
 from .sampling import greedy
 from .strategies import Strategy
 
@@ -63,9 +63,14 @@ def decode(
         t0 = time.perf_counter()
         draft = strategy.propose(history)
         tokens, parents = draft.block(root)
-        structure = BlockStructure.tree(parents) if len(tokens) > 1 else BlockStructure.chain()
-        logits = session.run_block(tokens, structure)  # [q, vocab]
-        path, root = accept(tokens, parents, logits, choose)
+        if draft.side is not None and draft.side.tokens:
+            allowed, depths = block_layout(parents, draft.side)
+            block = tokens + draft.side.tokens
+            logits = session.run_block(block, BlockStructure.matrix(allowed), depths=depths)  # [t + r, vocab]
+        else:
+            structure = BlockStructure.tree(parents) if len(tokens) > 1 else BlockStructure.chain()
+            logits = session.run_block(tokens, structure)  # [q, vocab]
+        path, root = accept(tokens, parents, logits[: len(tokens)], choose)
         session.commit(path)
         session.records[-1].accepted = len(path)
         emitted = [tokens[r] for r in path[1:]] + [root]

@@ -133,11 +133,15 @@ class NgramPool:
         for token in tokens:
             self._seq.append(token)
             if len(self._seq) >= self.n:
-                gram = tuple(self._seq[-self.n :])
-                bucket = self._pool[gram[0]]
-                if gram[1:] in bucket:
-                    bucket.remove(gram[1:])
-                bucket.appendleft(gram[1:])
+                self.add(self._seq[-self.n :])
+
+    def add(self, gram: list[int]) -> None:
+        """Remember one n-gram (n tokens): its last n-1 tokens become a candidate after its first."""
+        gram = tuple(gram)
+        bucket = self._pool[gram[0]]
+        if gram[1:] in bucket:
+            bucket.remove(gram[1:])
+        bucket.appendleft(gram[1:])
 
     def propose(self, root: int, trie: TokenTrie) -> None:
         # The paper's pool is unranked: candidates are taken as they come, here the most recent first.

@@ -1,6 +1,6 @@
 """The public client API: text in, text out, with the split model underneath.
 
-    client = SplitClient.connect("shards/smollm2/local", "ws://127.0.0.1:8765")
+    client = SplitClient.connect("shards/smollm2/local", "ws://127.0.0.1:8765", allow_public_weights=True)
     result = client.generate("Explain KV caches.", max_new_tokens=64, on_text=print)
 
 The client owns the tokenizer and chat template; only hidden states leave the process. Each
@@ -18,12 +18,31 @@ from ..decoding.loop import decode
 from ..decoding.sampling import SamplingConfig, make_chooser
 from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
 from ..errors import ConfigError
-from ..model.shards import LocalHalf, load_cloud, load_local
+from ..model.shards import LocalHalf, load_cloud, load_local, local_weights_are_public
 from ..telemetry import summarize
 from .auth import ClientAuth
 from .middle import InProcessMiddle, RemoteMiddle
 from .session import ClientConfig, SplitSession
 
+
+
+PUBLIC_WEIGHTS_WARNING = (
+    "warning: the local layers are the stock public weights, so the cloud can run them itself and recover "
+    "the prompt and the output from the hidden states it sees (docs/privacy.md). Run `splitinfer privatize` "
+    "to make them private."
+)
+
+
+def check_local_weights(manifest: dict, allow_public_weights: bool) -> bool:
+    """True when the local weights are stock public ones (and that was allowed); raises when not allowed."""
+    public = local_weights_are_public(manifest)
+    if public and not allow_public_weights:
+        raise ConfigError(
+            "refusing to connect: the local layers are the stock public weights, which let the cloud recover "
+            "your text from what it sees. Make them private with `splitinfer privatize`, or pass "
+            "--allow-public-weights (allow_public_weights=True) to accept that."
+        )
+    return public
 
 
 @dataclass
@@ -65,8 +84,10 @@ class SplitClient:
         config: ClientConfig = ClientConfig(),
         device: str = "cpu",
         auth: ClientAuth = ClientAuth(),
+        allow_public_weights: bool = False,
     ) -> "SplitClient":
         local = load_local(local_shard, device=device)
+        check_local_weights(local.manifest, allow_public_weights)
         split = local.manifest["split"]
 
         def make_middle():

@@ -8,17 +8,20 @@ requests (an untrusted server must not be able to crash or confuse the client).
 
 from __future__ import annotations
 
+import ssl
 import time
 from dataclasses import dataclass
 
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
 from ..cloud.sessions import SessionConfig, SessionTable
-from ..errors import ProtocolError, TransportError, error_from_code
+from ..errors import AuthError, ProtocolError, TransportError, error_from_code
 from ..model.shards import CloudHalf
 from .auth import ClientAuth
-from ..wire.messages import Close, Error, Hello, Limits, Result, Step, Welcome, decode_server_message
+from ..wire.messages import (
+    Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_server_message,
+)
 
 
 @dataclass
@@ -55,6 +58,7 @@ class RemoteMiddle:
         self.limits = Limits(hidden_size=hidden_size, max_block_rows=1 << 16, dtypes=(wire_dtype,))
         self.welcome: Welcome | None = None
         self._ws: ClientConnection | None = None
+        self._probe_seq = 0
 
     def _exchange(self, payload: bytes):
         reply = self._exchange_raw(payload)
@@ -64,6 +68,16 @@ class RemoteMiddle:
         return message
 
     def open(self, resume_id: str | None = None) -> Welcome:
+        self.connect()
+        hello = Hello(self.fingerprint, self.cloud_layers, self.wire_dtype, session_id=resume_id)
+        welcome = self._exchange(hello.encode())
+        if not isinstance(welcome, Welcome):
+            raise ProtocolError("the server answered hello with something other than welcome.")
+        self.welcome = welcome
+        return welcome
+
+    def connect(self) -> None:
+        """Open the WebSocket (token, TLS) without a session: `open` and `probe` both start here."""
         self._drop()
         try:
             self._ws = connect(
@@ -76,14 +90,28 @@ class RemoteMiddle:
                 additional_headers=self.auth.headers(),
                 ssl=self.auth.ssl_context(self.url),
             )
-        except (OSError, TimeoutError, InvalidHandshake, InvalidURI) as exc:
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if status in (401, 403):
+                raise AuthError(
+                    f"the server at {self.url} refused the token; check --token-file (or SPLITINFER_TOKEN) against "
+                    f"the server's token file (HTTP {status})."
+                ) from exc
             raise TransportError(f"cannot connect to {self.url}: {exc}. Is `splitinfer serve` running there?") from exc
-        hello = Hello(self.fingerprint, self.cloud_layers, self.wire_dtype, session_id=resume_id)
-        welcome = self._exchange(hello.encode())
-        if not isinstance(welcome, Welcome):
-            raise ProtocolError("the server answered hello with something other than welcome.")
-        self.welcome = welcome
-        return welcome
+        except ssl.SSLCertVerificationError as exc:
+            raise AuthError(
+                f"the certificate of {self.url} is not trusted ({exc.verify_message}); pass the CA that signed it "
+                "with --ca-file, and connect by the name or address the certificate was issued for."
+            ) from exc
+        except (OSError, TimeoutError, InvalidHandshake, InvalidURI, ConnectionClosed) as exc:
+            # A server that requires client certificates may drop a client without one during or right
+            # after the TLS handshake, so the failure can look like a plain closed connection.
+            hint = "" if not self.url.startswith("wss://") or self.auth.client_cert else (
+                " If it requires client certificates (serve --client-ca), pass --client-cert."
+            )
+            raise TransportError(
+                f"cannot connect to {self.url}: {exc}. Is `splitinfer serve` running there?{hint}"
+            ) from exc
 
     def step(self, step: Step) -> tuple[Result, StepIO]:
         t0 = time.perf_counter()
@@ -109,6 +137,26 @@ class RemoteMiddle:
         io = StepIO((t2 - t1) * 1e3, ((t1 - t0) + (t3 - t2)) * 1e3, len(payload), len(reply_view))
         return message, io
 
+    def probe(self, up: int, down: int) -> float:
+        """Send `up` bytes, get `down` back, no session and no compute; returns the round trip in ms."""
+        if self._ws is None:
+            self.connect()
+        self._probe_seq += 1
+        payload = Probe(self._probe_seq, down, bytes(up)).encode()
+        t0 = time.perf_counter()
+        reply = self._exchange_raw(payload)
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        message = decode_server_message(reply, self.limits)
+        if isinstance(message, Error):
+            hint = " (this server predates probe messages)" if "unknown client message type" in message.message else ""
+            raise error_from_code(message.code, f"server: {message.message}{hint}")
+        if not isinstance(message, ProbeReply) or message.seq != self._probe_seq:
+            raise ProtocolError("the server's reply does not answer the probe that was sent.")
+        if message.received != up or len(message.payload) != down:
+            raise ProtocolError(f"probe sent {up} and asked for {down} bytes; the server got {message.received} "
+                                f"and sent {len(message.payload)}.")
+        return elapsed_ms
+
     def _exchange_raw(self, payload: bytes) -> bytes:
         if self._ws is None:
             raise TransportError("not connected")
@@ -117,7 +165,7 @@ class RemoteMiddle:
             return self._ws.recv(timeout=self.reply_timeout_s)
         except TimeoutError as exc:
             self._drop()
-            raise TransportError(f"no reply from {self.url} within {self.reply_timeout_s:.0f} s.") from exc
+            raise TransportError(f"no reply from {self.url} within {self.reply_timeout_s:g} s.") from exc
         except (ConnectionClosed, OSError) as exc:
             self._drop()
             raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc

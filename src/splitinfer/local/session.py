@@ -12,12 +12,13 @@ It knows nothing about tokenization or about how blocks are chosen (decoding str
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import SessionError, TransportError
+from ..errors import ProtocolError, SessionError, TransportError
 from ..masks import BlockStructure
 from ..model.shards import LocalHalf
 from ..telemetry import StepRecord
@@ -32,6 +33,12 @@ class ClientConfig:
     prefill_chunk: int = 512  # rows per prefill message; bounded further by the server's limits
     max_retries: int = 5  # reconnect attempts per step before giving up
     retry_backoff_s: float = 0.25  # first backoff; doubles on each attempt
+    retry_backoff_max_s: float = 8.0  # the doubling stops here, so a long outage is polled, not waited out
+
+    def backoff_s(self, attempt: int) -> float:
+        """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
+        that clients cut off together (a server restart) do not all come back in the same instant."""
+        return min(self.retry_backoff_s * (2**attempt), self.retry_backoff_max_s) * random.uniform(0.5, 1.0)
 
 
 class SplitSession:
@@ -54,16 +61,22 @@ class SplitSession:
 
     # -- one block through the whole model ---------------------------------------------------------
     def run_block(
-        self, tokens: list[int], structure: BlockStructure, kind: str = "decode", logits_from: int = 0
+        self,
+        tokens: list[int],
+        structure: BlockStructure,
+        kind: str = "decode",
+        logits_from: int = 0,
+        depths: list[int] | None = None,
     ) -> torch.Tensor:
         """tokens: q ids of the block -> logits [q - logits_from, vocab] float32 for rows logits_from..q-1.
 
         The block stays pending until `commit`. Prefill asks for few rows: the LM head is the most
-        expensive local layer, and most prompt rows need no logits.
+        expensive local layer, and most prompt rows need no logits. depths: each row's distance from the
+        committed sequence, for matrix blocks whose rows are not consecutive (default: 0..q-1).
         """
         assert self._pending_q == 0, "commit the previous block first"
         q = len(tokens)
-        depths = structure.depths(q)
+        depths = structure.depths(q) if depths is None else depths
         positions = [self.length + d for d in depths] if depths is not None else list(range(self.length, self.length + q))
         record = StepRecord(kind=kind, rows=q, accepted=0)
         t0 = time.perf_counter()
@@ -127,6 +140,11 @@ class SplitSession:
                     self._connect(record)
                 step = Step(self._seq, self._keep_next, tuple(positions), structure, hidden, self.config.wire_dtype)
                 result, io = self.middle.step(step)
+                if result.committed != self.length:  # an untrusted server must agree on what was committed
+                    raise ProtocolError(
+                        f"the server reports {result.committed} committed rows where this client has {self.length}; "
+                        "it is out of step or misbehaving, so its output cannot be trusted."
+                    )
                 self._seq += 1
                 record.round_trip_ms += io.round_trip_ms
                 record.serialize_ms += io.serialize_ms
@@ -139,7 +157,7 @@ class SplitSession:
                 self._connected = False
                 if attempt >= self.config.max_retries:
                     raise
-                delay = self.config.retry_backoff_s * (2**attempt)
+                delay = self.config.backoff_s(attempt)
                 log.warning("cloud session lost (%s); reconnecting in %.2f s", exc, delay)
                 time.sleep(delay)
                 attempt += 1

@@ -158,6 +158,32 @@ def read_manifest(directory: Path, role: str) -> dict:
     return manifest
 
 
+def local_weights_are_public(manifest: dict) -> bool:
+    """True unless the local manifest says its weights were privatized and pins hashes that differ from the
+    public ones it was made from (`splitinfer privatize`). Public local weights let the cloud invert what
+    it sees (docs/privacy.md)."""
+    private = manifest.get("private_local_weights")
+    if not isinstance(private, dict):
+        return True
+    return private.get("public_weights_sha256") == manifest.get("files", {}).get(WEIGHTS)
+
+
+def mark_private_local(directory: Path, state: dict[str, torch.Tensor], record: dict) -> None:
+    """Replace the local layers in `directory` (a copy of a local shard) with private ones from `state`
+    (a whole-model state dict), and pin the new file hash in the manifest. The cloud fingerprint is kept:
+    the cloud shard is unchanged."""
+    manifest = read_manifest(directory, "local")
+    public_hash = manifest["files"][WEIGHTS]
+    weights = load_file(str(directory / WEIGHTS))
+    for key in weights:
+        if key.startswith("model.layers."):
+            weights[key] = state[key].detach().to(weights[key].dtype).contiguous().clone()
+    save_file(weights, str(directory / WEIGHTS), metadata={"format": "pt"})
+    manifest["files"][WEIGHTS] = sha256_file(directory / WEIGHTS)
+    manifest["private_local_weights"] = {"public_weights_sha256": public_hash, **record}
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
 def _load_checked(directory: Path, manifest: dict, verify: bool) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
     if verify:
         for name, digest in manifest["files"].items():

@@ -97,9 +97,22 @@ class LayerStack(nn.Module):
             layer.self_attn.layer_idx = local_index
         self.windows = [layer_window(config, start + i) for i in range(len(layers))]
         self._cache_kw = _cache_keyword(self.layers[0]) if len(self.layers) else "cache"
+        self.refresh_devices()
+
+    def refresh_devices(self) -> None:
+        """Re-read where each layer lives (after a multi-GPU placement moved them)."""
+        self.devices = [next(layer.parameters()).device for layer in self.layers]
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
+
+    def kv_bytes_per_token(self) -> int:
+        """Key + value bytes one token occupies over all layers of this stack (the KV budget's unit)."""
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        item = next(self.parameters()).element_size() if len(self.layers) else 0
+        return len(self.layers) * 2 * kv_heads * head_dim * item
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, allowed: np.ndarray, cache: KVCache) -> torch.Tensor:
@@ -109,17 +122,33 @@ class LayerStack(nn.Module):
         assert positions.shape == (q,), (positions.shape, q)
         if not len(self.layers):
             return hidden
-        position_ids = positions[None, :]
-        cos_sin = self.rotary(hidden, position_ids)
         masks = {
             w: attention_mask(cache.length, positions, allowed, hidden.dtype, window=w) for w in set(self.windows)
         }
-        for layer, window in zip(self.layers, self.windows):
+        return self.run_layers(hidden, positions[None, :], masks, cache)
+
+    @torch.inference_mode()
+    def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, cache) -> torch.Tensor:
+        """hidden: [B, Q, d]; position_ids: [B, Q]; masks: {window: [B, 1, Q, K]} -> [B, Q, d].
+
+        Inputs live on the first layer's device; the output is on the last one's. Layers placed on several
+        devices get the activations, masks and rotary tables moved to them once per device, not per layer.
+        """
+        cos_sin = self.rotary(hidden, position_ids)
+        on_device: dict[torch.device, tuple] = {}
+        for layer, window, device in zip(self.layers, self.windows, self.devices):
+            if device not in on_device:
+                on_device[device] = (
+                    position_ids.to(device),
+                    tuple(t.to(device) for t in cos_sin),
+                    {w: m.to(device) for w, m in masks.items()},
+                )
+            device_positions, device_cos_sin, device_masks = on_device[device]
             out = layer(
-                hidden,
-                attention_mask=masks[window],
-                position_ids=position_ids,
-                position_embeddings=cos_sin,
+                hidden.to(device),
+                attention_mask=device_masks[window],
+                position_ids=device_positions,
+                position_embeddings=device_cos_sin,
                 **{self._cache_kw: cache},
             )
             hidden = out[0] if isinstance(out, tuple) else out

@@ -8,6 +8,10 @@ never delivered before the chunk in front of it, so on a busy stream the delay d
 the upper end of the jitter range.  The bandwidth limit serializes chunks (in ~1 ms slices) on
 a link shared by all connections of the proxy, one per direction, like a real access line.
 
+Faults, for testing recovery: a connection can be cut (both sides reset) once it has relayed N bytes
+or after t seconds, for the first K connections or all of them, and any chunk can be hit by a delay
+spike with a given probability.
+
 What it does not do: it delays TCP byte chunks, not IP packets, so there is no packet loss,
 no reordering, no duplication and no congestion-control dynamics; the TCP handshake itself is
 not delayed (only the data and the FIN that follow it).  The proxy is protocol-agnostic.
@@ -40,9 +44,25 @@ class WanConfig:
     rtt_ms: float = 0.0  # added round trip, split evenly between the two directions
     jitter_ms: float = 0.0  # uniform +/- jitter per chunk and direction, never reordering bytes
     bandwidth_mbit: float | None = None  # per-direction serialization rate; None = unlimited
-    seed: int | None = None  # for reproducible jitter
+    seed: int | None = None  # for reproducible jitter and spikes
+    cut_after_bytes: int | None = None  # reset a connection once it relayed this many bytes (both directions)
+    cut_after_s: float | None = None  # reset a connection this long after it was accepted
+    cut_connections: int | None = None  # cut only the first K connections (None: every one), so recovery can finish
+    spike_ms: float = 0.0  # extra one-way delay of a spike
+    spike_prob: float = 0.0  # probability that a chunk (per direction) is hit by a spike
+    spike_count: int | None = None  # at most this many spikes per direction over all connections (None: no limit)
 
     def __post_init__(self) -> None:
+        for name in ("cut_after_bytes", "cut_connections", "spike_count"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None (got {value!r}).")
+        for name in ("cut_after_s", "spike_ms"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (got {value!r}).")
+        if not 0.0 <= self.spike_prob <= 1.0:
+            raise ValueError(f"spike_prob must lie in [0, 1] (got {self.spike_prob!r}).")
         for name in ("rtt_ms", "jitter_ms"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -53,7 +73,23 @@ class WanConfig:
 
     def describe(self) -> str:
         bw = f"{self.bandwidth_mbit:g} Mbit/s per direction" if self.bandwidth_mbit else "unlimited bandwidth"
-        return f"rtt {self.rtt_ms:g} ms, jitter +/-{self.jitter_ms:g} ms, {bw}"
+        faults = ""
+        if self.cut_after_bytes is not None or self.cut_after_s is not None:
+            which = "every connection" if self.cut_connections is None else f"the first {self.cut_connections} connection(s)"
+            after = " or ".join(
+                x for x in (
+                    f"{self.cut_after_bytes} bytes" if self.cut_after_bytes is not None else "",
+                    f"{self.cut_after_s:g} s" if self.cut_after_s is not None else "",
+                ) if x
+            )
+            faults += f", cutting {which} after {after}"
+        if self.spike_prob:
+            faults += f", +{self.spike_ms:g} ms spikes on {self.spike_prob:.1%} of chunks"
+        return f"rtt {self.rtt_ms:g} ms, jitter +/-{self.jitter_ms:g} ms, {bw}{faults}"
+
+
+class _Cut(ConnectionResetError):
+    """An injected fault: the proxy resets the connection on purpose."""
 
 
 class _Link:
@@ -62,6 +98,7 @@ class _Link:
     def __init__(self, config: WanConfig) -> None:
         self.byte_time = 8.0 / (config.bandwidth_mbit * 1e6) if config.bandwidth_mbit else 0.0
         self.free_at = 0.0
+        self.spikes_left = config.spike_count  # the fault budget is the line's, not one connection's
         # Serialize in about 1 ms slices so a big read does not arrive as one late lump.
         self.slice = max(_MSS, min(_CHUNK, int(1e-3 / self.byte_time))) if self.byte_time else _CHUNK
 
@@ -72,6 +109,7 @@ class _Schedule:
     def __init__(self, config: WanConfig, link: _Link, rng: random.Random) -> None:
         self._one_way = config.rtt_ms / 2000.0
         self._jitter = config.jitter_ms / 1000.0
+        self._spike, self._spike_prob = config.spike_ms / 1000.0, config.spike_prob
         self._link, self._rng = link, rng
         self._last = 0.0
 
@@ -82,6 +120,10 @@ class _Schedule:
             sent = max(arrival, self._link.free_at) + nbytes * self._link.byte_time
             self._link.free_at = sent
         delay = self._one_way + (self._rng.uniform(-self._jitter, self._jitter) if self._jitter else 0.0)
+        link = self._link
+        if self._spike_prob and link.spikes_left != 0 and self._rng.random() < self._spike_prob:
+            delay += self._spike
+            link.spikes_left = None if link.spikes_left is None else link.spikes_left - 1
         self._last = max(sent + max(delay, 0.0), self._last)  # max() keeps bytes in order under jitter
         return self._last
 
@@ -109,7 +151,9 @@ class _Pipe:
     """Relays src -> dst through the delay line; returns after EOF was delivered, raises on errors."""
 
     def __init__(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, schedule: _Schedule,
-                 link: _Link, limit: int, stats: dict[str, int], counter: str) -> None:
+                 link: _Link, limit: int, stats: dict[str, int], counter: str,
+                 budget: list[float] | None = None) -> None:
+        self._budget = budget  # [bytes left before an injected cut], shared by both directions
         self._src, self._dst, self._schedule, self._link = src, dst, schedule, link
         self._limit, self._stats, self._counter = limit, stats, counter
         self._queue: asyncio.Queue[tuple[float, _Payload]] = asyncio.Queue()
@@ -167,6 +211,12 @@ class _Pipe:
                     break
                 parts.append(nxt[1])
             data = b"".join(parts)
+            if self._budget is not None:
+                if len(data) >= self._budget[0]:
+                    self._dst.write(data[: int(self._budget[0])])
+                    self._stats["cuts"] += 1
+                    raise _Cut("netem: connection cut after the configured number of bytes")
+                self._budget[0] -= len(data)
             self._dst.write(data)
             await self._dst.drain()
             self._buffered -= len(data)
@@ -200,7 +250,8 @@ class WanProxy:
                  listen_host: str = "127.0.0.1", listen_port: int = 0) -> None:
         self.upstream_host, self.upstream_port, self.config = upstream_host, upstream_port, config
         self.listen_host, self.port = listen_host, listen_port
-        self.stats: dict[str, int] = {"bytes_up": 0, "bytes_down": 0, "connections": 0, "active": 0}
+        self.stats: dict[str, int] = {"bytes_up": 0, "bytes_down": 0, "connections": 0, "active": 0, "cuts": 0}
+        self._cuts_left = config.cut_connections
         self._links = (_Link(config), _Link(config))
         self._limit = _buffer_limit(config)
         self._seeder = random.Random(config.seed)
@@ -223,6 +274,22 @@ class WanProxy:
             await self._server.wait_closed()
             self._server = None
 
+    def _takes_a_fault(self) -> bool:
+        if self.config.cut_after_bytes is None and self.config.cut_after_s is None:
+            return False
+        if self._cuts_left is None:
+            return True
+        if self._cuts_left > 0:
+            self._cuts_left -= 1
+            return True
+        return False
+
+    async def _cut_later(self, after_s: float, *writers: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(after_s)
+        self.stats["cuts"] += 1
+        for writer in writers:  # both sides see the link die at once, as on a real outage
+            writer.transport.abort()
+
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
         self._conns.add(asyncio.current_task())  # type: ignore[arg-type]
         u_writer: asyncio.StreamWriter | None = None
@@ -242,19 +309,25 @@ class WanProxy:
             self.stats["active"] += 1
             _nodelay(c_writer)
             _nodelay(u_writer)
+            cut, timer = self._takes_a_fault(), None
+            budget = [float(self.config.cut_after_bytes)] if cut and self.config.cut_after_bytes is not None else None
             pipes = []
             for (src, dst, counter), link in zip(
                     [(c_reader, u_writer, "bytes_up"), (u_reader, c_writer, "bytes_down")], self._links):
                 rng = random.Random(self._seeder.getrandbits(64))
                 pipes.append(_Pipe(src, dst, _Schedule(self.config, link, rng), link, self._limit,
-                                   self.stats, counter))
+                                   self.stats, counter, budget))
             tasks = [asyncio.create_task(p.run()) for p in pipes]
+            if cut and self.config.cut_after_s is not None:
+                timer = asyncio.create_task(self._cut_later(self.config.cut_after_s, c_writer, u_writer))
             try:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             finally:
                 for task in tasks:
                     task.cancel()
                 results = await asyncio.gather(*tasks, return_exceptions=True)
+                if timer is not None:
+                    timer.cancel()
             errors = [r for r in results if isinstance(r, BaseException)]
             abort = bool(errors)
             for err in errors:  # disconnects are ordinary; anything else is a bug worth seeing

@@ -4,9 +4,11 @@
                        Step    one block: hidden states [q, d] + positions + block structure, and the
                                rows of the previous block to keep (lazy KV commit)
                        Close   end the session and free its cache
+                       Probe   N payload bytes, asking for M reply bytes (path measurement; no session)
     server -> client   Welcome the session id and the limits the client must respect
                        Result  hidden states [q, d] for the block, with the server's timings
                        Error   a code from errors.py and a sentence
+                       ProbeReply  the M bytes a Probe asked for, and how many it received
 
 Every field is checked (type, range, shape, dtype, finiteness) here, before anything reaches a model.
 Consistency with the session (positions, keep lists) is checked by the cloud session, which knows it.
@@ -37,6 +39,7 @@ from .frame import (
 PROTOCOL_VERSION = 1
 MAX_POSITION = 1 << 24
 MAX_ERROR_CHARS = 1000  # error sentences are cut here; peers' values are quoted shorter still
+MAX_PROBE_BYTES = 1 << 30  # decoder bound on a probe's reply size; the server applies its message limit
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,30 @@ class Close:
         return encode_frame({"type": "close"})
 
 
-ClientMessage = Hello | Step | Close
-ServerMessage = Welcome | Result | Error
+@dataclass(frozen=True)
+class Probe:
+    """Measures the path (round trip, bandwidth): answered at once, without a session or any compute."""
+
+    seq: int
+    reply_bytes: int  # size of the body the reply must carry
+    payload: bytes = b""  # sent as the body; its content is ignored
+
+    def encode(self) -> bytes:
+        return encode_frame({"type": "probe", "seq": self.seq, "reply_bytes": self.reply_bytes}, self.payload)
+
+
+@dataclass(frozen=True)
+class ProbeReply:
+    seq: int
+    received: int  # body bytes of the Probe as the server got them
+    payload: bytes = b""  # reply_bytes zero bytes
+
+    def encode(self) -> bytes:
+        return encode_frame({"type": "probe_reply", "seq": self.seq, "received": self.received}, self.payload)
+
+
+ClientMessage = Hello | Step | Close | Probe
+ServerMessage = Welcome | Result | Error | ProbeReply
 
 
 def _check_version(header: dict) -> int:
@@ -257,7 +282,10 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         return Step(seq, tuple(keep), tuple(positions), structure, hidden, wire_dtype=header["tensor"]["dtype"])
     if kind == "close":
         return Close()
-    raise ProtocolError(f"unknown client message type {show(kind)}; expected hello, step or close.")
+    if kind == "probe":
+        reply_bytes = check_int(header.get("reply_bytes"), "reply_bytes", 0, MAX_PROBE_BYTES)
+        return Probe(check_int(header.get("seq"), "seq", 0), reply_bytes, bytes(body))
+    raise ProtocolError(f"unknown client message type {show(kind)}; expected hello, step or close (or probe).")
 
 
 def decode_server_message(data: bytes, limits: Limits) -> ServerMessage:
@@ -292,4 +320,9 @@ def decode_server_message(data: bytes, limits: Limits) -> ServerMessage:
             message=check_str(header.get("message"), "message", 4096),
             seq=None if seq is None else check_int(seq, "seq", 0),
         )
-    raise ProtocolError(f"unknown server message type {show(kind)}; expected welcome, result or error.")
+    if kind == "probe_reply":
+        received = check_int(header.get("received"), "received", 0)
+        return ProbeReply(check_int(header.get("seq"), "seq", 0), received, bytes(body))
+    raise ProtocolError(
+        f"unknown server message type {show(kind)}; expected welcome, result or error (or probe_reply)."
+    )

@@ -1,0 +1,406 @@
+"""`splitinfer bench-batch`: what batching concurrent sessions buys the cloud, and what clients see.
+
+Two parts, reported separately because they measure different things:
+
+1. Cloud side, in-process (no clients competing for the CPU): the middle layers of the shard, B sessions
+   with different context lengths, B single-token decode steps run as one batched pass vs the same steps
+   one at a time; then mixed block sizes cut into passes by the scheduler's own grouping rule; then the
+   scheduler's hand-off cost for a lone session. Inputs are random hidden states (compute time does not
+   depend on values). This process is pinned to one core with `--threads` torch threads.
+2. End to end: a `splitinfer serve` child (pinned to core 1, one thread) behind a `splitinfer wan`
+   proxy adding the round trip, and N concurrent sequential-decoding clients as threads of this process
+   (pinned to core 0, one thread), served batched and one session at a time (`--max-batch 1`). On a
+   2-core machine the clients share one core, so these figures are bounded by the clients' own compute.
+
+Writes OUT/batching.json and OUT/batching.md. Nothing heavy is imported until the command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be comma-separated integers, e.g. 1,4,16; got {text!r}.") from exc
+    if not values or any(v < 1 for v in values):
+        raise ConfigError(f"{name} needs at least one value, all >= 1; got {text!r}.")
+    return values
+
+
+def _median(values) -> float:
+    return round(statistics.median(values), 3)
+
+
+class _Sessions:
+    """B cloud sessions in one SessionTable, prefilled to different lengths, stepped with valid seq/keep."""
+
+    def __init__(self, half, count: int, context: int):
+        import torch
+
+        from ..cloud.sessions import SessionConfig, SessionTable
+        from ..wire.messages import Hello
+
+        self.torch = torch
+        self.d = half.config.hidden_size
+        self.table = SessionTable(half, SessionConfig(max_sessions=count + 1, max_cached_tokens=1 << 30))
+        hello = Hello(half.fingerprint, (half.stack.start, half.stack.end), "float32")
+        self.sessions = [self.table.open(hello)[0] for _ in range(count)]
+        self.seq = [0] * count
+        self.keep: list[tuple[int, ...]] = [()] * count
+        for i in range(count):  # context lengths context, context + 8, ...: every cache a different length
+            length = context + 8 * (i % 8)
+            self.table.run_step(self.sessions[i], self.step(i, length), 0.0)
+
+    def step(self, i: int, q: int):
+        from ..masks import BlockStructure
+        from ..wire.messages import Step
+
+        session = self.sessions[i]
+        start = session.cache.length + len(self.keep[i])
+        hidden = self.torch.randn(q, self.d)
+        positions = tuple(range(start, start + q))
+        step = Step(self.seq[i], self.keep[i], positions, BlockStructure.chain(), hidden, "float32")
+        self.seq[i] += 1
+        self.keep[i] = tuple(range(q))
+        return step
+
+    def batched(self, indices, sizes) -> float:
+        items = [(self.sessions[i], self.step(i, q), 0.0) for i, q in zip(indices, sizes)]
+        t0 = time.perf_counter()
+        outcomes = self.table.run_steps(items)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        assert all(not isinstance(o, Exception) for o in outcomes), outcomes
+        return elapsed
+
+    def one_at_a_time(self, indices, sizes) -> float:
+        return sum(self.batched([i], [q]) for i, q in zip(indices, sizes))
+
+
+def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
+    from ..cloud.scheduler import BatchConfig, Scheduler, plan_groups
+
+    sessions = _Sessions(half, max(sizes), context)
+    rows = []
+    for b in sizes:
+        idx = list(range(b))
+        sessions.batched(idx, [1] * b), sessions.one_at_a_time(idx, [1] * b)  # warm-up
+        batched, alone = [], []
+        for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
+            batched.append(sessions.batched(idx, [1] * b))
+            alone.append(sessions.one_at_a_time(idx, [1] * b))
+        rows.append({"kind": "decode", "batch": b, "block_rows": [1] * b,
+                     "batched_ms": _median(batched), "one_at_a_time_ms": _median(alone)})
+    config = BatchConfig()
+    for mix in ([1, 4, 8, 16], [1, 1, 1, 1, 8, 8, 8, 8], [1] * 12 + [32] * 4):
+        if len(mix) > max(sizes):
+            continue
+        idx = list(range(len(mix)))
+        groups = plan_groups(mix, config)
+
+        def grouped():
+            return sum(sessions.batched([idx[i] for i in g], [mix[i] for i in g]) for g in groups)
+
+        grouped(), sessions.one_at_a_time(idx, mix)
+        batched, alone = [], []
+        for _ in range(repeats):
+            batched.append(grouped())
+            alone.append(sessions.one_at_a_time(idx, mix))
+        rows.append({"kind": "mixed", "batch": len(mix), "block_rows": mix, "passes": len(groups),
+                     "batched_ms": _median(batched), "one_at_a_time_ms": _median(alone)})
+    one = next(r["batched_ms"] for r in rows if r["kind"] == "decode" and r["batch"] == 1)
+    for r in rows:
+        r["batched_vs_one_step"] = round(r["batched_ms"] / one, 3)
+        r["speedup_vs_one_at_a_time"] = round(r["one_at_a_time_ms"] / r["batched_ms"], 3)
+        r["steps_per_s_batched"] = round(r["batch"] / r["batched_ms"] * 1e3, 1)
+        r["steps_per_s_one_at_a_time"] = round(r["batch"] / r["one_at_a_time_ms"] * 1e3, 1)
+
+    # A lone session called directly, through the scheduler, and through a one-thread executor (the
+    # server's compute path before batching): what the batching policy costs a session that is alone.
+    lone = _Sessions(half, 1, context)
+    scheduler = Scheduler(lone.table, BatchConfig())
+    executor = ThreadPoolExecutor(max_workers=1)
+    session = lone.sessions[0]
+    times: dict[str, list[float]] = {"direct": [], "scheduler": [], "executor": []}
+    try:
+        for _ in range(max(20, repeats * 4)):
+            for path in times:
+                step = lone.step(0, 1)
+                t0 = time.perf_counter()
+                if path == "direct":
+                    lone.table.run_step(session, step, 0.0)
+                elif path == "scheduler":
+                    scheduler.submit(session, step, 0.0).result(timeout=60)
+                else:
+                    executor.submit(lone.table.run_step, session, step, 0.0).result(timeout=60)
+                times[path].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        scheduler.close()
+        executor.shutdown()
+    medians = {path: _median(values) for path, values in times.items()}
+    return {"rows": rows, "lone_session": {
+        "direct_ms": medians["direct"], "via_scheduler_ms": medians["scheduler"],
+        "via_executor_ms": medians["executor"],
+        "scheduler_minus_executor_ms": round(medians["scheduler"] - medians["executor"], 3),
+        "samples": len(times["direct"]),
+    }}
+
+
+def _replay(middle, hidden_size: int, context: int, steps: int, latencies: list[float], start=None) -> None:
+    """A client with no model: prefill `context` random rows, wait at `start`, then `steps` one-row steps."""
+    import torch
+
+    from ..masks import BlockStructure
+    from ..wire.messages import Step
+
+    middle.open()
+    middle.step(Step(0, (), tuple(range(context)), BlockStructure.chain(), torch.randn(context, hidden_size), "float16"))
+    keep = tuple(range(context))
+    if start is not None:
+        start.wait()
+    for i in range(steps):
+        t0 = time.perf_counter()
+        middle.step(Step(i + 1, keep, (context + i,), BlockStructure.chain(), torch.randn(1, hidden_size), "float16"))
+        latencies.append((time.perf_counter() - t0) * 1e3)
+        keep = (0,)
+    middle.close()
+
+
+def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: int, context: int) -> list[dict]:
+    """Steps served per second by a real server behind the WAN proxy, driven by model-less clients (each
+    step costs the client a few microseconds of encoding), batched and one session at a time."""
+    from ..launch import cloud_server, wan_proxy
+    from ..local.middle import RemoteMiddle
+
+    manifest = json.loads((shards / "cloud" / "manifest.json").read_text())
+    layers, width = tuple(manifest["split"]["cloud_layers"]), manifest["hidden_size"]
+    results = []
+    for mode, extra in (("batched", ()), ("one_at_a_time", ("--max-batch", "1"))):
+        with (
+            cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _),
+            wan_proxy(url, rtt_ms, cpu=1) as wan,
+        ):
+            def middle():
+                return RemoteMiddle(wan, manifest["cloud_fingerprint"], layers, width, "float16")
+
+            _replay(middle(), width, context, 3, [])  # warm-up
+            for n in clients:
+                latencies: list[list[float]] = [[] for _ in range(n)]
+                start = threading.Barrier(n + 1)  # the clock starts when every client has prefilled
+                threads = [threading.Thread(target=_replay, args=(middle(), width, context, steps, latencies[i], start))
+                           for i in range(n)]
+                for t in threads:
+                    t.start()
+                start.wait()
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
+                served = sum(len(x) for x in latencies)
+                if served != n * steps:
+                    raise ConfigError(f"only {served} of {n * steps} steps were answered; rerun with -v to see why.")
+                results.append({"mode": mode, "clients": n, "rtt_ms": rtt_ms, "steps": served, "wall_s": round(wall, 3),
+                                "steps_served_per_s": round(served / wall, 2),
+                                "step_latency_ms_median": _median([v for x in latencies for v in x])})
+                print(f"  server {mode:>13} {n:>2} client(s): {results[-1]['steps_served_per_s']} steps/s, "
+                      f"{results[-1]['step_latency_ms_median']} ms per step", flush=True)
+    return results
+
+
+def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> list[dict]:
+    from ..launch import cloud_server, wan_proxy
+    from ..local.client import SplitClient
+    from ..local.session import ClientConfig
+    from ..local.middle import RemoteMiddle
+    from ..model.shards import load_local
+    from .runtime import load_prompts
+
+    local = load_local(shards / "local")
+    split = local.manifest["split"]
+    prompts = [p["prompt"] for p in load_prompts(None, 2)]
+    results = []
+    for mode, extra in (("batched", ()), ("one_at_a_time", ("--max-batch", "1"))):
+        with (
+            cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _),
+            wan_proxy(url, rtt_ms, cpu=1) as wan,
+        ):
+            config = ClientConfig(wire_dtype="float16")
+
+            def make_middle():
+                layers = tuple(split["cloud_layers"])
+                return RemoteMiddle(wan, local.fingerprint, layers, local.config.hidden_size, "float16")
+
+            client = SplitClient(local, make_middle, config)
+            # Token ids encoded here, once: client threads then never share the tokenizer's encoder.
+            prompt_ids = [client.encode_prompt(p) for p in prompts]
+            client.generate(prompt_ids[0], max_new_tokens=4, strategy="sequential")  # warm-up, discarded
+            for n in clients:
+                gens: dict[int, object] = {}
+                barrier = threading.Barrier(n)
+
+                def worker(i):
+                    barrier.wait()
+                    gens[i] = client.generate(prompt_ids[i % len(prompt_ids)], max_new_tokens=tokens,
+                                              strategy="sequential", stop_ids=set())
+
+                threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+                t0 = time.perf_counter()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - t0
+                if len(gens) != n:
+                    raise ConfigError(f"{n - len(gens)} of {n} clients failed; rerun with -v to see why.")
+                stats = [g.stats for g in gens.values()]
+                steps = sum(s["steps"] for s in stats)
+                results.append({
+                    "mode": mode, "clients": n, "rtt_ms": rtt_ms, "wall_s": round(wall, 3),
+                    "generated_tokens": sum(s["generated_tokens"] for s in stats),
+                    "aggregate_tok_s": round(sum(s["generated_tokens"] for s in stats) / wall, 2),
+                    "per_session_tok_s_median": _median([s["tokens_per_s"] for s in stats]),
+                    "decode_steps": steps, "steps_served_per_s": round(steps / wall, 2),
+                    "median_cloud_compute_ms": _median([s["median_ms"]["cloud_compute"] for s in stats]),
+                    "median_local_compute_ms": _median([s["median_ms"]["local_compute"] for s in stats]),
+                    "median_round_trip_ms": _median([s["median_ms"]["round_trip"] for s in stats]),
+                })
+                print(f"  e2e {mode:>13} {n:>2} client(s): {results[-1]['aggregate_tok_s']} tok/s aggregate, "
+                      f"{results[-1]['steps_served_per_s']} steps/s", flush=True)
+    return results
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Batched cloud execution ({report['model_id']})", "", report["how"], "",
+             "## Cloud side, in-process (no clients on the CPU)", "",
+             "| kind | sessions | block rows | passes | batched ms | one at a time ms | batched / one step | "
+             "speedup | steps/s batched | steps/s one at a time |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["cloud"]["rows"]:
+        rows = r["block_rows"]
+        shape = f"{rows[0]} x {len(rows)}" if len(set(rows)) == 1 else ",".join(map(str, rows))
+        lines.append(f"| {r['kind']} | {r['batch']} | {shape} | {r.get('passes', 1)} | {r['batched_ms']} | "
+                     f"{r['one_at_a_time_ms']} | {r['batched_vs_one_step']} | {r['speedup_vs_one_at_a_time']} | "
+                     f"{r['steps_per_s_batched']} | {r['steps_per_s_one_at_a_time']} |")
+    lone = report["cloud"]["lone_session"]
+    lines += ["", f"Lone session, median of {lone['samples']} interleaved steps: {lone['direct_ms']} ms called "
+              "directly, "
+              f"{lone['via_scheduler_ms']} ms through the batching scheduler, {lone['via_executor_ms']} ms through a "
+              f"one-thread executor (the unbatched server's path): scheduler - executor = "
+              f"{lone['scheduler_minus_executor_ms']} ms.", ""]
+    targets = report["targets"]
+    if "batch16_vs_one_step" in targets:
+        lines += ["Target: batched compute of 16 single-token steps <= 3x one step: "
+                  f"**{targets['batch16_vs_one_step']}x** ({'met' if targets['batch16_met'] else 'not met'})."]
+    if report["server_under_load"]:
+        rtt = report["server_under_load"][0]["rtt_ms"]
+        lines += ["", f"## The real server at +{rtt:g} ms round trip, driven by model-less clients (cloud side)", "",
+                  "Clients replay single-token decode steps of random hidden states (no local layers), so the "
+                  "server's batching, not the clients' compute, sets the rate.", "",
+                  "| mode | clients | steps served/s | step latency ms (median) |", "|---|---|---|---|"]
+        for r in report["server_under_load"]:
+            lines.append(f"| {r['mode']} | {r['clients']} | {r['steps_served_per_s']} | {r['step_latency_ms_median']} |")
+        if "server_steps16_vs_lone" in targets:
+            met = "met" if targets["server_steps16_met"] else "not met"
+            lines += ["", "Target: steps served per second at 16 sessions >= 5x a lone session's: "
+                      f"**{targets['server_steps16_vs_lone']}x** ({met})."]
+    if report["e2e"]:
+        rtt = report["e2e"][0]["rtt_ms"]
+        lines += ["", f"## End to end at +{rtt:g} ms round trip (clients share a core; see above)",
+                  "", "| mode | clients | aggregate tok/s | per-session tok/s (median) | steps served/s | "
+                  "cloud compute ms (median) | local compute ms (median) | round trip ms (median) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in report["e2e"]:
+            lines.append(f"| {r['mode']} | {r['clients']} | {r['aggregate_tok_s']} | {r['per_session_tok_s_median']} | "
+                         f"{r['steps_served_per_s']} | {r['median_cloud_compute_ms']} | "
+                         f"{r['median_local_compute_ms']} | "
+                         f"{r['median_round_trip_ms']} |")
+        if "e2e_steps16_vs_lone" in targets:
+            lines += ["", "End to end, steps served per second at 16 clients vs one (bounded by the clients sharing "
+                      f"a core): {targets['e2e_steps16_vs_lone']}x."]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    import torch
+
+    from ..model.shards import load_cloud
+
+    shards, out = Path(args.shards), Path(args.out)
+    sizes = _ints(args.sizes, "--sizes")
+    clients = _ints(args.clients, "--clients") if args.clients else []
+    load_clients = _ints(args.load_clients, "--load-clients") if args.load_clients else []
+    if not (shards / "cloud").is_dir():
+        raise ConfigError(f"{shards} has no cloud shard; run `splitinfer prepare --out {shards}` first.")
+    pin = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
+    affinity, threads = (os.sched_getaffinity(0) if pin else None), torch.get_num_threads()
+    try:
+        if pin:
+            os.sched_setaffinity(0, {0})
+        torch.set_num_threads(args.threads)
+        half = load_cloud(shards / "cloud", device=args.device, dtype=args.dtype)
+        print(f"cloud side: batches {sizes}, context ~{args.context} rows, {args.repeats} repeats", flush=True)
+        cloud = cloud_side(half, sizes, args.context, args.repeats)
+        torch.set_num_threads(1)
+        load = server_under_load(shards, load_clients, args.rtt_ms, args.load_steps, args.context) if load_clients else []
+        e2e = end_to_end(shards, clients, args.rtt_ms, args.max_new_tokens) if clients else []
+    finally:  # a caller in the same process (tests) gets its CPUs and threads back
+        if pin:
+            os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    rows = {r["batch"]: r for r in cloud["rows"] if r["kind"] == "decode"}
+    targets = {}
+    if 16 in rows:
+        targets["batch16_vs_one_step"] = rows[16]["batched_vs_one_step"]
+        targets["batch16_met"] = rows[16]["batched_vs_one_step"] <= 3.0
+    for name, rows in (("server", load), ("e2e", e2e)):
+        batched = {r["clients"]: r for r in rows if r["mode"] == "batched"}
+        if 1 in batched and 16 in batched:
+            ratio = round(batched[16]["steps_served_per_s"] / batched[1]["steps_served_per_s"], 2)
+            targets[f"{name}_steps16_vs_lone"], targets[f"{name}_steps16_met"] = ratio, ratio >= 5.0
+    report = {
+        "model_id": half.manifest["model_id"], "device": args.device, "dtype": str(next(half.stack.parameters()).dtype),
+        "how": (f"Cloud side: this process pinned to core 0, {args.threads} torch thread(s), device {args.device}. "
+                "End to end: server child on core 1 (1 thread) behind the WAN proxy; clients are threads of this "
+                "process on core 0 (1 torch thread), sequential decoding, float16 wire, "
+                f"{args.max_new_tokens} new tokens each. Medians over {args.repeats} interleaved repeats."),
+        "argv": sys.argv, "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cloud": cloud, "server_under_load": load, "e2e": e2e, "targets": targets,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "batching.json").write_text(json.dumps(report, indent=2))
+    (out / "batching.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser(
+        "bench-batch", help="batched vs one-at-a-time cloud compute, and concurrent clients end to end"
+    )
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--out", default="bench-out", help="directory for batching.json and batching.md")
+    s.add_argument("--sizes", default="1,4,16,64", help="decode batch sizes for the cloud-side measurement")
+    s.add_argument("--context", type=int, default=128, help="committed rows per session (varied by up to +56)")
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--load-clients", default="1,4,16,64",
+                   help="model-less concurrent clients driving the real server ('' skips that part)")
+    s.add_argument("--load-steps", type=int, default=16, help="decode steps per model-less client")
+    s.add_argument("--clients", default="1,4,16", help="concurrent clients end to end ('' skips that part)")
+    s.add_argument("--rtt-ms", type=float, default=80.0, help="added round trip end to end")
+    s.add_argument("--max-new-tokens", type=int, default=32, help="tokens per client end to end")
+    s.add_argument("--threads", type=int, default=1, help="torch threads for the cloud-side part")
+    s.add_argument("--device", default="cpu", help="cloud-side part: cpu, cuda, cuda:1 ...")
+    s.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="cloud-side compute dtype")
+    s.set_defaults(func=run)

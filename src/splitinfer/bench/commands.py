@@ -1,0 +1,205 @@
+"""CLI of the benchmarks and sizing tools: `splitinfer bench`, `splitinfer probe`, `splitinfer plan`.
+
+    splitinfer bench --shards shards/smollm2 --out docs/bench           # the full sweep (~22 min quiet)
+    splitinfer bench --quick --out /tmp/bench                           # a smaller sweep (minutes)
+    splitinfer bench --report-only --out docs/bench                     # Markdown + plots from bench.json
+    splitinfer probe --server ws://HOST:PORT [--bench docs/bench/bench.json] [--expect-rtt-ms 80]
+    splitinfer plan  --config mistral-7b-v0.1 [--head-layers 2] [--tail-layers 2] [--dtype float16] [--json]
+
+Parsing and orchestration only; nothing heavy is imported until a command runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{name} must be comma-separated numbers, e.g. 0,20,40; got {text!r}.") from exc
+    if not values or any(v < 0 for v in values):
+        raise ConfigError(f"{name} needs at least one value, none negative; got {text!r}.")
+    return values
+
+
+def _sweep_config(args):
+    from .runtime import MODES, QUICK, SweepConfig
+
+    config = QUICK if args.quick else SweepConfig()
+    if args.rtt_ms:
+        config = replace(config, rtts_ms=_floats(args.rtt_ms, "--rtt-ms"))
+    if args.modes:
+        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise ConfigError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}.")
+        config = replace(config, modes=modes)
+    for field in ("max_new_tokens", "per_category", "repeats"):
+        value = getattr(args, field)
+        if value is not None:
+            if value < 1:
+                raise ConfigError(f"--{field.replace('_', '-')} must be at least 1.")
+            config = replace(config, **{field: value})
+    return config
+
+
+def cmd_bench(args) -> int:
+    from . import report as reporting
+
+    out = Path(args.out)
+    if args.report_only:
+        try:
+            data = json.loads((out / "bench.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read {out / 'bench.json'} ({exc}); run `splitinfer bench --out {out}` first.") from exc
+        from .summary import summarize
+
+        # recomputed from the raw runs, so a newer summary applies to an older sweep
+        old = data["summary"]
+        price = args.gpu_price if args.gpu_price is not None else old["gpu_price_per_hour"]
+        projection = old.get("projection_rtts") or [p["rtt_ms"] for p in old["projection"]]
+        data["summary"] = summarize({"runs": data["runs"], "probe_rtt_ms": data["probe_rtt_ms"]}, price, projection)
+        _write_report(data, out, args.docs)
+        return 0
+    import torch
+
+    from .. import __version__
+    from ..launch import cloud_server
+    from .prefill import run_prefill
+    from .runtime import load_prompts, log_stderr, run_sweep
+    from .summary import summarize
+
+    shards = Path(args.shards)
+    if not (shards / "local" / "manifest.json").exists():
+        raise ConfigError(f"{shards} holds no prepared shards; run `splitinfer prepare --out {shards}` (or `make prepare`).")
+    config = _sweep_config(args)
+    prompts = load_prompts(args.prompts, config.per_category)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    raw = run_sweep(shards, prompts, config, log=log_stderr)
+    prefill = None
+    if not args.no_prefill:
+        sizes = tuple(int(x) for x in _floats(args.prefill_tokens, "--prefill-tokens"))
+        with cloud_server(shards / "cloud", cpu=1, threads=1) as (url, _):
+            prefill = run_prefill(shards, url, sizes, args.prefill_rtt_ms, args.prefill_mbit, args.prefill_real_max,
+                                  log=log_stderr)
+    data = {
+        "command": "splitinfer bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "splitinfer": __version__,
+        "torch": torch.__version__,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
+        "setup": "client and local-only models: this process, core 0, 1 thread; cloud server: child process, core 1, "
+        "1 thread; WAN emulators: child processes on core 1; float16 wire; greedy",
+        "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
+        "config": asdict(config),
+        "prompts": [p["id"] for p in prompts],
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "summary": summarize(raw, 2.0 if args.gpu_price is None else args.gpu_price,
+                             list(_floats(args.project_rtt_ms, "--project-rtt-ms"))),
+        "prefill": prefill,
+        "probe_rtt_ms": raw["probe_rtt_ms"],
+        "runs": raw["runs"],
+    }
+    _write_report(data, out, args.docs)
+    print(reporting.markdown(data))
+    return 1 if any(not c["passed"] for c in data["summary"]["checks"]) else 0
+
+
+def _write_report(data: dict, out: Path, docs: str | None) -> None:
+    from . import report as reporting
+
+    try:
+        data["plots"] = reporting.plot(data, out)
+        data.pop("plots_error", None)
+    except ImportError:
+        data["plots"] = []
+        data["plots_error"] = "matplotlib is not installed (pip install 'splitinfer[bench]')"
+    (out / "bench.json").write_text(json.dumps(data, indent=1))
+    (out / "bench.md").write_text(reporting.markdown(data))
+    if docs:
+        reporting.update_docs(Path(docs), data, out)
+    for c in data["summary"]["checks"]:
+        print(f"{'PASS' if c['passed'] else 'FAIL'}: {c['check']}: {c['measured']} vs {c['expected']} "
+              f"({c['relative_error']:.1%}, tolerance {c['tolerance']:.0%})", file=sys.stderr)
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and {len(data['plots'])} plot(s)", file=sys.stderr)
+
+
+def cmd_probe(args) -> int:
+    from .probe import run
+
+    return run(args)
+
+
+def cmd_plan(args) -> int:
+    from .plan import Rates, load_config, plan, text_report
+
+    label, cfg = load_config(args.config)
+    rates = Rates(args.rtt_ms, args.cloud_tflops, args.cloud_gbps, args.local_tflops, args.local_gbps)
+    result = plan(cfg, args.head_layers, args.tail_layers, args.dtype, args.wire_dtype,
+                  args.max_message_mb * 1024 * 1024, rates)
+    print(json.dumps({"config": label, **result}) if args.json else text_report(label, result))
+    return 0
+
+
+def register(sub) -> None:
+    from ..local.auth import add_client_auth_args
+
+    s = sub.add_parser("bench", help="sweep: added RTT x decoding mode x prompt category; fits, cost, prefill, plots")
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and the plots")
+    s.add_argument("--quick", action="store_true", help="RTT 0,40,80, 16 tokens, 1 repetition (a few minutes)")
+    s.add_argument("--report-only", action="store_true", help="rebuild bench.md and the plots from OUT/bench.json")
+    s.add_argument("--docs", help="also write the report into this Markdown file between its two bench markers "
+                   "(docs/benchmarks.md)")
+    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    s.add_argument("--rtt-ms", help="comma-separated added round trips (default 0,20,40,80,150)")
+    s.add_argument("--modes", help="comma-separated: local-only,local-only-pld,split-sequential,split-lookahead,split-tree")
+    s.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 40; --quick 16)")
+    s.add_argument("--per-category", type=int, help="prompts taken from each category (default 1)")
+    s.add_argument("--repeats", type=int, help="measured repetitions after the warm-up (default 3; --quick 1)")
+    s.add_argument("--gpu-price", type=float, help="assumed $ per GPU-hour for the cost table (default 2.0)")
+    s.add_argument("--project-rtt-ms", default="1,5,10,200,300,500", help="RTTs for the projection table")
+    s.add_argument("--no-prefill", action="store_true", help="skip the prefill measurement")
+    s.add_argument("--prefill-tokens", default="1024,8192,32768", help="prompt lengths for the prefill measurement")
+    s.add_argument("--prefill-mbit", type=float, default=100.0, help="bandwidth limit per direction for prefill")
+    s.add_argument("--prefill-rtt-ms", type=float, default=40.0, help="added round trip for prefill")
+    s.add_argument("--prefill-real-max", type=int, default=1024, help="largest prompt also prefilled for real")
+    s.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("probe", help="measure round trip and bandwidth to a server; expected tok/s per mode")
+    s.add_argument("--server", required=True, help="ws:// or wss:// URL of `splitinfer serve`")
+    s.add_argument("--small", type=int, default=50, help="small messages for the round trip")
+    s.add_argument("--large", type=int, default=3, help="large messages each way for the bandwidth")
+    s.add_argument("--large-kb", type=int, default=1024, help="size of a large message, KiB")
+    s.add_argument("--bench", help="bench.json with the fitted model (default: docs/bench/bench.json if present)")
+    s.add_argument("--expect-rtt-ms", type=float, help="check the median round trip is within 10%% of this")
+    s.add_argument("--json", action="store_true")
+    add_client_auth_args(s)
+    s.set_defaults(func=cmd_probe)
+
+    s = sub.add_parser("plan", help="size a split from a model config: memory, KV, wire bytes, RTT/compute")
+    s.add_argument("--config", required=True, help="config.json path, or mistral-7b-v0.1, mistral-nemo-12b, "
+                   "llama-3.1-70b, llama-3.1-405b")
+    s.add_argument("--head-layers", type=int, default=2)
+    s.add_argument("--tail-layers", type=int, default=2)
+    s.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"), help="weights and KV")
+    s.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), help="default: --dtype")
+    s.add_argument("--max-message-mb", type=int, default=16, help="the server's message limit, MiB")
+    s.add_argument("--rtt-ms", type=float, default=80.0)
+    s.add_argument("--cloud-tflops", type=float, default=400.0, help="assumed effective cloud compute rate")
+    s.add_argument("--cloud-gbps", type=float, default=3350.0, help="assumed cloud memory bandwidth, GB/s")
+    s.add_argument("--local-tflops", type=float, default=20.0)
+    s.add_argument("--local-gbps", type=float, default=400.0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_plan)

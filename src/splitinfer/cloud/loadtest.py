@@ -1,0 +1,184 @@
+"""A bounded load test: many concurrent sessions against one server, each checked against a solo run.
+
+    splitinfer load-test --shards shards/smollm2 --sessions 64 --max-sessions 48 --max-new-tokens 32
+
+The server runs in this process (so its session table can be sampled: open sessions, cached KV rows);
+clients are threads sharing one local half, each with its own caches and connection. A client refused
+for capacity waits and retries, which is what the retry-later error asks of it. The report says whether
+every output equals the output of the same prompt run alone, the peak open sessions and cached rows
+against the configured budgets, how many capacity refusals happened, the wall time and the process's
+peak RSS (server and clients together). It is a tool, not a benchmark: timings on a shared CPU are noisy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..errors import CapacityError
+
+
+@dataclass
+class LoadReport:
+    sessions: int
+    completed: int = 0
+    exact: int = 0  # outputs equal to the solo run of the same prompt
+    capacity_refusals: int = 0  # retry-later errors answered to clients (each then retried)
+    evictions: int | None = None  # idle sessions the server evicted to make room (clients re-prefilled)
+    other_errors: list[str] = field(default_factory=list)
+    peak_open_sessions: int = 0
+    peak_cached_tokens: int = 0
+    max_sessions: int = 0
+    max_cached_tokens: int = 0
+    wall_s: float = 0.0
+    peak_rss_mib: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.exact == self.sessions
+            and not self.other_errors
+            and self.peak_open_sessions <= self.max_sessions
+            and self.peak_cached_tokens <= self.max_cached_tokens
+        )
+
+
+def run_load(local, server, prompts: list[list[int]], expected: list[list[int]], sessions: int,
+             max_new_tokens: int, client_config, auth=None, max_wait_s: float = 600.0) -> LoadReport:
+    """`sessions` clients at once against `server` (a ServerThread); session i decodes prompts[i % len]."""
+    from ..decoding.loop import decode
+    from ..decoding.strategies import Sequential
+    from ..local.auth import ClientAuth
+    from ..local.middle import RemoteMiddle
+    from ..local.session import SplitSession
+
+    table = server.server.table
+    report = LoadReport(sessions, max_sessions=table.config.max_sessions, max_cached_tokens=table.config.max_cached_tokens)
+    lock = threading.Lock()
+    done = threading.Event()
+    split = local.manifest["split"]
+
+    def sample() -> None:
+        while not done.is_set():
+            n, rows = len(table), table.cached_tokens()
+            report.peak_open_sessions = max(report.peak_open_sessions, n)
+            report.peak_cached_tokens = max(report.peak_cached_tokens, rows)
+            time.sleep(0.005)
+
+    def client(i: int) -> None:
+        prompt = prompts[i % len(prompts)]
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            middle = RemoteMiddle(server.url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size,
+                                  client_config.wire_dtype, auth=auth or ClientAuth())
+            session = SplitSession(local, middle, client_config)
+            tokens: list[int] = []
+            try:
+                logits = session.prefill(prompt)
+                decode(session, prompt, logits, max_new_tokens, set(), lambda t, _lp: tokens.append(t), Sequential())
+                break
+            except CapacityError:
+                with lock:
+                    report.capacity_refusals += 1
+                if time.monotonic() > deadline:
+                    with lock:
+                        report.other_errors.append(f"client {i}: still refused after {max_wait_s:.0f} s")
+                    return
+                time.sleep(random.uniform(0.05, 0.3))  # what "retry later" asks for, spread out
+            except Exception as exc:  # noqa: BLE001 - counted and reported, the others go on
+                with lock:
+                    report.other_errors.append(f"client {i}: {type(exc).__name__}: {exc}")
+                return
+            finally:
+                session.close()
+        with lock:
+            report.completed += 1
+            report.exact += tokens == expected[i % len(prompts)]
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,), name=f"load-{i}") for i in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    report.wall_s = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    report.evictions = getattr(table, "evictions", None)
+    report.peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return report
+
+
+def solo_outputs(local, cloud, prompts: list[list[int]], max_new_tokens: int, client_config) -> list[list[int]]:
+    """Each prompt run alone through a fresh server: the reference every loaded session must match."""
+    from ..decoding.loop import decode
+    from ..decoding.strategies import Sequential
+    from ..local.middle import RemoteMiddle
+    from ..local.session import SplitSession
+    from .server import ServerThread
+
+    out = []
+    split = local.manifest["split"]
+    with ServerThread(cloud) as server:
+        for prompt in prompts:
+            middle = RemoteMiddle(server.url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size,
+                                  client_config.wire_dtype)
+            session = SplitSession(local, middle, client_config)
+            tokens: list[int] = []
+            decode(session, prompt, session.prefill(prompt), max_new_tokens, set(), lambda t, _lp: tokens.append(t), Sequential())
+            session.close()
+            out.append(tokens)
+    return out
+
+
+def cmd_load_test(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from ..local.session import ClientConfig
+    from ..model.shards import load_cloud, load_local
+    from .server import ServerConfig, ServerThread
+    from .sessions import SessionConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shards = Path(args.shards)
+    local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
+    prompts = _prompts(local, args.prompts)
+    config = ClientConfig(wire_dtype=args.wire_dtype)
+    expected = solo_outputs(local, cloud, prompts, args.max_new_tokens, config)
+    sessions = SessionConfig(max_sessions=args.max_sessions, max_cached_tokens=args.max_cached_tokens)
+    with ServerThread(cloud, ServerConfig(port=0, sessions=sessions)) as server:
+        report = run_load(local, server, prompts, expected, args.sessions, args.max_new_tokens, config)
+    data = asdict(report) | {"ok": report.ok, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                             "wire_dtype": args.wire_dtype}
+    print(json.dumps(data, indent=2))
+    return 0 if report.ok else 1
+
+
+def _prompts(local, count: int) -> list[list[int]]:
+    from importlib import resources
+
+    lines = resources.files("splitinfer.data").joinpath("prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
+    return [list(local.tokenizer(text)["input_ids"]) for text in texts]
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("load-test", help="many concurrent sessions against one in-process server")
+    s.add_argument("--shards", default="shards/smollm2", help="a prepared OUT directory (OUT/local + OUT/cloud)")
+    s.add_argument("--sessions", type=int, default=64, help="concurrent client sessions")
+    s.add_argument("--max-sessions", type=int, default=48, help="the server's session limit")
+    s.add_argument("--max-cached-tokens", type=int, default=262_144, help="the server's KV budget (rows)")
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--prompts", type=int, default=8, help="distinct prompts from the packaged set")
+    s.add_argument("--wire-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.set_defaults(func=cmd_load_test)

@@ -1,0 +1,145 @@
+"""CLI: `splitinfer audit` and `splitinfer privatize` (thin wrappers over privacy.audit / privacy.privatize).
+
+No torch import at module level: the CLI parses arguments before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise ConfigError(f"expected comma-separated integers like 1,2,4, not {text!r}.") from exc
+    if not values or min(values) < 1:
+        raise ConfigError(f"depths must be positive integers, not {text!r}.")
+    return values
+
+
+def cmd_audit(args) -> int:
+    from dataclasses import replace
+
+    import torch
+
+    from .audit import AuditConfig, quick_config, run_audit
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = quick_config(args.shards) if args.quick else AuditConfig(shards=args.shards)
+    changes = {}
+    if args.depths:
+        changes["depths"] = _ints(args.depths)
+    if args.tail_depths:
+        changes["tail_depths"] = _ints(args.tail_depths)
+    if args.documents:
+        changes["corpus"] = replace(config.corpus, max_documents=args.documents)
+    if args.a4_chunks is not None:
+        changes["a4_chunks"] = args.a4_chunks
+    if args.epochs:
+        changes["train"] = replace(config.train, epochs=args.epochs)
+    if args.no_seq:
+        changes["seq_attacker"] = False
+    if args.no_privatize:
+        changes["privatize"] = None
+    if args.noise is not None:
+        try:
+            changes["noise_sigmas"] = tuple(float(v) for v in args.noise.split(",") if v.strip())
+        except ValueError as exc:
+            raise ConfigError(f"--noise takes comma-separated sigmas like 0.1,0.5 (or '' for none), not {args.noise!r}.") from exc
+    config = replace(config, **changes)
+    if config.defence_depth not in config.depths or config.defence_depth not in config.tail_depths:
+        raise ConfigError(f"--depths and --tail-depths must include the defence depth {config.defence_depth}.")
+    if not (Path(args.shards) / "local" / "manifest.json").is_file():
+        raise ConfigError(f"{args.shards} is not a prepared model; run `splitinfer prepare --out {args.shards}` first.")
+    result = run_audit(config, args.out)
+    print(f"wrote {args.out}/audit.json and {args.out}/audit.md ({len(result['results'])} rows, {result['wall_seconds']} s)")
+    return 0
+
+
+def _read_texts(paths: list[str]) -> list[str]:
+    texts = []
+    for p in map(Path, paths):
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".txt", ".md", ".rst")) if p.is_dir() else [p]
+        for f in files:
+            if not f.is_file():
+                raise ConfigError(f"{f} does not exist; pass text files or directories of .txt/.md/.rst files.")
+            texts.append(f.read_text(encoding="utf-8", errors="replace"))
+    return [t for t in texts if t.strip()]
+
+
+def cmd_privatize(args) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..model.shards import load_whole_hf
+    from .privatize import PrivatizeConfig, privatize_model, utility, write_private_shard
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shards, out = Path(args.shards), Path(args.out)
+    if out.exists():
+        raise ConfigError(f"{out} exists; choose a new --out directory.")
+    texts = _read_texts(args.text)
+    if len(texts) < 2:
+        raise ConfigError("pass at least two documents of the organisation's own text with --text (one is held out).")
+    manifest = json.loads((shards / "local" / "manifest.json").read_text())
+    split = manifest["split"]
+    tokenizer = AutoTokenizer.from_pretrained(shards / "local", local_files_only=True)
+    chunks = []
+    for doc, text in enumerate(texts):
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        chunks += [(doc, ids[s : s + 128]) for s in range(0, len(ids), 128) if len(ids[s : s + 128]) >= 16]
+    held = {d for d in range(len(texts)) if d % 5 == 4} or {len(texts) - 1}  # split by document
+    train = [c for d, c in chunks if d not in held]
+    test = [c for d, c in chunks if d in held][:32]
+    config = PrivatizeConfig(
+        head_layers=split["head_layers"], tail_layers=split["tail_layers"], rank=args.rank, scale=args.scale,
+        steps=args.steps, seed=args.seed,
+    )
+    model = load_whole_hf(shards)
+    private, record = privatize_model(model, train, config)
+    record["utility"] = utility(model, private, test)
+    write_private_shard(private, shards, out, record)
+    u = record["utility"]
+    print(
+        f"wrote {out} (private local layers {record['layers']}, cloud shard unchanged)\n"
+        f"held-out perplexity {u['perplexity']:.2f} (original {u['reference_perplexity']:.2f}), "
+        f"greedy agreement {100 * u['greedy_agreement']:.1f}% over {u['n_tokens']} tokens"
+    )
+    if args.seed is not None:
+        print("warning: --seed makes the private weights reproducible by anyone who learns it; keep it secret.", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("audit", help="measure what the cloud can recover from the hidden states it sees")
+    s.add_argument("--shards", default="shards/smollm2", help="a prepared OUT directory (OUT/local + OUT/cloud)")
+    s.add_argument("--out", required=True, help="directory for audit.json, audit.md and plots")
+    s.add_argument("--quick", action="store_true", help="a smaller audit (about ten minutes on two CPU cores)")
+    s.add_argument("--depths", help="input-side depths k, e.g. 1,2,4,6,8")
+    s.add_argument("--tail-depths", help="output-side depths m, e.g. 1,2,4,6,8")
+    s.add_argument("--documents", type=int, help="source documents in the corpus")
+    s.add_argument("--a4-chunks", type=int, help="test chunks for the known-weights exact attacker")
+    s.add_argument("--epochs", type=int, help="training epochs of the learned attackers")
+    s.add_argument("--no-seq", action="store_true", help="skip A3, the sequence-aware attacker")
+    s.add_argument("--no-privatize", action="store_true", help="skip the private-weights defence (T1, T2)")
+    s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.set_defaults(func=cmd_audit)
+
+    s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation)")
+    s.add_argument("--shards", required=True, help="a prepared OUT directory with stock weights")
+    s.add_argument("--out", required=True, help="new OUT directory: private OUT/local, unchanged OUT/cloud")
+    s.add_argument("--text", nargs="+", required=True, help="the organisation's own text: files or directories")
+    s.add_argument("--steps", type=int, default=60, help="distillation steps")
+    s.add_argument("--rank", type=int, default=8, help="rank of the secret low-rank deltas")
+    s.add_argument("--scale", type=float, default=0.2, help="initial size of the deltas relative to the weights")
+    s.add_argument("--seed", type=int, help="the secret seed (default: drawn from the OS and never stored)")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.set_defaults(func=cmd_privatize)

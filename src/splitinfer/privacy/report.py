@@ -1,0 +1,143 @@
+"""Turn audit.json into DIR/audit.md and two plots (recovery vs depth; privacy vs utility).
+
+Every rate is printed with its bootstrap interval, the frequency-prior baseline and the ceiling beside it.
+This module reads the result dict only; it runs no model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _ci(ci) -> str:
+    return f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p >= 1e-4 else "<1e-4"
+
+
+HEADER = (
+    "| side | depth | threat | attacker | defence | top-1 % [95% CI] | top-5 % | baseline top-1 % [CI] | "
+    "baseline top-5 % | ceiling % | exact chunks % | canary top-1 % | tokens / docs |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def row_line(r: dict) -> str:
+    return (
+        f"| {r['side']} | {r['depth']} | {r['threat']} | {r['attacker']} | {r['defence']} | "
+        f"{_pct(r['top1'])} {_ci(r['top1_ci'])} | {_pct(r['top5'])} | {_pct(r['baseline_top1'])} "
+        f"{_ci(r['baseline_top1_ci'])} | {_pct(r['baseline_top5'])} | {_pct(r['ceiling'])} | "
+        f"{_pct(r['exact_sequence'])} | {_pct(r['canary_top1'])} | {r['n_tokens']} / {r['n_documents']} |"
+    )
+
+
+def markdown(result: dict) -> str:
+    rows = result["results"]
+    corpus = result["corpus"]
+    lines = [
+        "# Privacy audit",
+        "",
+        f"Model: `{result['model']}`. Wall time {result.get('wall_seconds', '?')} s.",
+        f"Corpus: {corpus['sources']} source documents read; train {corpus['train']}, test {corpus['test']} "
+        "(split by source document).",
+        f"Targets: input side = {result['targets']['input']}; output side = {result['targets']['output']}.",
+        "Baseline = frequency prior from the attacker's training targets (its top-1 is the majority token). "
+        "Ceiling = 100% for attackers that rank the whole vocabulary (A1, A4), else the share of test tokens "
+        "whose type occurs in the training targets. Intervals: bootstrap over documents.",
+        "",
+        "## T0: local layers are the public weights",
+        "",
+        HEADER,
+        *[row_line(r) for r in rows if r["threat"] == "T0" and r["defence"] == "none"],
+        "",
+        "## Defences (noise on the sent activations; private local weights under T1 and T2)",
+        "",
+        HEADER,
+        *[row_line(r) for r in rows if not (r["threat"] == "T0" and r["defence"] == "none")],
+        "",
+        "## Utility and throughput cost of the defences",
+        "",
+        "| defence | side | depth | perplexity (original) | greedy agreement % | added local ms / token | tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for d in result.get("defences", []):
+        u = d["utility"]
+        lines.append(
+            f"| {d['defence']} | {d['side']} | {d['depth']} | {u['perplexity']:.2f} ({u['reference_perplexity']:.2f}) | "
+            f"{_pct(u['greedy_agreement'])} | {d.get('added_ms_per_token', 0)} | {u['n_tokens']} |"
+        )
+    lines += ["", "Split depth: same function, so no utility cost; local compute per decoded token:", "",
+              "| side | local layers | local ms / token (median decode step) |", "|---|---|---|"]
+    for c in result.get("depth_costs", []):
+        lines.append(f"| {c['side']} | {c['depth']} | {c['local_ms_per_token']} |")
+    ident = result.get("depth_identification")
+    if ident:
+        lines += ["", "## Can the cloud tell the split depth? (split-point randomisation, measured only)", "",
+                  f"Depths {ident['depths']}; chance {_pct(ident['chance'])}%.", "",
+                  "| features | row accuracy % | rows |", "|---|---|---|"]
+        for name in ("row statistics", "whole vector"):
+            lines.append(f"| {name} | {_pct(ident[name]['row_accuracy'])} | {ident[name]['n_rows']} |")
+    lines += ["", "## Paired tests (exact McNemar on the same tokens)", "",
+              "n01 = a wrong and b right; n10 = a right and b wrong.", "",
+              "| comparison | a | b | n01 | n10 | p | tokens |", "|---|---|---|---|---|---|---|"]
+    for t in result["paired_tests"]:
+        lines.append(f"| {t['comparison']} | {t['a']} | {t['b']} | {t['n01']} | {t['n10']} | {_p(t['p_value'])} | {t['n_tokens']} |")
+    lines += ["", "Plots: `recovery_vs_depth.png`, `privacy_vs_utility.png`.", ""]
+    return "\n".join(lines)
+
+
+def plots(result: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []  # plots are optional; the JSON and Markdown carry every number
+    rows = [r for r in result["results"] if r["threat"] == "T0" and r["defence"] == "none"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, side in zip(axes, ("input", "output")):
+        side_rows = [r for r in rows if r["side"] == side]
+        for attacker in sorted({r["attacker"] for r in side_rows}):
+            pts = sorted((r["depth"], r["top1"], r["top1_ci"]) for r in side_rows if r["attacker"] == attacker)
+            xs = [p[0] for p in pts]
+            ax.errorbar(xs, [p[1] for p in pts], yerr=[[p[1] - p[2][0] for p in pts], [p[2][1] - p[1] for p in pts]],
+                        marker="o", capsize=3, label=attacker)
+        base = sorted((r["depth"], r["baseline_top1"]) for r in side_rows if r["attacker"] == "A1")
+        ax.plot([b[0] for b in base], [b[1] for b in base], "k--", label="frequency prior")
+        ax.set_title(f"{side} side (T0, public local weights)")
+        ax.set_xlabel("local layers on this side (k or m)")
+        ax.set_ylim(0, 1.02)
+    axes[0].set_ylabel("top-1 token recovery")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "recovery_vs_depth.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in result.get("defences", []):
+        side = "input" if d["side"] in ("input", "both") else d["side"]
+        hits = [r["top1"] for r in result["results"] if r["side"] == side and r["depth"] == d["depth"]
+                and r["defence"] == d["defence"]]
+        if hits:
+            ax.scatter(d["utility"]["greedy_agreement"], max(hits))
+            ax.annotate(d["defence"], (d["utility"]["greedy_agreement"], max(hits)), fontsize=8)
+    ax.set_xlabel("greedy agreement with the original model")
+    ax.set_ylabel("best attacker top-1 (input side)")
+    ax.set_xlim(0, 1.05)
+    ax.set_ylim(0, 1.05)
+    fig.tight_layout()
+    fig.savefig(out / "privacy_vs_utility.png", dpi=110)
+    plt.close(fig)
+    return ["recovery_vs_depth.png", "privacy_vs_utility.png"]
+
+
+def write_report(result: dict, out: Path) -> None:
+    (out / "audit.md").write_text(markdown(result))
+    plots(result, out)
