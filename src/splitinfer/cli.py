@@ -210,7 +210,14 @@ def cmd_wan(args) -> int:
     host, _, port = args.upstream.rpartition(":")
     if not host or not port.isdigit():
         raise SplitInferError("--upstream must be HOST:PORT, e.g. 127.0.0.1:8765.")
-    config = WanConfig(rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbit=args.bandwidth_mbit)
+    try:
+        config = WanConfig(
+            rtt_ms=args.rtt_ms, jitter_ms=args.jitter_ms, bandwidth_mbit=args.bandwidth_mbit, seed=args.seed,
+            cut_after_bytes=args.cut_after_bytes, cut_after_s=args.cut_after_s, cut_connections=args.cut_connections,
+            spike_ms=args.spike_ms, spike_prob=args.spike_prob, spike_count=args.spike_count,
+        )
+    except ValueError as exc:
+        raise SplitInferError(f"bad WAN option: {exc}") from exc
     run_wan(args.host, args.listen, host, int(port), config)
     return 0
 
@@ -320,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rtt-ms", type=float, default=80.0, help="added round trip, split over both directions")
     s.add_argument("--jitter-ms", type=float, default=0.0)
     s.add_argument("--bandwidth-mbit", type=float, help="per-direction bandwidth limit")
+    s.add_argument("--seed", type=int, help="seed for reproducible jitter and spikes")
+    s.add_argument("--cut-after-bytes", type=int, help="fault: reset a connection after it relayed this many bytes")
+    s.add_argument("--cut-after-s", type=float, help="fault: reset a connection this many seconds after it opened")
+    s.add_argument("--cut-connections", type=int, help="fault: cut only the first K connections")
+    s.add_argument("--spike-ms", type=float, default=0.0, help="fault: extra one-way delay of a spike")
+    s.add_argument("--spike-prob", type=float, default=0.0, help="fault: probability a chunk is hit by a spike")
+    s.add_argument("--spike-count", type=int, help="fault: at most this many spikes per direction")
     s.set_defaults(func=cmd_wan)
 
     s = sub.add_parser("demo", help="serve + emulated WAN + generate, on loopback")

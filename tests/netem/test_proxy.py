@@ -238,3 +238,11 @@ def test_proxy_thread_blocking_client() -> None:
                 assert not pt._thread.is_alive()
         finally:
             server.shutdown()
+
+
+def test_wan_command_rejects_bad_fault_options_with_a_sentence(capsys):
+    from splitinfer.cli import main
+
+    assert main(["wan", "--listen", "0", "--upstream", "127.0.0.1:1", "--spike-prob", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "spike_prob must lie in [0, 1]" in err and "Traceback" not in err

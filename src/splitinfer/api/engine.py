@@ -43,30 +43,6 @@ class _StopString(Exception):
     """Raised from the text callback to end decoding at a stop string."""
 
 
-def _drop_unemitted_rows(session: SplitSession, keep: int) -> bool:
-    """Shrink the committed rows to `keep`; False if that is impossible (the caller then starts over).
-
-    Decoding can end inside a block whose accepted path was already committed (max_tokens, an
-    end-of-sequence token or a stop string among the accepted drafts), so the caches may hold tokens the
-    conversation never emitted. Only the last block can be affected, and its rows reach the cloud's
-    cache only with the next request's keep list (lazy commit), so shortening that list and truncating
-    the local caches drops them on both sides without a round trip. SplitSession has no public method
-    for this yet; it touches the session's commit state directly.
-    """
-    excess = session.length - keep
-    if excess <= 0:
-        return True
-    kept = session._keep_next
-    if excess > len(kept) or not session._sent:
-        return False
-    session._keep_next = kept[: len(kept) - excess]
-    session.length -= excess
-    session.head_cache.truncate(session.length)
-    session.tail_cache.truncate(session.length)
-    session._sent[-1] = session._sent[-1][: session._sent[-1].shape[0] - excess]
-    return True
-
-
 class Conversation:
     """Token history plus one cloud session, kept across turns; not thread-safe (one user at a time)."""
 
@@ -191,7 +167,7 @@ class Conversation:
                 finish = "stop"
             t2 = time.perf_counter()
             # Every token but the last emitted one stays cached; that one is prefilled by the next turn.
-            self._stale = not _drop_unemitted_rows(self.session, len(self.history) - 1)
+            self._stale = not self.session.uncommit(self.session.length - (len(self.history) - 1))
         except BaseException:
             # The caches' state is unknown after a failure: forget this turn and re-prefill next time.
             self.history = self.history[:before]

@@ -109,6 +109,27 @@ class SplitSession:
         self.length += len(rows)
         self._pending_sent, self._pending_q = None, 0
 
+    def uncommit(self, rows: int) -> bool:
+        """Forget the last `rows` committed rows if they all came from the last block; False otherwise.
+
+        Decoding can stop inside an accepted path (a token limit, an end-of-sequence token or a stop
+        string among the accepted drafts), leaving rows in the caches that the conversation never
+        emitted. The last block's rows reach the cloud's cache only with the next request's keep list
+        (lazy commit), so shortening that list and truncating the local caches drops them on both sides
+        with no round trip.
+        """
+        assert self._pending_q == 0, "commit the pending block first"
+        if rows <= 0:
+            return True
+        if rows > len(self._keep_next) or not self._sent:
+            return False
+        self._keep_next = self._keep_next[: len(self._keep_next) - rows]
+        self.length -= rows
+        self.head_cache.truncate(self.length)
+        self.tail_cache.truncate(self.length)
+        self._sent[-1] = self._sent[-1][: self._sent[-1].shape[0] - rows]
+        return True
+
     def prefill(self, tokens: list[int], logits_rows: int = 1) -> torch.Tensor:
         """Run and commit `tokens` in chunks; returns logits [min(logits_rows, len), vocab] of the last rows."""
         first_wanted = len(tokens) - max(1, min(logits_rows, len(tokens)))
