@@ -31,6 +31,7 @@ from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
 from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
+from ..progress import progress
 
 LOCAL_MODES = ("local-only", "local-only-pld")
 SPLIT_MODES = ("split-sequential", "split-lookahead", "split-tree")
@@ -199,14 +200,17 @@ def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print)
 
         for mode, rtt in configs:  # warm-up: first calls allocate buffers and fill caches
             one(mode, rtt, prompts[0], 8)
+        bar = progress(total=config.repeats * len(configs) * len(prompts), desc="bench", unit="gen")
         for rep in range(config.repeats):
             for mode, rtt in configs:
                 for p in prompts:
                     tokens, record = one(mode, rtt, p, config.max_new_tokens)
+                    bar.update(1)
                     runs.append({"mode": mode, "rtt_ms": rtt, "repeat": rep, "prompt_id": p["id"],
                                  "category": p["category"], "token_ids": tokens, **record})
                     log(f"[{rep}] {mode:<16} @{rtt:>4g} ms {p['id']:<14} {record['tokens_per_s']:7.2f} tok/s "
                         f"{record['accepted_per_step']:.2f} acc/step")
+        bar.close()
     return {"runs": runs, "probe_rtt_ms": probes, "hidden_size": local_only.local.config.hidden_size}
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..progress import progress
+
 TOPK = 5
 
 
@@ -133,6 +135,7 @@ def fit(kind: str, x: np.ndarray, y: np.ndarray, bounds: list[tuple[int, int]], 
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, config.lr, total_steps=max(steps_total, 20), pct_start=0.1)
     start, epochs_run, capped = time.perf_counter(), 0, False
     model.train()
+    bar = progress(total=steps_total, desc=f"train {kind}", unit="step")
     for _epoch in range(config.epochs):
         order = rng.permutation(units)
         for s in range(0, units, batch):
@@ -146,12 +149,14 @@ def fit(kind: str, x: np.ndarray, y: np.ndarray, bounds: list[tuple[int, int]], 
             loss.backward()
             opt.step()
             sched.step()
+            bar.update(1)
             if time.perf_counter() - start > config.max_seconds:
                 capped = True
                 break
         epochs_run += 1
         if capped:
             break
+    bar.close()
     model.eval()
     return Fitted(model, classes, mean, std, time.perf_counter() - start, epochs_run, capped)
 
