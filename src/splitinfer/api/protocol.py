@@ -178,20 +178,21 @@ def completion_body(rid: str, model: str, text: str, finish: str, use: dict, sta
     }
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None) -> dict:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-             "choices": [] if use is not None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+def _chunk(rid: str, model: str, obj: str, choice: dict, use: dict | None) -> dict:
+    # The last chunk of a stream carries only usage, with no choices (OpenAI's stream_options form).
+    chunk = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+             "choices": [] if use is not None else [{"index": 0, **choice, "logprobs": None}]}
     if use is not None:
         chunk["usage"] = use
     return chunk
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None) -> dict:
+    return _chunk(rid, model, "chat.completion.chunk", {"delta": delta, "finish_reason": finish}, use)
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None) -> dict:
-    chunk = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-             "choices": [] if use is not None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
-    if use is not None:
-        chunk["usage"] = use
-    return chunk
+    return _chunk(rid, model, "text_completion", {"text": text, "finish_reason": finish}, use)
 
 
 # -- stop strings ----------------------------------------------------------------------------------
