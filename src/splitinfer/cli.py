@@ -1,6 +1,7 @@
 """The one CLI: a thin layer over the Python API.
 
-    splitinfer prepare   --out shards/smollm2 [--model PATH_OR_GGUF] [--head-layers 2] [--tail-layers 2] [--dtype float32]
+    splitinfer prepare   --out shards/smollm2 [--model PATH_OR_GGUF] [--head-layers 2 | --split-range 2-4] [--tail-layers 2]
+                         [--dtype float32]
     splitinfer serve     --shard shards/smollm2/cloud [--host 127.0.0.1] [--port 8765] [--session-ttl 300] [--max-sessions N]
                          [--token-file F --tls-cert F --tls-key F [--client-ca F]] [--insecure]
                          [--device cuda --dtype bfloat16 | --devices cuda:0,cuda:1] [--kv-budget-mb M] [--max-batch 64]
@@ -41,23 +42,34 @@ def _threads(args) -> None:
         torch.set_num_threads(args.threads)
 
 
+def parse_split_range(text: str) -> tuple[int, int]:
+    """'K1-K2' -> (K1, K2) with 1 <= K1 < K2."""
+    low, sep, high = text.partition("-")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit() or not 1 <= int(low) < int(high):
+        raise SplitInferError(f"--split-range must be K1-K2 with 1 <= K1 < K2, e.g. 2-4 (got {text!r}).")
+    return int(low), int(high)
+
+
 def cmd_prepare(args) -> int:
     from .model.shards import prepare
     from .model.source import load_source
     from .progress import progress
 
+    split_range = parse_split_range(args.split_range) if args.split_range else None  # fail before loading
     with progress(total=2, desc="prepare: loading the model", unit="step") as bar:
         source = load_source(args.model)
         bar.set_description("prepare: writing the shards")
         bar.update(1)
-        out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype)
+        out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range)
         bar.update(1)
     manifest = json.loads((out / "cloud" / "manifest.json").read_text())
     split = manifest["split"]
+    low, high = split.get("head_range", [split["head_layers"]] * 2)
+    randomised = f"; each session picks its split k in {low}..{high}" if high > low else ""
     print(
-        f"prepared {manifest['model_id']}: local layers [0, {split['head_layers']}) + "
+        f"prepared {manifest['model_id']}: local layers [0, {high}) + "
         f"[{split['cloud_layers'][1]}, {split['num_layers']}), cloud layers [{split['cloud_layers'][0]}, "
-        f"{split['cloud_layers'][1]}), {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
+        f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
     )
     return 0
 
@@ -132,7 +144,7 @@ def _load_client(args):
 
             shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
             prepare(load_source(args.model), shards, 1, 1, "float32")
-        return SplitClient.local_only(shards, device=args.device)
+        return SplitClient.local_only(shards, device=args.device, split_seed=args.split_seed)
     if not args.shard or not args.server:
         raise SplitInferError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
     from .preflight import check_local_memory, check_reachable
@@ -140,7 +152,7 @@ def _load_client(args):
     check_reachable(args.server)  # one clear line now rather than a failed connect after loading the model
     check_local_memory(args.shard)
     _public_weights_gate(args.shard, args.allow_public_weights)
-    config = ClientConfig(wire_dtype=args.wire_dtype, prefill_chunk=args.prefill_chunk)
+    config = ClientConfig(wire_dtype=args.wire_dtype, prefill_chunk=args.prefill_chunk, split_seed=args.split_seed)
     return SplitClient.connect(
         args.shard, args.server, config, device=args.device, auth=client_auth_from_args(args),
         allow_public_weights=args.allow_public_weights,
@@ -259,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory; OUT/local and OUT/cloud are written")
     s.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--head-layers", type=int, default=2, help="decoder layers kept local before the cloud (k)")
+    s.add_argument("--split-range", metavar="K1-K2",
+                   help="split-point randomisation instead of --head-layers: each session runs k in [K1, K2] head "
+                        "layers, drawn at random; the local shard holds layers [0, K2), the cloud [K1, N-m)")
     s.add_argument("--tail-layers", type=int, default=2, help="decoder layers kept local after the cloud (m)")
     s.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="weights' dtype in the shards")
     s.set_defaults(func=cmd_prepare)
@@ -310,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", action="store_true", help="with --json, include per-step telemetry")
     s.add_argument("--wire-dtype", choices=DTYPE_CHOICES, default="float16")
     s.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per message")
+    s.add_argument("--split-seed", type=int,
+                   help="with a --split-range shard: seed the per-session split draw (tests/benchmarks only; "
+                        "default: the OS's secret RNG)")
     s.add_argument("--local-only", action="store_true", help="run the whole model here, for comparison")
     s.add_argument("--shards", help="with --local-only: a prepared OUT directory")
     s.add_argument("--model", help="with --local-only: a HF directory or .gguf file (default: the embedded model)")

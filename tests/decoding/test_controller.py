@@ -160,3 +160,43 @@ def test_calibration_above_one_is_capped_and_scores_capped_at_one():
     # Scores x4 capped at 1.0: identical to choosing on the capped list.
     capped = [min(s * 4.0, 1.0) for s in SCORES]
     assert c.choose(SCORES) == best_size(capped, 100.0, 8.0)
+
+
+def test_copy_calibration_starts_at_the_prior_and_learns_per_match_length():
+    from splitinfer.decoding.strategies import CopyCalibration
+
+    cal = CopyCalibration(cap=8, prior=4.0, decay=1.0)
+    assert cal.prob(2) == pytest.approx(2 / 4)
+    assert cal.prob(50) == pytest.approx(8 / 10)  # lengths past the cap share its estimate
+    for _ in range(36):
+        cal.update(8, True)
+        cal.update(1, False)
+    # 4 prior observations at 0.8 + 36 hits; 4 prior at 1/3 + 36 misses.
+    assert cal.prob(8) == pytest.approx((3.2 + 36) / 40)
+    assert cal.prob(1) == pytest.approx((4 / 3) / 40)
+    assert cal.prob(4) == pytest.approx(4 / 6)  # untouched lengths keep their prior
+
+
+def test_step_costs_are_shared_between_controllers_but_calibration_is_not():
+    from splitinfer.decoding.controller import StepCosts
+
+    costs = StepCosts()
+    first = BlockController(costs=costs)
+    for i in range(24):
+        q = ROWS[i % len(ROWS)]
+        first.observe(q, 100.0 + 8.0 * q, predicted=4.0, accepted_drafts=1)
+    second = BlockController(costs=costs)
+    assert second.cost() == pytest.approx((100.0, 8.0))  # a new generation starts from the measured line
+    assert second.calibration == 1.0 and first.calibration < 0.5
+    assert BlockController().cost() == (100.0, 5.0)  # an unshared controller starts from the prior
+
+
+def test_exploration_only_when_cheaper_rows_would_change_the_choice():
+    c = controller_with_costs(100.0, 8.0)
+    for _ in range(c.config.explore_every):
+        c.observe(1, 108.0, predicted=0.0, accepted_drafts=0)
+    assert c.costs.since_large >= c.config.explore_every
+    assert c.choose([0.01] * 20) == 0  # worthless drafts do not pay even at half the row cost: no exploration
+    fixed, per_row = c.cost()
+    assert best_size(SCORES, fixed, per_row, 108.0) < best_size(SCORES, 108.0 - per_row / 2, per_row / 2, 108.0)
+    assert c.choose(SCORES) == c.config.explore_rows - 1  # they would pay at half the cost: measure a big block

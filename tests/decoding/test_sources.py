@@ -38,9 +38,9 @@ def test_suffix_index_proposes_both_continuations_of_the_match():
     assert n == 3  # (9, 1, 2, 3) never occurred; (1, 2, 3) did, twice
     paths = trie_paths(trie)
     assert set(paths) == {(4,), (5,)}
-    # Equal counts: confidence 3/4, each continuation 1 of 2 occurrences -> 0.75 * 1 / (2 + 1).
-    assert paths[(4,)] == pytest.approx(0.25)
-    assert paths[(5,)] == pytest.approx(0.25)
+    # Matched 3 tokens: the prior says a copy goes on with 3 / (3 + 2); each token took 1 of 2 occurrences.
+    assert paths[(4,)] == pytest.approx(0.6 * 1 / 2)
+    assert paths[(5,)] == pytest.approx(0.6 * 1 / 2)
 
 
 def test_suffix_index_deeper_continuations_follow_the_document():
@@ -59,8 +59,8 @@ def test_suffix_index_more_frequent_continuation_scores_higher():
     assert index.propose([9, 1, 2, 3], trie, max_depth=1) == 3
     paths = trie_paths(trie)
     assert paths[(4,)] > paths[(5,)]
-    assert paths[(4,)] == pytest.approx(0.75 * 2 / 4)
-    assert paths[(5,)] == pytest.approx(0.75 * 1 / 4)
+    assert paths[(4,)] == pytest.approx(0.6 * 2 / 3)
+    assert paths[(5,)] == pytest.approx(0.6 * 1 / 3)
 
 
 def test_suffix_index_never_uses_the_occurrence_at_the_end_of_the_context():
@@ -112,6 +112,31 @@ def test_suffix_index_max_depth_limits_depth():
         assert max_depth(trie) == depth
         assert len(trie) == depth  # one chain
         assert list(trie_paths(trie)) == [tuple(range(10, 10 + d)) for d in range(1, depth + 1)]
+
+
+def test_suffix_index_confidence_grows_along_a_copy():
+    index = SuffixIndex()
+    index.add_doc([1, 2] + list(range(10, 20)))
+    trie = TokenTrie()
+    assert index.propose([1, 2], trie, max_depth=4) == 2
+    paths = trie_paths(trie)
+    # One occurrence: each node's conditional is continue_prob(L) with L = 2, 3, 4, 5 tokens matched.
+    expected, path_prob = {}, 1.0
+    for d, length in enumerate((2, 3, 4, 5), start=1):
+        path_prob *= length / (length + 2)
+        expected[tuple(range(10, 10 + d))] = path_prob
+    assert paths == pytest.approx(expected)
+
+
+def test_suffix_index_uses_the_given_continue_prob_and_labels_nodes_with_their_match_length():
+    index = SuffixIndex()
+    index.add_doc([1, 2, 3, 7, 8, 9])
+    trie = TokenTrie()
+    index.propose([5, 2, 3], trie, max_depth=3, continue_prob=lambda length: 0.5 if length < 4 else 0.9)
+    assert trie_paths(trie) == pytest.approx({(7,): 0.5, (7, 8): 0.25, (7, 8, 9): 0.225})
+    # Matched (2, 3): the node after it has matched 2 tokens, its child 3, and so on.
+    by_token = dict(zip(trie.token[1:], trie.key[1:]))
+    assert by_token == {7: ("suffix", 2), 8: ("suffix", 3), 9: ("suffix", 4)}
 
 
 def test_suffix_index_max_match_caps_match_length():
@@ -290,3 +315,39 @@ def test_ngram_pool_needs_n_tokens_before_any_gram():
     assert pool_paths(pool, 1)[0] == []
     pool.extend([4])  # grams also form across extend() calls
     assert pool_paths(pool, 1)[0] == [(2, 3, 4)]
+
+
+# ---------------------------------------------------------------- Tree strategy state
+
+
+def _tree_observe(tree, root: int, emitted: list[int], vocab: int = 16) -> None:
+    """One verified step with no draft: root in, `emitted` out."""
+    tree.observe([root], [-1], torch.zeros(1, vocab), [0], emitted, 100.0)
+
+
+def test_tree_kept_across_generations_searches_the_earlier_text():
+    from splitinfer.decoding.strategies import Tree, TreeConfig
+
+    tree = Tree(TreeConfig(fixed_nodes=4, prompt_rows=1))
+    tree.start([1, 2, 3], torch.zeros(1, 16))
+    tree.propose([1, 2, 3])
+    _tree_observe(tree, 3, [4, 5, 6, 7])  # the first generation wrote 4 5 6 7 after 1 2 3
+    # A second generation with the same strategy: its prompt ends like the first one did.
+    tree.start([9, 2, 3], torch.zeros(1, 16))
+    assert tree.index.docs[0] == [1, 2, 3, 4, 5, 6, 7]
+    draft = tree.propose([9, 2, 3])
+    assert draft.tokens[:4] == [4, 5, 6, 7]
+    # A fresh strategy knows nothing of it.
+    fresh = Tree(TreeConfig(fixed_nodes=4, prompt_rows=1))
+    fresh.start([9, 2, 3], torch.zeros(1, 16))
+    assert 4 not in fresh.propose([9, 2, 3]).tokens
+
+
+def test_tree_memory_drops_the_oldest_generations_past_its_budget():
+    from splitinfer.decoding.strategies import Tree, TreeConfig
+
+    tree = Tree(TreeConfig(fixed_nodes=0, prompt_rows=1, memory_tokens=10))
+    for first in range(5):
+        tree.start([first, 100 + first, 200 + first, 300 + first], torch.zeros(1, 16))
+    # Four earlier generations of 4 tokens each: only the two newest fit in 10 tokens.
+    assert tree.earlier == [[2, 102, 202, 302], [3, 103, 203, 303]]

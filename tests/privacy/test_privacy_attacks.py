@@ -65,3 +65,15 @@ def test_learned_attackers_beat_chance_on_separable_states():
         fitted = attackers.fit(kind, x[:800], y[:800] + 100, train_b, config)
         pred = attackers.predict(fitted, x[800:], test_b)
         assert (pred[:, 0] == y[800:] + 100).mean() > 0.6, kind  # chance is 1/12
+
+
+def test_attackers_train_on_a_handful_of_rows():
+    # A chosen-plaintext set smaller than one batch gives one optimiser step per epoch (the LR-schedule
+    # crash of an earlier full audit); it must train and predict, not raise.
+    x = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float16)
+    y = np.array([3, 4, 3, 5, 4])
+    for kind in ("mlp", "seq"):
+        fitted = attackers.fit(kind, x, y, [(0, 3), (3, 5)], attackers.TrainConfig(hidden=16, epochs=2))
+        assert fitted.epochs_run == 2
+        pred = attackers.predict(fitted, x, [(0, 3), (3, 5)])
+        assert pred.shape == (5, 3) and set(pred.ravel()) <= {3, 4, 5}

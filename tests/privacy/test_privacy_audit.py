@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from tiny import prepare_tiny, tiny_model
 
 from splitinfer.errors import ConfigError
 from splitinfer.local.client import check_local_weights
 from splitinfer.model.shards import load_cloud, load_local, local_weights_are_public, read_manifest
 from splitinfer.privacy.attackers import TrainConfig
-from splitinfer.privacy.audit import AuditConfig, run_audit
-from splitinfer.privacy.corpus import CorpusConfig, build_corpus
+from splitinfer.privacy.audit import AuditConfig, quick_config, run_audit
+from splitinfer.privacy.collect import collect, collect_inputs
+from splitinfer.privacy.corpus import Chunk, CorpusConfig, attacker_text, build_corpus
 from splitinfer.privacy.privatize import PrivatizeConfig, privatize_model, utility, write_private_shard
 
 
@@ -40,7 +43,10 @@ def test_tiny_audit_writes_the_schema_and_a4_recovers_all(tmp_path):
         depths=(1, 2), tail_depths=(1, 2),
         corpus=CorpusConfig(sources=("stdlib",), max_documents=14, chunk_tokens=48, max_chunks_per_document=1),
         train=TrainConfig(hidden=32, epochs=1), a4_chunks=2, noise_sigmas=(0.3,),
-        privatize=PrivatizeConfig(steps=2, batch_chunks=2, seq_len=24), t2_tokens=(100,), utility_chunks=2, n_boot=50,
+        privatize=PrivatizeConfig(steps=2, batch_chunks=2, seq_len=24), utility_chunks=2, n_boot=50,
+        # Three chosen-plaintext sizes, the smallest below one training batch (the set that once broke the
+        # LR schedule), and an output-side cap below the largest.
+        t2_tokens=(30, 200, 600), t2_output_tokens=200, t2_train=TrainConfig(hidden=32, epochs=2),
     )
     result = run_audit(config, tmp_path, model=tiny_model("llama"), tokenizer=CharTokenizer())
     saved = json.loads((tmp_path / "audit.json").read_text())
@@ -58,6 +64,16 @@ def test_tiny_audit_writes_the_schema_and_a4_recovers_all(tmp_path):
     depth_tests = [t for t in saved["paired_tests"] if t["comparison"] == "depth"]
     assert depth_tests and all({"a", "b", "n01", "n10", "p_value"} <= set(t) for t in depth_tests)
     assert len(result["results"]) == len(rows)
+    t2 = {(r["side"], r["attacker"]): r for r in rows if r["threat"] == "T2"}
+    assert {a for s, a in t2 if s == "input"} == {"A2 N=30", "A2 N=200", "A2 N=600", "A3 N=30", "A3 N=200", "A3 N=600"}
+    assert {a for s, a in t2 if s == "output"} == {"A2 N=30", "A2 N=200", "A3 N=30", "A3 N=200"}  # capped
+    assert all(r["chosen_plaintext_tokens"] == int(a.split("=")[1]) for (_, a), r in t2.items())
+    own = saved["chosen_plaintext"]
+    assert own["input_tokens"] >= 600 and not own["shares_documents_with_audit"]
+    curve = {(t["a"], t["b"]) for t in saved["paired_tests"] if t["comparison"] == "chosen-plaintext tokens"}
+    assert ("input/2/T2/A2 N=30/private weights", "input/2/T2/A2 N=600/private weights") in curve
+    threat = {(t["a"], t["b"]) for t in saved["paired_tests"] if t["comparison"] == "threat"}
+    assert ("output/2/T1/A2/private weights", "output/2/T2/A2 N=200/private weights") in threat
     ident = saved["depth_identification"]
     assert ident["chance"] == 0.5 and 0.0 <= ident["whole vector"]["row_accuracy"] <= 1.0
 
@@ -84,3 +100,63 @@ def test_privatize_pins_new_hashes_keeps_cloud_and_client_refuses_stock(tmp_path
     assert local.fingerprint == load_cloud(out / "cloud").fingerprint
     util = utility(model, private, text[:2])
     assert 0.0 <= util["greedy_agreement"] <= 1.0 and util["perplexity"] > 1.0
+
+
+def test_privatize_distillation_recovers_utility_and_leaves_cloud_layers_alone():
+    model = tiny_model("llama")
+    rng = np.random.default_rng(1)
+    text = [rng.integers(0, 96, size=48).tolist() for _ in range(24)]
+    held = [rng.integers(0, 96, size=48).tolist() for _ in range(4)]
+    config = PrivatizeConfig(head_layers=2, tail_layers=2, scale=0.5, batch_chunks=4, seq_len=48, lr=1e-2, seed=3)
+    untrained, _ = privatize_model(model, text, replace(config, steps=0))
+    trained, record = privatize_model(model, text, replace(config, steps=100))
+    assert record["head_loss"][1] < 0.2 * record["head_loss"][0] and record["tail_loss"][1] < 0.2 * record["tail_loss"][0]
+    # Held-out greedy agreement with the original model (perplexity of random text says little here).
+    before, after = utility(model, untrained, held), utility(model, trained, held)
+    assert after["greedy_agreement"] > before["greedy_agreement"] + 0.1
+    # Only the local layers moved: the cloud layers (2, 3) are bit-identical to the public model's.
+    for i in (2, 3):
+        for a, b in zip(model.model.layers[i].parameters(), trained.model.layers[i].parameters()):
+            assert torch.equal(a, b)
+    assert not torch.equal(model.model.layers[0].mlp.up_proj.weight, trained.model.layers[0].mlp.up_proj.weight)
+    assert len(model.model.layers) == len(trained.model.layers) == 6  # the layer swap was undone
+
+
+def test_attacker_text_is_disjoint_from_the_audit_corpus():
+    config = CorpusConfig(sources=("stdlib",), max_documents=20, chunk_tokens=64, max_chunks_per_document=1)
+    corpus = build_corpus(CharTokenizer(), config)
+    own = attacker_text(CharTokenizer(), config, 5_000, max_chunks_per_document=4)
+    audit_docs = {c.source for c in corpus.train + corpus.test}
+    assert sum(len(c.tokens) for c in own) >= 5_000
+    assert not {c.source for c in own} & audit_docs and min(c.doc_id for c in own) >= 20
+    assert max(sum(1 for c in own if c.doc_id == d) for d in {c.doc_id for c in own}) <= 4
+    assert any(c.canary_len for c in own)
+    # The audit's own corpus is what it was before the attacker's text existed (same seed, same split).
+    assert [c.tokens for c in build_corpus(CharTokenizer(), config).test] == [c.tokens for c in corpus.test]
+
+
+def test_collect_inputs_matches_the_whole_model_pass():
+    model = tiny_model("llama")
+    chunks = [Chunk(0, "a", list(range(3, 40))), Chunk(1, "b", list(range(50, 70)))]
+    whole = collect(model, chunks, (1, 2), (1,))
+    head = collect_inputs(model, chunks, (1, 2))
+    for k in (1, 2):
+        assert np.array_equal(whole.inputs[k], head.inputs[k])
+    assert np.array_equal(whole.tokens, head.tokens) and np.array_equal(whole.chunk, head.chunk)
+    assert (head.greedy == -1).all() and not head.outputs
+    assert len(model.model.layers) == 6
+
+
+def test_audit_cli_takes_t2_tokens():
+    import argparse
+
+    from splitinfer.privacy import commands
+
+    parser = argparse.ArgumentParser()
+    commands.register(parser.add_subparsers())
+    args = parser.parse_args(["audit", "--out", "x", "--t2-tokens", "1000,10000,100000"])
+    assert commands._ints(args.t2_tokens) == (1_000, 10_000, 100_000)
+    assert AuditConfig().t2_tokens == (1_000, 10_000, 100_000)
+    assert max(quick_config("s").t2_tokens) <= 10_000
+    with pytest.raises(ConfigError):
+        commands._ints("1000,x")

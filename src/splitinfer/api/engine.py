@@ -125,7 +125,7 @@ class Conversation:
         self.history.extend(new_ids)
         to_prefill = self.history[cached:]
         stops = self.client.stop_ids() if stop_ids is None else stop_ids
-        strategy = make_strategy(self.strategy)
+        strategy = make_strategy(self.strategy, costs=self.client.step_costs)
         first_record = len(self.session.records)
         tokens: list[int] = []
         visible: list[int] = []  # without end-of-sequence tokens, whose text is not part of the reply

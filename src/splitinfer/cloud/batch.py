@@ -12,6 +12,8 @@ adapter and the mask:
   sliding window, in-block structure) in its top-left corner; padding keys are masked for real rows.
   Padding query rows see key 0 only, so no softmax row is empty; their outputs are discarded.
 
+All blocks of one call run the same layers (`stack`): sessions with different head depths (split-point
+randomisation) go through separate calls, grouped by the caller (sessions.py, scheduler.py).
 This module knows nothing about sessions, validation or scheduling: it takes blocks and returns rows.
 The cost is one copy of each session's keys into a padded workspace per layer (the memory traffic
 attention itself spends reading them); the workspace is allocated once per pass, not per layer.

@@ -7,7 +7,8 @@ stepping recently and have not yet queued, i.e. only when waiting is likely to f
 
 Queued steps are cut into groups of similar block size (`plan_groups`), because a batch is padded to its
 largest block: sixteen one-row decode steps and one 512-row prefill chunk are two passes, not one pass of
-17 x 512 rows. Results go to `concurrent.futures.Future`s (awaitable from asyncio via `run`).
+17 x 512 rows. Sessions with different head depths (split-point randomisation) run different layers,
+so they are never put in one pass either. Results go to `concurrent.futures.Future`s (awaitable from asyncio via `run`).
 
 This module knows nothing about sockets or the wire; it calls `SessionTable.run_steps`.
 """
@@ -148,8 +149,10 @@ class Scheduler:
                 if not item.future.set_running_or_notify_cancel():
                     self.table.release(item.session)
             batch = [item for item in batch if item.future.running()]
-            for group in plan_groups([len(item.step.positions) for item in batch], self.config):
-                self._run([batch[i] for i in group])
+            for depth in sorted({item.session.head_layers for item in batch}):
+                same = [item for item in batch if item.session.head_layers == depth]
+                for group in plan_groups([len(item.step.positions) for item in same], self.config):
+                    self._run([same[i] for i in group])
 
     def _run(self, items: list[_Item]) -> None:
         try:

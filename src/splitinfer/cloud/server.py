@@ -161,10 +161,12 @@ class CloudServer:
         )
         self.port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self.config.port
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        stack = self.half.stack
+        stack, (low, high) = self.half.stack, self.half.head_range
         log.info(
-            "serving layers [%d, %d) of %s on %s://%s:%d (%s)",
-            stack.start, stack.end, self.half.manifest["model_id"], self.config.scheme, self.config.host, self.port,
+            "serving layers [%d, %d) of %s%s on %s://%s:%d (%s)",
+            stack.start, stack.end, self.half.manifest["model_id"],
+            f" (sessions pick their split in {low}..{high})" if high > low else "",
+            self.config.scheme, self.config.host, self.port,
             f"{len(self.config.tokens.digests)} token(s)" if self.config.tokens.enabled else "no authentication",
         )
 

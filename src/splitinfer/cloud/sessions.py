@@ -6,6 +6,10 @@ which batch.py runs in one pass. The KV budget (rows and bytes) is charged per s
 validated; idle sessions are evicted, least recently used first, before anything is refused. A session
 outlives its connection, so a client whose link dropped can resume it; one that expired, was evicted or
 was lost in a restart is rebuilt by the client (re-prefill).
+
+Under split-point randomisation the hello pins the session's head depth k inside the shard's range; the
+session then runs layers [k, N-m) only (`CloudHalf.stack_for`), its cache and budget cover those layers,
+and a resume cannot change k. Steps of sessions with different k never share a forward pass.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 from ..errors import CapacityError, ProtocolError, SessionError, ShardMismatch, SplitInferError, VersionMismatch
 from ..kv import KVCache
 from ..model.shards import CloudHalf
-from ..wire.messages import PROTOCOL_VERSION, Hello, Result, Step, Welcome
+from ..wire.messages import SUPPORTED_VERSIONS, Hello, Result, Step, Welcome
 from .batch import Block, forward_blocks
 
 log = logging.getLogger("splitinfer.cloud")
@@ -55,6 +59,8 @@ class CloudSession:
     next_seq: int = 0
     pending_positions: tuple[int, ...] = ()
     owner: str = "anonymous"  # identity (token digest) that opened it; no other identity may use it
+    head_layers: int = 0  # k: the client runs layers [0, k), this session runs [k, N-m); fixed for its life
+    kv_bytes_per_token: int = 0  # KV bytes of one row over the layers this session runs
     reserved_rows: int = 0  # KV rows counted against the budget (those of the last step, committed + block)
     reserved_bytes: int = 0  # KV buffer bytes counted against the byte budget
     busy: int = 0  # steps queued or running (guarded by the table lock); a busy session is never evicted
@@ -95,9 +101,10 @@ class SessionTable:
         Another identity's session id is treated exactly like an unknown one (a fresh session is opened), so
         a client learns nothing about sessions that are not its own.
         """
-        if hello.version != PROTOCOL_VERSION:
+        if hello.version not in SUPPORTED_VERSIONS:
             raise VersionMismatch(
-                f"client speaks protocol v{hello.version}, this server v{PROTOCOL_VERSION}; upgrade the older side."
+                f"client speaks protocol v{hello.version}, this server v{'/v'.join(map(str, SUPPORTED_VERSIONS))}; "
+                "upgrade the older side."
             )
         stack = self.half.stack
         if hello.fingerprint != self.half.fingerprint or tuple(hello.cloud_layers) != (stack.start, stack.end):
@@ -106,6 +113,14 @@ class SessionTable:
                 f"{self.half.fingerprint[:12]}..., but the client expects layers {list(hello.cloud_layers)} with "
                 f"{hello.fingerprint[:12]}...; serve the cloud shard prepared together with the client's local shard."
             )
+        low, high = self.half.head_range
+        head_layers = low if hello.head_layers is None else hello.head_layers
+        if not low <= head_layers <= high:
+            span = f"head depths {low}..{high}" if high > low else f"only head depth {low} (a fixed split)"
+            raise ShardMismatch(
+                f"the client pins head depth {head_layers} (cloud layers [{head_layers}, {stack.end})), but this "
+                f"server's shard serves {span}; the client's local shard and this cloud shard disagree on the split."
+            )
         now = self.clock()
         with self._lock:
             existing = self._sessions.get(hello.session_id) if hello.session_id is not None else None
@@ -113,6 +128,11 @@ class SessionTable:
                 session = existing
                 if session.wire_dtype != hello.wire_dtype:
                     raise ProtocolError("a session cannot change its wire dtype on resume; open a new session.")
+                if session.head_layers != head_layers:
+                    raise ProtocolError(
+                        f"a session cannot change its head depth on resume ({session.head_layers} -> {head_layers}); "
+                        "open a new session."
+                    )
                 session.last_used = now
                 resumed = True
             else:
@@ -128,9 +148,10 @@ class SessionTable:
                     raise CapacityError(
                         f"the server is at its limit of {self.config.max_sessions} sessions; retry later."
                     )
+                runs = self.half.stack_for(head_layers)
                 session = CloudSession(
-                    id=secrets.token_urlsafe(18), cache=stack.new_cache(), wire_dtype=hello.wire_dtype, last_used=now,
-                    owner=owner,
+                    id=secrets.token_urlsafe(18), cache=runs.new_cache(), wire_dtype=hello.wire_dtype, last_used=now,
+                    owner=owner, head_layers=head_layers, kv_bytes_per_token=runs.kv_bytes_per_token(),
                 )
                 self._sessions[session.id] = session
                 resumed = False
@@ -141,6 +162,7 @@ class SessionTable:
             max_message_bytes=self.config.max_message_bytes,
             max_block_rows=self.config.max_block_rows,
             next_seq=session.next_seq,
+            version=hello.version,  # the version the hello spoke: a v1 client gets the v1 welcome it knows
         )
         return session, welcome
 
@@ -196,7 +218,7 @@ class SessionTable:
     # -- KV budget: reservation, eviction, numbers for metrics -----------------------------------------
     def _reserve(self, session: CloudSession, rows: int) -> None:
         """Count `session` at `rows` KV rows, evicting idle sessions (least recently used first) if needed."""
-        need_bytes = session.cache.projected_nbytes(rows, self.kv_bytes_per_token)
+        need_bytes = session.cache.projected_nbytes(rows, session.kv_bytes_per_token or self.kv_bytes_per_token)
         budget_bytes, budget_rows = self.config.max_kv_bytes, self.config.max_cached_tokens
         with self._lock:
             while True:
@@ -267,6 +289,7 @@ class SessionTable:
         held: list[CloudSession] = []
         ready: list[int] = []
         blocks: list[Block] = []
+        depths: list[int] = []  # head depth of each block's session: one forward pass per depth
         try:
             for i, (session, step, _) in enumerate(items):
                 if any(s is session for s in held):
@@ -288,8 +311,13 @@ class SessionTable:
                 positions = torch.tensor(step.positions, dtype=torch.long, device=self._device)
                 blocks.append(Block(hidden, positions, step.structure.allowed(len(step.positions)), session.cache))
                 ready.append(i)
+                depths.append(session.head_layers)
             start = time.perf_counter()
-            outs = forward_blocks(self.half.stack, blocks)
+            outs: list[torch.Tensor | None] = [None] * len(blocks)
+            for k in sorted(set(depths)):  # sessions that start at different layers run different stacks
+                same = [j for j, d in enumerate(depths) if d == k]
+                for j, out in zip(same, forward_blocks(self.half.stack_for(k), [blocks[j] for j in same])):
+                    outs[j] = out
             if outs and outs[0].device.type == "cuda":
                 torch.cuda.synchronize(outs[0].device)
             compute_ms = (time.perf_counter() - start) * 1e3  # the whole batch's pass, shared by its steps

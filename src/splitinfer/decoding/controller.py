@@ -6,11 +6,17 @@ acceptance probabilities s_1 >= s_2 >= ... commits 1 + s_1 + ... + s_n tokens in
 controller picks the n that maximises expected tokens per millisecond; n = 0 is plain sequential
 decoding, chosen whenever speculation would not pay (the break-even rule). On a CPU a block costs much
 more than one row, on a GPU tens of rows cost about one: the fit learns which machine it is on.
+
+What a row costs depends on the machines and the link, not on the text, so the measured steps live in a
+`StepCosts` that a client shares between its generations (SplitClient keeps one per connection): a new
+generation starts from what the earlier ones measured instead of from a prior. What drafts are worth
+(the calibration) depends on the text and stays with each generation.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -76,15 +82,32 @@ def best_size(scores: list[float], fixed: float, per_row: float, single: float |
     return best_n
 
 
+class StepCosts:
+    """Recent (rows, ms) of verified steps on one deployment; thread-safe, so generations may share it."""
+
+    def __init__(self, window: int = ControllerConfig.window):
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.since_large = 0  # steps since the last block of at least explore_rows rows
+
+    def add(self, rows: int, step_ms: float, explore_rows: int) -> None:
+        with self._lock:
+            self._samples.append((rows, step_ms))
+            self.since_large = 0 if rows >= explore_rows else self.since_large + 1
+
+    def samples(self) -> list[tuple[int, float]]:
+        with self._lock:
+            return list(self._samples)
+
+
 class BlockController:
-    def __init__(self, config: ControllerConfig = ControllerConfig()):
+    def __init__(self, config: ControllerConfig = ControllerConfig(), costs: StepCosts | None = None):
         self.config = config
-        self._samples: deque[tuple[int, float]] = deque(maxlen=config.window)
+        self.costs = costs if costs is not None else StepCosts(config.window)
         # Discounted sums of predicted and accepted draft nodes. Without a floor, a bad start drives the
         # calibration to zero, the controller stops drafting, and nothing is ever observed to revise it.
         self._predicted = config.calibration_prior
         self._accepted = config.calibration_prior
-        self._since_large = 0  # steps since the last block of at least explore_rows rows
 
     @property
     def calibration(self) -> float:
@@ -92,9 +115,10 @@ class BlockController:
 
     def cost(self) -> tuple[float, float]:
         """(fixed, per_row) of multi-row blocks."""
-        if self._samples:
-            single = statistics.median(t for _, t in self._samples)
-            multi = [(q, t) for q, t in self._samples if q > 1]
+        samples = self.costs.samples()
+        if samples:
+            single = statistics.median(t for _, t in samples)
+            multi = [(q, t) for q, t in samples if q > 1]
             fitted = fit_cost(multi, prior_slope=single * self.config.prior_per_row)
             if fitted is not None:
                 return fitted
@@ -103,23 +127,30 @@ class BlockController:
 
     def single_step(self) -> float | None:
         """Median time of one-row steps, when there are any."""
-        times = [t for q, t in self._samples if q == 1]
+        times = [t for q, t in self.costs.samples() if q == 1]
         return statistics.median(times) if times else None
 
     def choose(self, scores: list[float]) -> int:
         """How many of the (descending) draft scores to send this step."""
         calibrated = [min(s * self.calibration, 1.0) for s in scores[: self.config.max_nodes]]
         fixed, per_row = self.cost()
-        n = best_size(calibrated, fixed, per_row, self.single_step())
+        single = self.single_step()
+        n = best_size(calibrated, fixed, per_row, single)
         # Small blocks alone cannot tell what a row costs (their noise is divided by one or two rows),
-        # and an over-estimate would keep blocks small for ever: now and then, measure a large one.
-        if self._since_large >= self.config.explore_every and len(calibrated) >= self.config.explore_rows - 1:
+        # and an over-estimate would keep blocks small for ever: now and then, measure a large one, but
+        # only when the answer matters: when each row past a one-row step costing what it measurably
+        # costs were half as dear, a larger block would pay.
+        base = single if single is not None else fixed + per_row
+        if (
+            self.costs.since_large >= self.config.explore_every
+            and len(calibrated) >= self.config.explore_rows - 1
+            and best_size(calibrated, base - per_row / 2, per_row / 2, single) > n
+        ):
             n = max(n, self.config.explore_rows - 1)
         return n
 
     def observe(self, rows: int, step_ms: float, predicted: float, accepted_drafts: int) -> None:
-        self._samples.append((rows, step_ms))
-        self._since_large = 0 if rows >= self.config.explore_rows else self._since_large + 1
+        self.costs.add(rows, step_ms, self.config.explore_rows)
         if predicted > 0:
             d = self.config.calibration_decay
             self._predicted = d * self._predicted + predicted

@@ -45,6 +45,7 @@ class Draft:
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)  # estimated probability that the node is accepted
     sources: list[str] = field(default_factory=list)  # which source gave each node its score
+    keys: list[object] = field(default_factory=list)  # the source's calibration key for each node (or None)
     side: SideRows | None = None  # rows after the tree that only gather information
 
     def __len__(self) -> int:
@@ -64,11 +65,16 @@ class TokenTrie:
         self.parent: list[int] = [-1]
         self.score: list[float] = [1.0]
         self.source: list[str] = [""]
+        self.key: list[object] = [None]
 
-    def add_path(self, tokens: list[int], probs: list[float], source: str = "") -> None:
-        """Insert a continuation; probs[i] is the conditional probability of tokens[i] given the path."""
+    def add_path(self, tokens: list[int], probs: list[float], source: str = "", keys: list | None = None) -> None:
+        """Insert a continuation; probs[i] is the conditional probability of tokens[i] given the path.
+
+        keys[i], if given, is what the source will learn from when node i is verified (see Tree.observe).
+        """
         node, path_prob = 0, 1.0
-        for token, p in zip(tokens, probs):
+        keys = keys if keys is not None else [None] * len(tokens)
+        for token, p, key in zip(tokens, probs, keys):
             path_prob *= min(p, MAX_STEP_PROB)
             child = self.children[node].get(token)
             if child is None:
@@ -79,9 +85,11 @@ class TokenTrie:
                 self.parent.append(node)
                 self.score.append(path_prob)
                 self.source.append(source)
+                self.key.append(key)
             elif path_prob > self.score[child]:
                 self.score[child] = path_prob
                 self.source[child] = source
+                self.key[child] = key
             node = child
 
     def __len__(self) -> int:
@@ -112,6 +120,7 @@ class TokenTrie:
             draft.parents.append(row[self.parent[n]])
             draft.scores.append(self.score[n])
             draft.sources.append(self.source[n])
+            draft.keys.append(self.key[n])
         return draft
 
 

@@ -15,14 +15,29 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 import torch
 
 from .draft import TokenTrie
 
 
+def prior_continue_prob(length: int) -> float:
+    """Before anything is measured: a copy that has matched L tokens goes on with probability L / (L + 2)."""
+    return length / (length + 2.0)
+
+
 class SuffixIndex:
-    """Positions of all n-grams (n <= max_match) over a few token sequences, for continuation lookup."""
+    """Positions of all n-grams (n <= max_match) over a few token sequences, for continuation lookup.
+
+    A continuation's conditional probability at each node is (chance that a copy which has matched L
+    tokens so far goes on one more) x (share of the earlier occurrences that continued with this token).
+    A node at depth d below a match of n tokens has matched L = n + d - 1 tokens if its ancestors are
+    accepted, so a long copy (a quoted passage, repeated code) grows more confident as it goes, which is
+    what lets the tree send deep chains exactly where they pay. The first factor is `continue_prob(L)`,
+    learned online by the Tree strategy from which nodes were accepted (each node carries the key
+    ("suffix", L) for that).
+    """
 
     def __init__(self, max_match: int = 8, max_occurrences: int = 64):
         self.max_match = max_match
@@ -45,7 +60,9 @@ class SuffixIndex:
             for n in range(1, min(self.max_match, end) + 1):
                 self._index[tuple(seq[end - n : end])].append((doc, end))
 
-    def propose(self, context: list[int], trie: TokenTrie, max_depth: int, weight: float = 1.0) -> int:
+    def propose(
+        self, context: list[int], trie: TokenTrie, max_depth: int, continue_prob: Callable[[int], float] = prior_continue_prob
+    ) -> int:
         """Add continuations of earlier matches of the context's suffix. Returns the longest match length.
 
         The longest match counts most, but shorter matches add their (other) occurrences too, with less
@@ -63,13 +80,12 @@ class SuffixIndex:
                 continue
             longest = longest or n
             seen.update(occurrences)
-            # A longer match is likelier to continue the same way.
-            self._add_continuations(occurrences, trie, max_depth, weight * n / (n + 1.0))
+            self._add_continuations(occurrences, trie, max_depth, n, continue_prob)
             if len(seen) >= self.max_occurrences:
                 break
         return longest
 
-    def _add_continuations(self, occurrences, trie: TokenTrie, max_depth: int, confidence: float) -> None:
+    def _add_continuations(self, occurrences, trie: TokenTrie, max_depth: int, matched: int, continue_prob) -> None:
         counts: dict[tuple[int, ...], int] = defaultdict(int)
         for doc, end in occurrences:
             continuation = self.docs[doc][end : end + max_depth]
@@ -78,14 +94,17 @@ class SuffixIndex:
         total = len(occurrences)
 
         def conditional(prefix: tuple[int, ...]) -> float:
-            # frequency among the occurrences that reached the parent; +1 leaves room for "something else"
             parent = counts[prefix[:-1]] if len(prefix) > 1 else total
-            return confidence * counts[prefix] / (parent + 1.0)
+            return continue_prob(matched + len(prefix) - 1) * counts[prefix] / parent
 
         internal = {path[:-1] for path in counts}
         for path in counts:
             if path not in internal:  # leaves only: their prefixes are inserted along the way
-                trie.add_path(list(path), [conditional(path[:d]) for d in range(1, len(path) + 1)], "suffix")
+                depths = range(1, len(path) + 1)
+                trie.add_path(
+                    list(path), [conditional(path[:d]) for d in depths], "suffix",
+                    [("suffix", matched + d - 1) for d in depths],
+                )
 
 
 class TokenRecycling:

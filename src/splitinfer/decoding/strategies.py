@@ -4,7 +4,8 @@
     jacobi      a chain of guesses refined by iteration (the paper's negative result, kept for comparison)
     lookahead   the paper's method: n-grams from a single-token-keyed pool, G candidates of N-1 tokens
     tree        the default: a suffix index and Token Recycling merged into one tree, ranked by estimated
-                path probability and sized each step by the measured cost model (controller.py)
+                path probability (calibrated online from what was accepted) and sized each step by the
+                measured cost model (controller.py)
 
 A strategy never checks its own draft; `draft.accept` does, identically for all of them.
 """
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .controller import BlockController, ControllerConfig
+from .controller import BlockController, ControllerConfig, StepCosts
 from .draft import Draft, SideRows, TokenTrie
-from .sources import NgramPool, SuffixIndex, TokenRecycling
+from .sources import NgramPool, SuffixIndex, TokenRecycling, prior_continue_prob
 
 
 class Strategy:
@@ -152,12 +153,14 @@ class Lookahead(Strategy):
 
 @dataclass(frozen=True)
 class TreeConfig:
-    max_depth: int = 12  # deepest draft node
+    max_depth: int = 12  # deepest Token Recycling node
+    suffix_depth: int = 32  # deepest suffix-index node (a copied passage can run long)
     recycling_k: int = 8  # successors kept per token
     recycling_nodes: int = 48  # candidate nodes expanded from the successor table per step
     max_match: int = 8  # longest suffix looked up in the index
     prompt_rows: int = 256  # prompt rows whose logits seed the successor table (LM head cost, once)
     fixed_nodes: int | None = None  # verify exactly this many nodes per step (no cost model): for studies
+    memory_tokens: int = 65_536  # earlier generations' text kept searchable when one Tree serves several
     controller: ControllerConfig = ControllerConfig()
 
 
@@ -180,21 +183,56 @@ class SourceCalibration:
         self.accepted = self.decay * self.accepted + accepted
 
 
+class CopyCalibration:
+    """P(a copied continuation goes on one more token | it has matched L tokens so far), learned online.
+
+    One estimate per L up to `cap` (longer matches share the last), starting from the prior
+    L / (L + 2) worth `prior` observations; every verified suffix node whose parent was accepted is one
+    observation at its L. Grounded answers that quote their source drive the long-L estimates towards
+    1, open-ended chat drives the short ones down, and the tree's depth follows.
+    """
+
+    def __init__(self, cap: int = 16, prior: float = 4.0, decay: float = 0.99):
+        self.cap, self.decay = cap, decay
+        self.trials = [prior] * (cap + 1)
+        self.hits = [prior * prior_continue_prob(max(length, 1)) for length in range(cap + 1)]
+
+    def prob(self, length: int) -> float:
+        length = min(max(length, 1), self.cap)
+        return self.hits[length] / self.trials[length]
+
+    def update(self, length: int, accepted: bool) -> None:
+        length = min(max(length, 1), self.cap)
+        self.trials[length] = self.decay * self.trials[length] + 1.0
+        self.hits[length] = self.decay * self.hits[length] + float(accepted)
+
+
 class Tree(Strategy):
     """Suffix index + Token Recycling, merged into one tree and sized by the measured cost model."""
 
     name = "tree"
 
-    def __init__(self, config: TreeConfig = TreeConfig(), earlier: list[list[int]] | None = None):
+    def __init__(
+        self, config: TreeConfig = TreeConfig(), earlier: list[list[int]] | None = None, costs: StepCosts | None = None
+    ):
+        """`costs`: measured step costs shared with other generations on the same deployment (a client's)."""
         self.config = config
         self.prompt_logits_rows = config.prompt_rows
         self.recycling = TokenRecycling(config.recycling_k)
-        self.controller = BlockController(config.controller)
-        self.calibration = {"suffix": SourceCalibration(), "recycling": SourceCalibration()}
+        self.controller = BlockController(config.controller, costs)
+        self.copy = CopyCalibration()
+        self.calibration = SourceCalibration()  # Token Recycling's probabilities come from other contexts
         self.earlier = earlier if earlier is not None else []
         self.last_draft = Draft()
+        self.index: SuffixIndex | None = None
 
     def start(self, prompt, prompt_logits):
+        # A Tree kept across generations (a chat, an API server) keeps what it learned: the successor
+        # table, the calibrations and the cost fit, and the earlier prompts and outputs stay searchable.
+        if self.index is not None:
+            self.earlier.append(self.index.docs[self.doc])
+            while len(self.earlier) > 1 and sum(map(len, self.earlier)) > self.config.memory_tokens:
+                self.earlier.pop(0)
         self.index = SuffixIndex(self.config.max_match)
         for doc in self.earlier:
             self.index.add_doc(doc)
@@ -204,10 +242,9 @@ class Tree(Strategy):
 
     def propose(self, history):
         trie = TokenTrie()
-        self.index.propose(history, trie, self.config.max_depth, weight=self.calibration["suffix"].weight)
+        self.index.propose(history, trie, self.config.suffix_depth, self.copy.prob)
         self.recycling.propose(
-            history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
-            weight=self.calibration["recycling"].weight,
+            history[-1], trie, self.config.recycling_nodes, self.config.max_depth, weight=self.calibration.weight,
         )
         scores = sorted(trie.score[1:], reverse=True)
         n = self.config.fixed_nodes if self.config.fixed_nodes is not None else self.controller.choose(scores)
@@ -219,20 +256,28 @@ class Tree(Strategy):
         self.index.extend(self.doc, emitted)
         draft = self.last_draft
         accepted_rows = set(path)
-        for source, calibration in self.calibration.items():
-            nodes = [i for i, s in enumerate(draft.sources) if s == source]
-            if nodes:
-                # Conditional acceptance given the parent was accepted: the quantity the source predicts.
-                live = [i for i in nodes if draft.parents[i] in accepted_rows]
-                if live:
-                    predicted = sum(draft.scores[i] / max(draft.scores[draft.parents[i] - 1], 1e-6)
-                                    if draft.parents[i] > 0 else draft.scores[i] for i in live)
-                    calibration.update(predicted / calibration.weight, sum((i + 1) in accepted_rows for i in live))
+        # Only nodes whose parent was accepted were really tested: their conditional probability is
+        # what the source predicted.
+        live = [i for i in range(len(draft)) if draft.parents[i] in accepted_rows]
+        predicted = accepted = 0.0
+        for i in live:
+            hit = (i + 1) in accepted_rows
+            if draft.sources[i] == "suffix":
+                self.copy.update(draft.keys[i][1], hit)
+            elif draft.sources[i] == "recycling":
+                parent = draft.parents[i]
+                predicted += draft.scores[i] / max(draft.scores[parent - 1], 1e-6) if parent > 0 else draft.scores[i]
+                accepted += hit
+        if predicted > 0:
+            self.calibration.update(predicted / self.calibration.weight, accepted)
         self.controller.observe(len(tokens), step_ms, sum(draft.scores), len(path) - 1)
 
 
 STRATEGIES = {"sequential": Sequential, "jacobi": Jacobi, "lookahead": Lookahead, "tree": Tree}
 
 
-def make_strategy(name: str, **kwargs) -> Strategy:
-    return STRATEGIES[name](**kwargs)
+def make_strategy(name: str, costs: StepCosts | None = None) -> Strategy:
+    """A fresh strategy by name; `costs` (a client's measured step costs) goes to those that size blocks."""
+    if name == "tree":
+        return Tree(costs=costs)
+    return STRATEGIES[name]()

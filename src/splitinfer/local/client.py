@@ -5,15 +5,19 @@
 
 The client owns the tokenizer and chat template; only hidden states leave the process. Each
 `generate` call opens its own cloud session and closes it at the end, freeing the server's cache.
+With a randomised split (`prepare --split-range`) each session (each `make_middle()`) draws its head
+depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_seed` only for tests).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..decoding.controller import StepCosts
 from ..decoding.loop import decode
 from ..decoding.sampling import SamplingConfig, make_chooser
 from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
@@ -69,12 +73,24 @@ class Generation:
         return data
 
 
+def head_depth_drawer(local: LocalHalf, seed: int | None) -> Callable[[], int | None]:
+    """A function drawing each session's head depth k uniformly in the shard's [K1, K2]; None for a fixed
+    split, so those clients send the v1 hello that older servers accept. The RNG is the OS's (SystemRandom)
+    unless a seed is given: a predictable k is only for tests and benchmarks."""
+    low, high = local.head_range
+    rng = random.SystemRandom() if seed is None else random.Random(seed)
+    return lambda: None if low == high else rng.randint(low, high)
+
+
 class SplitClient:
     def __init__(self, local: LocalHalf, make_middle: Callable[[], object], config: ClientConfig = ClientConfig()):
         self.local = local
         self.make_middle = make_middle
         self.config = config
         self.mode = "split"
+        # What a verified block costs on this deployment, measured by every tree generation and shared by
+        # the next ones (the cost of a row is a property of the machines and the link, not of the text).
+        self.step_costs = StepCosts()
 
     @classmethod
     def connect(
@@ -89,24 +105,27 @@ class SplitClient:
         local = load_local(local_shard, device=device)
         check_local_weights(local.manifest, allow_public_weights)
         split = local.manifest["split"]
+        draw = head_depth_drawer(local, config.split_seed)
 
         def make_middle():
             return RemoteMiddle(
                 url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, config.wire_dtype,
-                auth=auth,
+                auth=auth, head_layers=draw(),
             )
 
         return cls(local, make_middle, config)
 
     @classmethod
-    def local_only(cls, shards: str | Path, device: str = "cpu") -> "SplitClient":
+    def local_only(cls, shards: str | Path, device: str = "cpu", split_seed: int | None = None) -> "SplitClient":
         """The whole model in this process from a prepared OUT directory (OUT/local + OUT/cloud)."""
         shards = Path(shards)
         local = load_local(shards / "local", device=device)
         cloud = load_cloud(shards / "cloud", device=device)
         if cloud.fingerprint != local.fingerprint:
             raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
-        client = cls(local, lambda: InProcessMiddle(cloud), ClientConfig(wire_dtype="float32"))
+        draw = head_depth_drawer(local, split_seed)
+        config = ClientConfig(wire_dtype="float32", split_seed=split_seed)
+        client = cls(local, lambda: InProcessMiddle(cloud, draw()), config)
         client.mode = "local-only"
         return client
 
@@ -152,7 +171,7 @@ class SplitClient:
         if isinstance(strategy, str):
             if strategy not in STRATEGIES:
                 raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-            strategy = make_strategy(strategy)
+            strategy = make_strategy(strategy, costs=self.step_costs)
         if max_new_tokens < 1:
             raise ConfigError("--max-new-tokens must be at least 1.")
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
@@ -188,6 +207,7 @@ class SplitClient:
         stats["mode"] = self.mode
         stats["strategy"] = strategy.name
         stats["wire_dtype"] = self.config.wire_dtype if self.mode == "split" else None
+        stats["head_layers"] = session.head_layers
         return Generation(text, prompt_ids, tokens, finish, logprobs, stats, [r.as_dict() for r in session.records])
 
 

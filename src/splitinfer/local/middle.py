@@ -46,8 +46,10 @@ class RemoteMiddle:
         reply_timeout_s: float = 120.0,
         max_message_bytes: int = 64 * 1024 * 1024,
         auth: ClientAuth = ClientAuth(),
+        head_layers: int | None = None,
     ):
         self.url = url
+        self.head_layers = head_layers  # k pinned in every hello of this session (resume included); None: fixed split
         self.fingerprint = fingerprint
         self.cloud_layers = cloud_layers
         self.wire_dtype = wire_dtype
@@ -69,7 +71,9 @@ class RemoteMiddle:
 
     def open(self, resume_id: str | None = None) -> Welcome:
         self.connect()
-        hello = Hello(self.fingerprint, self.cloud_layers, self.wire_dtype, session_id=resume_id)
+        hello = Hello(
+            self.fingerprint, self.cloud_layers, self.wire_dtype, session_id=resume_id, head_layers=self.head_layers
+        )
         welcome = self._exchange(hello.encode())
         if not isinstance(welcome, Welcome):
             raise ProtocolError("the server answered hello with something other than welcome.")
@@ -195,14 +199,17 @@ class InProcessMiddle:
     tensors over directly, so no wire rounding happens.
     """
 
-    def __init__(self, half: CloudHalf):
+    def __init__(self, half: CloudHalf, head_layers: int | None = None):
         self.table = SessionTable(half, SessionConfig(max_sessions=1 << 20, max_cached_tokens=1 << 40, max_block_rows=1 << 16))
         self.cloud_layers = (half.stack.start, half.stack.end)
+        self.head_layers = head_layers  # as in RemoteMiddle
         self._session = None
         self.welcome: Welcome | None = None
 
     def open(self, resume_id: str | None = None) -> Welcome:
-        hello = Hello(self.table.half.fingerprint, self.cloud_layers, "float32", session_id=resume_id)
+        hello = Hello(
+            self.table.half.fingerprint, self.cloud_layers, "float32", session_id=resume_id, head_layers=self.head_layers
+        )
         self._session, self.welcome = self.table.open(hello)
         return self.welcome
 

@@ -6,6 +6,9 @@ list (no extra round trip). The session keeps what it sent for every committed r
 loses the session (TTL, restart, dropped link) it reconnects, re-sends those rows and carries on: the
 local caches are untouched and the output does not change.
 
+Its head depth k is the one its middle pins in the hello (split-point randomisation; the client draws it
+per session), or the shard's fixed split; it runs layers [0, k) and never changes k, reconnects included.
+
 It knows nothing about tokenization or about how blocks are chosen (decoding strategies do that).
 """
 
@@ -34,6 +37,9 @@ class ClientConfig:
     max_retries: int = 5  # reconnect attempts per step before giving up
     retry_backoff_s: float = 0.25  # first backoff; doubles on each attempt
     retry_backoff_max_s: float = 8.0  # the doubling stops here, so a long outage is polled, not waited out
+    # Split-point randomisation: seeds the per-session draw of the head depth. None (the default) draws
+    # from the OS's secret RNG; a seed is for tests and benchmarks only (it makes the depth predictable).
+    split_seed: int | None = None
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -46,7 +52,10 @@ class SplitSession:
         self.local = local
         self.middle = middle
         self.config = config
-        self.head_cache = local.head.new_cache()
+        pinned = getattr(middle, "head_layers", None)
+        self.head_layers = local.head_range[0] if pinned is None else pinned  # k; the server checks its range
+        self.head = local.head_for(self.head_layers)
+        self.head_cache = self.head.new_cache()
         self.tail_cache = local.tail.new_cache()
         self.length = 0  # committed tokens
         self.records: list[StepRecord] = []
@@ -84,7 +93,7 @@ class SplitSession:
         pos = torch.tensor(positions, dtype=torch.long, device=self._device)
         allowed = structure.allowed(q)
         with torch.inference_mode():
-            hidden = self.local.head(self.local.embed(ids), pos, allowed, self.head_cache)  # [1, q, d]
+            hidden = self.head(self.local.embed(ids), pos, allowed, self.head_cache)  # [1, q, d]
         sent = hidden[0]
         t1 = time.perf_counter()
         returned = self._remote(positions, structure, sent, record)  # [q, d]

@@ -5,6 +5,10 @@
     OUT/cloud/  manifest.json  config.json  weights.safetensors
                 (layers [k, N-m) only)
 
+With split-point randomisation (`prepare --split-range K1-K2`) each session picks its head depth k in
+[K1, K2]: the local shard holds layers [0, K2) and the cloud shard layers [K1, N-m), so layers [K1, K2)
+are in both, and a session runs the views `LocalHalf.head_for(k)` and `CloudHalf.stack_for(k)`.
+
 The cloud shard never contains the embedding, the LM head, the final norm or a local layer, and loading
 it never allocates them. Both manifests carry the cloud shard's fingerprint (a hash over its split, dtype
 and file hashes), which the handshake compares so that a client cannot talk to a server holding other
@@ -26,6 +30,7 @@ from transformers import AutoTokenizer, PretrainedConfig
 
 from .. import __version__
 from ..errors import ModelError
+from ..kv import KVCache
 from .source import SourceModel
 from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
 
@@ -42,15 +47,26 @@ class Split:
     num_layers: int  # N, decoder layers of the whole model
     head_layers: int  # k, layers [0, k) run locally before the cloud
     tail_layers: int  # m, layers [N-m, N) run locally after the cloud
+    # K2 under split-point randomisation: each session picks its head depth in [head_layers, head_max], so
+    # head_layers is K1, the depth every session keeps local. None: one fixed split (K1 = K2).
+    head_max: int | None = None
 
     def __post_init__(self):
         if self.head_layers < 1 or self.tail_layers < 1:
             raise ModelError("keep at least one local layer on each side (--head-layers >= 1, --tail-layers >= 1).")
-        if self.head_layers + self.tail_layers >= self.num_layers:
+        if self.head_max is not None and self.head_max <= self.head_layers:
+            raise ModelError(f"--split-range K1-K2 needs K1 < K2 (got {self.head_layers}-{self.head_max}).")
+        deepest = self.head_max if self.head_max is not None else self.head_layers
+        if deepest + self.tail_layers >= self.num_layers:
             raise ModelError(
-                f"the model has {self.num_layers} layers; --head-layers + --tail-layers must leave at least one "
-                f"for the cloud (got {self.head_layers} + {self.tail_layers})."
+                f"the model has {self.num_layers} layers; the deepest head split + --tail-layers must leave at "
+                f"least one for the cloud (got {deepest} + {self.tail_layers})."
             )
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """[K1, K2], both included: the head depths a session may pick (K1 = K2 for a fixed split)."""
+        return (self.head_layers, self.head_max if self.head_max is not None else self.head_layers)
 
     @property
     def cloud_start(self) -> int:
@@ -61,12 +77,16 @@ class Split:
         return self.num_layers - self.tail_layers
 
     def as_dict(self) -> dict:
-        return {
+        # head_range only when randomised, so fixed-split manifests (and their fingerprints) are unchanged.
+        data = {
             "num_layers": self.num_layers,
             "head_layers": self.head_layers,
             "tail_layers": self.tail_layers,
             "cloud_layers": [self.cloud_start, self.cloud_end],
         }
+        if self.head_max is not None:
+            data["head_range"] = list(self.head_range)
+        return data
 
 
 def sha256_file(path: Path) -> str:
@@ -91,28 +111,45 @@ def _clean_config(config: PretrainedConfig) -> dict:
     return data
 
 
-def _owner(key: str, split: Split) -> str:
-    """'local' or 'cloud' for one state-dict key."""
+def _owners(key: str, split: Split) -> tuple[str, ...]:
+    """The shards that hold one state-dict key: layers [K1, K2) of a randomised split are in both."""
     if key.startswith("model.layers."):
         index = int(key.split(".")[2])
-        return "cloud" if split.cloud_start <= index < split.cloud_end else "local"
-    return "local"
+        owners = ("cloud",) if split.cloud_start <= index < split.cloud_end else ()
+        if index < split.head_range[1] or index >= split.cloud_end:
+            owners += ("local",)
+        return owners
+    return ("local",)
 
 
-def prepare(source: SourceModel, out: str | Path, head_layers: int = 2, tail_layers: int = 2, dtype: str = "float32") -> Path:
-    """Write OUT/local and OUT/cloud. Returns OUT."""
+def prepare(
+    source: SourceModel,
+    out: str | Path,
+    head_layers: int = 2,
+    tail_layers: int = 2,
+    dtype: str = "float32",
+    split_range: tuple[int, int] | None = None,
+) -> Path:
+    """Write OUT/local and OUT/cloud. Returns OUT.
+
+    split_range (K1, K2) replaces head_layers: sessions pick their head depth in [K1, K2] (see module doc).
+    """
     if dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
     out = Path(out)
-    split = Split(source.config.num_hidden_layers, head_layers, tail_layers)
+    if split_range is not None:
+        split = Split(source.config.num_hidden_layers, split_range[0], tail_layers, head_max=split_range[1])
+    else:
+        split = Split(source.config.num_hidden_layers, head_layers, tail_layers)
     state = source.model.state_dict()
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
     for key, tensor in state.items():
         if tied and key == "lm_head.weight":
             continue  # the same tensor as the embedding; re-tied on load
-        # clone: tied or shared storage would make safetensors refuse to save
-        parts[_owner(key, split)][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
+        for owner in _owners(key, split):
+            # clone: tied or shared storage would make safetensors refuse to save
+            parts[owner][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
     config = _clean_config(source.config)
 
     cloud_dir, local_dir = out / "cloud", out / "local"
@@ -142,7 +179,8 @@ def prepare(source: SourceModel, out: str | Path, head_layers: int = 2, tail_lay
             "created_by": f"splitinfer {__version__}",
         }
         (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    log.info("wrote %s (cloud layers %d..%d of %d)", out, split.cloud_start, split.cloud_end, split.num_layers)
+    log.info("wrote %s (cloud layers %d..%d of %d, head depths %s)", out, split.cloud_start, split.cloud_end,
+             split.num_layers, split.head_range)
     return out
 
 
@@ -195,7 +233,38 @@ def _load_checked(directory: Path, manifest: dict, verify: bool) -> tuple[Pretra
 
 def _split_of(manifest: dict) -> Split:
     s = manifest["split"]
-    return Split(s["num_layers"], s["head_layers"], s["tail_layers"])
+    head_range = s.get("head_range")
+    if head_range is not None and (
+        not isinstance(head_range, list) or len(head_range) != 2 or head_range[0] != s["head_layers"]
+    ):
+        raise ModelError("the manifest's split.head_range must be [head_layers, K2]; the shard is damaged. Re-run prepare.")
+    return Split(s["num_layers"], s["head_layers"], s["tail_layers"], head_max=head_range[1] if head_range else None)
+
+
+class StackView(LayerStack):
+    """Layers [first, last) of a built stack, sharing its modules (no copy of any weight).
+
+    The modules keep the full stack's cache slot numbers (`layer_idx`), which other sessions use at the
+    same time, so a view's cache has a slot for every layer of the full stack and fills only its own:
+    a cloud session that starts deeper never allocates keys or values for the layers it skips.
+    """
+
+    def __init__(self, full: LayerStack, first: int, last: int):
+        assert 0 <= first <= last <= len(full.layers), (first, last, len(full.layers))
+        nn.Module.__init__(self)  # not LayerStack.__init__: it would renumber the shared modules
+        self.config, self.rotary, self._cache_kw = full.config, full.rotary, full._cache_kw
+        self.layers = nn.ModuleList(list(full.layers)[first:last])
+        self.start, self.end = full.start + first, full.start + last
+        self.windows = full.windows[first:last]
+        self._slots = len(full.layers)
+        self.refresh_devices()
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self._slots)
+
+
+def _head_range(manifest: dict) -> tuple[int, int]:
+    return _split_of(manifest).head_range
 
 
 @dataclass
@@ -209,6 +278,22 @@ class CloudHalf:
     @property
     def fingerprint(self) -> str:
         return self.manifest["cloud_fingerprint"]
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """[K1, K2]: the head depths a client may pin in its hello (K1 = K2 for a fixed split)."""
+        return _head_range(self.manifest)
+
+    def stack_for(self, head_layers: int) -> LayerStack:
+        """The layers [k, N-m) a session with head depth k runs: the whole stack, or a view of its suffix."""
+        low, high = self.head_range
+        assert low <= head_layers <= high, (head_layers, low, high)
+        if head_layers == low:
+            return self.stack
+        views = self.__dict__.setdefault("_views", {})
+        if head_layers not in views:
+            views[head_layers] = StackView(self.stack, head_layers - low, len(self.stack.layers))
+        return views[head_layers]
 
 
 @dataclass
@@ -227,6 +312,17 @@ class LocalHalf:
     @property
     def fingerprint(self) -> str:
         return self.manifest["cloud_fingerprint"]
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        """[K1, K2]: the head depths this shard can run (K1 = K2 for a fixed split)."""
+        return _head_range(self.manifest)
+
+    def head_for(self, head_layers: int) -> LayerStack:
+        """Layers [0, k) for a session with head depth k (`head` holds [0, K2))."""
+        low, high = self.head_range
+        assert low <= head_layers <= high, (head_layers, low, high)
+        return self.head if head_layers == high else StackView(self.head, 0, head_layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, q, d] tail output -> [q, vocab] float32 logits."""
@@ -263,7 +359,7 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
         lm_head = materialize(lm_head, {"weight": weights["model.embed_tokens.weight"]}, device, torch_dtype)
     else:
         lm_head = materialize(model.lm_head, part("lm_head."), device, torch_dtype)
-    head = build_stack(config, model, 0, split.cloud_start, weights, device, torch_dtype)
+    head = build_stack(config, model, 0, split.head_range[1], weights, device, torch_dtype)
     tail = build_stack(config, model, split.cloud_end, split.num_layers, weights, device, torch_dtype)
     tokenizer = None
     if manifest.get("has_tokenizer"):

@@ -43,8 +43,13 @@ class AuditConfig:
     seq_attacker: bool = True  # A3
     defence_depth: int = 2  # k = m used for the noise and private-weights defences
     noise_sigmas: tuple[float, ...] = (0.1, 0.5)
-    privatize: PrivatizeConfig | None = PrivatizeConfig(steps=16, batch_chunks=2, seq_len=64)
-    t2_tokens: tuple[int, ...] = (1_000, 4_000)  # chosen-plaintext tokens (capped at the training text)
+    # 100 steps per stage: ~456 s for 60 steps of 4 windows under load 5 on 2 cores, so ~2-3 min quiet.
+    privatize: PrivatizeConfig | None = PrivatizeConfig(steps=100, batch_chunks=2, seq_len=64, pool_windows=32)
+    # T2: chosen-plaintext tokens (the attacker's own text, see corpus.attacker_text). The output side needs
+    # a whole-model forward per token (its targets are the private model's greedy tokens): capped apart.
+    t2_tokens: tuple[int, ...] = (1_000, 10_000, 100_000)
+    t2_output_tokens: int = 10_000
+    t2_train: attackers.TrainConfig = attackers.TrainConfig(epochs=5, max_seconds=90)
     utility_chunks: int = 6  # test chunks for perplexity / greedy agreement
     n_boot: int = 1000
     seed: int = 0
@@ -60,8 +65,10 @@ def quick_config(shards: str) -> AuditConfig:
         train=attackers.TrainConfig(epochs=4, max_seconds=15),
         a4_chunks=2,
         noise_sigmas=(0.3,),
-        privatize=PrivatizeConfig(steps=6, batch_chunks=2, seq_len=64),
-        t2_tokens=(1_000, 2_000),
+        privatize=PrivatizeConfig(steps=40, batch_chunks=2, seq_len=64, pool_windows=16),
+        t2_tokens=(1_000, 10_000),
+        t2_output_tokens=2_000,
+        t2_train=attackers.TrainConfig(epochs=4, max_seconds=30),
         utility_chunks=4,
         n_boot=500,
     )

@@ -105,3 +105,47 @@ def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail
         inputs={k: np.concatenate(v) for k, v in ins.items()},
         outputs={m: np.concatenate(v) for m, v in outs.items()},
     )
+
+
+def collect_inputs(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...]) -> Collected:
+    """Input side only: runs just layers [0, max(depths)) per chunk (what a chosen-plaintext attacker's
+    queries cost the deployment), so 10^5 tokens through two layers take minutes, not an hour on a CPU.
+    There are no output-side states, and `greedy` is -1 (the model's prediction was never computed).
+    """
+    top = max(depths)
+    if top >= len(model.model.layers):
+        raise ValueError(f"depths must be below the model's {len(model.model.layers)} layers")
+    cols: dict[str, list] = {k: [] for k in ("tokens", "doc", "chunk", "pos", "canary")}
+    ins: dict[int, list] = {k: [] for k in depths}
+    full = model.model.layers
+    model.model.layers = nn.ModuleList(full[:top])
+    try:
+        for index, chunk in enumerate(chunks):
+            ids = torch.tensor([chunk.tokens], dtype=torch.long)
+            seen: dict[int, torch.Tensor] = {}
+            handles = [
+                full[k - 1].register_forward_hook(lambda _m, _i, out, k=k: seen.__setitem__(k, out[0] if isinstance(out, tuple) else out))
+                for k in depths
+            ]
+            try:
+                with torch.inference_mode():
+                    model.model(input_ids=ids, use_cache=False)
+            finally:
+                for h in handles:
+                    h.remove()
+            t = len(chunk.tokens)
+            cols["tokens"].append(np.asarray(chunk.tokens, dtype=np.int64))
+            cols["doc"].append(np.full(t, chunk.doc_id, dtype=np.int32))
+            cols["chunk"].append(np.full(t, index, dtype=np.int32))
+            cols["pos"].append(np.arange(t, dtype=np.int32))
+            cols["canary"].append(np.arange(t) < chunk.canary_len)
+            for k in depths:
+                ins[k].append(seen[k][0].to(torch.float16).numpy())
+    finally:
+        model.model.layers = full
+    tokens = np.concatenate(cols["tokens"])
+    return Collected(
+        greedy=np.full(len(tokens), -1, dtype=np.int64), tokens=tokens,
+        **{k: np.concatenate(v) for k, v in cols.items() if k != "tokens"},
+        inputs={k: np.concatenate(v) for k, v in ins.items()},
+    )

@@ -18,7 +18,7 @@ def _ints(text: str) -> tuple[int, ...]:
     except ValueError as exc:
         raise ConfigError(f"expected comma-separated integers like 1,2,4, not {text!r}.") from exc
     if not values or min(values) < 1:
-        raise ConfigError(f"depths must be positive integers, not {text!r}.")
+        raise ConfigError(f"expected positive integers, not {text!r}.")
     return values
 
 
@@ -43,6 +43,8 @@ def cmd_audit(args) -> int:
         changes["a4_chunks"] = args.a4_chunks
     if args.epochs:
         changes["train"] = replace(config.train, epochs=args.epochs)
+    if args.t2_tokens:
+        changes["t2_tokens"] = _ints(args.t2_tokens)
     if args.no_seq:
         changes["seq_attacker"] = False
     if args.no_privatize:
@@ -127,6 +129,7 @@ def register(subparsers) -> None:
     s.add_argument("--documents", type=int, help="source documents in the corpus")
     s.add_argument("--a4-chunks", type=int, help="test chunks for the known-weights exact attacker")
     s.add_argument("--epochs", type=int, help="training epochs of the learned attackers")
+    s.add_argument("--t2-tokens", help="chosen-plaintext attacker's own tokens (T2 learning curve), e.g. 1000,10000,100000")
     s.add_argument("--no-seq", action="store_true", help="skip A3, the sequence-aware attacker")
     s.add_argument("--no-privatize", action="store_true", help="skip the private-weights defence (T1, T2)")
     s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")

@@ -115,37 +115,74 @@ def canary_sentence(rng: random.Random) -> str:
     )
 
 
-def build_corpus(tokenizer, config: CorpusConfig = CorpusConfig()) -> Corpus:
+def _shuffled_documents(config: CorpusConfig) -> tuple[list[tuple[str, str]], dict[str, int], random.Random]:
+    """Every (name, text) of the configured sources in the seeded order the audit draws from, and the
+    generator that shuffled them (build_corpus draws its canaries from it, as it always has)."""
     readers = {"stdlib": stdlib_documents, "licenses": license_documents}
     unknown = set(config.sources) - set(readers)
     if unknown:
         raise ConfigError(f"unknown corpus source(s) {sorted(unknown)}; choose from {sorted(readers)}.")
     raw: list[tuple[str, str]] = []
-    corpus = Corpus()
+    counts = {}
     for kind in config.sources:
         docs = list(readers[kind]())
-        corpus.sources[kind] = len(docs)
+        counts[kind] = len(docs)
         raw.extend(docs)
     if not raw:
         raise ConfigError("no offline text found for the audit corpus; check the Python installation.")
     rng = random.Random(config.seed)
     rng.shuffle(raw)
+    return raw, counts, rng
+
+
+def _chunks_of(doc_id: int, name: str, ids: list[int], config: CorpusConfig, max_chunks: int, rng: random.Random, tokenizer) -> list[Chunk]:
+    out = []
+    for start in range(0, len(ids), config.chunk_tokens):
+        if start // config.chunk_tokens >= max_chunks:
+            break
+        body = ids[start : start + config.chunk_tokens]
+        if len(body) < config.min_chunk_tokens:
+            break
+        chunk = Chunk(doc_id, name, body)
+        if rng.random() < config.canary_fraction:
+            canary = list(tokenizer(canary_sentence(rng) + "\n", add_special_tokens=False)["input_ids"])
+            chunk = Chunk(doc_id, name, (canary + body)[: config.chunk_tokens], canary_len=len(canary))
+        out.append(chunk)
+    return out
+
+
+def build_corpus(tokenizer, config: CorpusConfig = CorpusConfig()) -> Corpus:
+    raw, counts, rng = _shuffled_documents(config)
+    corpus = Corpus(sources=counts)
     raw = raw[: config.max_documents]
     n_test = max(1, round(len(raw) * config.test_fraction))
     for doc_id, (name, text) in enumerate(raw):
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         split = corpus.test if doc_id < n_test else corpus.train
-        for start in range(0, len(ids), config.chunk_tokens):
-            if start // config.chunk_tokens >= config.max_chunks_per_document:
-                break
-            body = ids[start : start + config.chunk_tokens]
-            if len(body) < config.min_chunk_tokens:
-                break
-            chunk = Chunk(doc_id, name, body)
-            if rng.random() < config.canary_fraction:
-                canary = list(tokenizer(canary_sentence(rng) + "\n", add_special_tokens=False)["input_ids"])
-                chunk = Chunk(doc_id, name, (canary + body)[: config.chunk_tokens], canary_len=len(canary))
-            split.append(chunk)
+        split.extend(_chunks_of(doc_id, name, ids, config, config.max_chunks_per_document, rng, tokenizer))
     if not corpus.train or not corpus.test:
         raise ConfigError("the audit corpus is too small to split into train and test; raise --documents.")
     return corpus
+
+
+def attacker_text(tokenizer, config: CorpusConfig, n_tokens: int, max_chunks_per_document: int = 8) -> list[Chunk]:
+    """The chosen-plaintext attacker's own text (T2): about `n_tokens` tokens in whole chunks.
+
+    Drawn from the documents the audit's corpus does not use (those after its first `max_documents` in
+    the same seeded order), so it shares no document with the audit's train or test split. The attacker
+    plants its own made-up records at the same rate as the audit's canaries (it can write such text too).
+    Returns fewer tokens when the sources run out; the audit records how many it got.
+    """
+    raw, _, _ = _shuffled_documents(config)
+    rng = random.Random(config.seed + 1)
+    chunks, total = [], 0
+    for doc_id, (name, text) in enumerate(raw[config.max_documents :], start=config.max_documents):
+        if total >= n_tokens:
+            break
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        for chunk in _chunks_of(doc_id, name, ids, config, max_chunks_per_document, rng, tokenizer):
+            if total >= n_tokens:
+                break
+            chunks.append(chunk)
+            total += len(chunk.tokens)
+    return chunks

@@ -10,6 +10,7 @@ the defence and trains on defended activations (an adaptive attacker).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -19,6 +20,8 @@ import torch
 from . import attackers, exact
 from .collect import collect
 from .privatize import privatize_model, utility
+
+log = logging.getLogger("splitinfer.privacy")
 
 
 def _decode_ms(stack, embed, steps: int = 24) -> float:
@@ -84,31 +87,56 @@ def noise_defence(audit) -> None:
             audit._paired(("input", k, "T0", att, "none"), ("input", k, "T0", att, name), "defence")
 
 
-def _first_tokens(data, n: int):
-    """Rows of the first chunks holding about n tokens (whole chunks), and their chunk bounds."""
-    bounds = data.chunk_bounds()
-    kept = []
-    for s, e in bounds:
-        if kept and kept[-1][1] >= n:
+def _first_rows(data, side: str, depth: int, n: int):
+    """The first n rows of `data` (the last chunk cut short): features, targets and chunk bounds."""
+    n = min(n, len(data))
+    bounds = [(s, min(e, n)) for s, e in data.chunk_bounds() if s < n]
+    return data.side(side)[depth][:n], data.target(side)[:n], bounds
+
+
+def _chosen_plaintext(audit, private) -> dict:
+    """T2's own text pushed through the private deployment: input side through the head layers only, output
+    side through the whole model (its targets are the private model's greedy tokens), up to its own cap.
+    A side with no text (the sources ran out, or a cap of 0) is left out, with a warning, not a crash."""
+    from .collect import collect_inputs
+    from .corpus import attacker_text
+
+    cfg, k = audit.config, audit.config.defence_depth
+    started = time.perf_counter()
+    chunks = attacker_text(audit.tokenizer, cfg.corpus, max(cfg.t2_tokens))
+    if not chunks:
+        log.warning("T2 skipped: every source document is in the audit's corpus; lower --documents")
+        audit.extra["chosen_plaintext"] = {"skipped": "no documents outside the audit's corpus"}
+        return {}
+    inputs = collect_inputs(private, chunks, (k,))
+    input_s = time.perf_counter() - started
+    started = time.perf_counter()
+    n_out, out_chunks = 0, []
+    for chunk in chunks:
+        if n_out >= min(cfg.t2_output_tokens, max(cfg.t2_tokens)):
             break
-        kept.append((s, e))
-    end = kept[-1][1]
-    return end, kept
+        out_chunks.append(chunk)
+        n_out += len(chunk.tokens)
+    outputs = collect(private, out_chunks, (k,), (k,)) if out_chunks else None
+    audit.timings["T2_collect_input_s"] = input_s
+    audit.timings["T2_collect_output_s"] = time.perf_counter() - started
+    n_out = len(outputs) if outputs is not None else 0
+    log.info("T2: %d chosen-plaintext tokens through %d private layers in %.0f s; %d through the whole model in %.0f s",
+             len(inputs), k, input_s, n_out, audit.timings["T2_collect_output_s"])
+    audit.extra["chosen_plaintext"] = {
+        "documents": len({c.doc_id for c in chunks}), "input_tokens": len(inputs), "output_tokens": n_out,
+        "requested": list(cfg.t2_tokens), "output_cap": cfg.t2_output_tokens,
+        "shares_documents_with_audit": bool({c.doc_id for c in chunks} & {c.doc_id for c in audit.corpus.train + audit.corpus.test}),
+    }
+    return {"input": inputs, "output": outputs} if outputs is not None else {"input": inputs}
 
 
 def private_defence(audit) -> None:
     cfg, k = audit.config, audit.config.defence_depth
     pconf = replace(cfg.privatize, head_layers=k, tail_layers=k)
     private, record = privatize_model(audit.model, [c.tokens for c in audit.corpus.train], pconf)
+    audit.timings["privatize_s"] = record["seconds"]
     util = utility(audit.model, private, _utility_chunks(audit))
-    # The chosen-plaintext attacker needs only as many chunks as its largest N (collection is the slow part).
-    needed, total = [], 0
-    for chunk in audit.corpus.train:
-        if total >= max(cfg.t2_tokens):
-            break
-        needed.append(chunk)
-        total += len(chunk.tokens)
-    ptrain = collect(private, needed, (k,), (k,))
     ptest = collect(private, audit.corpus.test, (k,), (k,))
     shift = {}
     for side in ("input", "output"):
@@ -118,31 +146,37 @@ def private_defence(audit) -> None:
         {"defence": "private weights", "side": "both", "depth": k, "utility": util, "privatize": record,
          "relative_activation_shift": shift, "added_ms_per_token": 0.0}
     )
+    own = _chosen_plaintext(audit, private)
     public_test = audit.test
     audit.test = ptest  # rows below are scored on what the private deployment sends
+    learned = [("A2", "mlp")] + ([("A3", "seq")] if cfg.seq_attacker else [])
     try:
         tb = audit.train.chunk_bounds()
         for side in ("input", "output"):
             y_public = audit.train.target(side)
             audit.attack(side, k, "T1", "private weights", None, y_public, tb, ptest.side(side)[k], exact_ok=False,
                          reuse_from=(side, k, "T0", "none"))
-            sizes = sorted({min(n, len(ptrain)) for n in cfg.t2_tokens})
-            for n in sizes:
-                end, bounds = _first_tokens(ptrain, n)
-                x, y = ptrain.side(side)[k][:end], ptrain.target(side)[:end]
-                for name, kind in (("A2", "mlp"), ("A3", "seq")):
-                    if kind == "seq" and not cfg.seq_attacker:
-                        continue
-                    fitted = attackers.fit(kind, x, y, bounds, cfg.train)
-                    pred = attackers.predict(fitted, ptest.side(side)[k], ptest.chunk_bounds())
-                    label = f"{name} N={end}"
-                    info = {"train_seconds": round(fitted.seconds, 1), "epochs_run": fitted.epochs_run,
-                            "capped": fitted.capped, "chosen_plaintext_tokens": int(end)}
-                    audit._row((side, k, "T2", label, "private weights"), pred, np.ones(len(ptest), bool), y, info)
             for att in ("A1", "A2", "A3", "A4"):
                 audit._paired((side, k, "T0", att, "none"), (side, k, "T1", att, "private weights"), "threat")
-            end_max, _ = _first_tokens(ptrain, sizes[-1])
-            audit._paired((side, k, "T1", "A2", "private weights"), (side, k, "T2", f"A2 N={end_max}", "private weights"), "threat")
+            if side not in own:
+                continue
+            limit = len(own[side]) if side == "input" else min(len(own[side]), cfg.t2_output_tokens)
+            sizes = sorted({min(n, limit) for n in cfg.t2_tokens})
+            for name, kind in learned:
+                for n in sizes:
+                    x, y, bounds = _first_rows(own[side], side, k, n)
+                    fitted = attackers.fit(kind, x, y, bounds, cfg.t2_train)
+                    pred = attackers.predict(fitted, ptest.side(side)[k], ptest.chunk_bounds())
+                    info = {"train_seconds": round(fitted.seconds, 1), "epochs_run": fitted.epochs_run,
+                            "capped": fitted.capped, "chosen_plaintext_tokens": int(len(y))}
+                    audit._row((side, k, "T2", f"{name} N={n}", "private weights"), pred, np.ones(len(ptest), bool), y, info)
+                    audit.timings[f"T2_{side}_{name}_N{n}_s"] = fitted.seconds
+                t2 = lambda n: (side, k, "T2", f"{name} N={n}", "private weights")  # noqa: E731
+                audit._paired((side, k, "T1", name, "private weights"), t2(sizes[-1]), "threat")
+                for a, b in zip(sizes, sizes[1:]):
+                    audit._paired(t2(a), t2(b), "chosen-plaintext tokens")
+                if len(sizes) > 2:
+                    audit._paired(t2(sizes[0]), t2(sizes[-1]), "chosen-plaintext tokens")
     finally:
         audit.test = public_test
 
@@ -155,21 +189,58 @@ def _row_stats(x: np.ndarray) -> np.ndarray:
     return np.stack([np.log(rms), np.log(np.abs(x).max(-1) + 1e-6), top8, x.mean(-1), x.std(-1)], -1).astype(np.float16)
 
 
-def depth_identification(audit) -> dict:
-    """Split-point randomisation, measured only: can the cloud tell the split depth k from what it receives?
+SPLIT_RANGE = (2, 4)  # the randomised range docs/privacy.md measures (`prepare --split-range 2-4`)
+
+
+def _classify_depth(train: dict, test: dict, train_bounds, test_bounds, feats, config) -> dict:
+    """Train one depth classifier on {k: [T, d]} rows and score it per row and per session (a test chunk
+    seen at one depth, as a cloud session is: majority vote of its rows' guesses)."""
+    depths = sorted(train)
+    x_tr = np.concatenate([feats(train[k]) for k in depths])
+    y_tr = np.concatenate([np.full(len(train[k]), k) for k in depths])
+    fitted = attackers.fit("mlp", x_tr, y_tr, [], config)
+    rows = sessions = n_rows = n_sessions = 0
+    for k in depths:
+        guess = attackers.predict(fitted, feats(test[k]), [])[:, 0]
+        rows += int((guess == k).sum())
+        n_rows += len(guess)
+        for s, e in test_bounds:
+            values, counts = np.unique(guess[s:e], return_counts=True)
+            sessions += int(values[counts.argmax()] == k)
+            n_sessions += 1
+    return {"row_accuracy": rows / n_rows, "n_rows": n_rows, "session_accuracy": sessions / n_sessions,
+            "n_sessions": n_sessions}
+
+
+def depth_identification(audit, split_range: tuple[int, int] = SPLIT_RANGE) -> dict:
+    """Split-point randomisation: can a party that sees the sent activations (but not the handshake, which
+    names k) tell the split depth k from them?
 
     A classifier is trained on the attacker's own text at every depth and scored on the test text, once on
-    five per-row statistics and once on the whole vector; chance is 1 / number of depths.
+    five per-row statistics and once on the whole vector; chance is 1 / number of depths. Measured for the
+    audit's depths (top-level keys) and for the randomised range `split_range` (key "split_range"), where
+    it is also scored per session (majority vote over a test chunk's rows).
     """
     depths = audit.config.depths
     small = attackers.TrainConfig(hidden=64, epochs=4, max_seconds=audit.config.train.max_seconds)
     out = {"depths": list(depths), "chance": 1 / len(depths)}
+    tb, eb = audit.train.chunk_bounds(), audit.test.chunk_bounds()
     for name, feats in (("row statistics", _row_stats), ("whole vector", lambda x: x)):
-        x_tr = np.concatenate([feats(audit.train.inputs[k]) for k in depths])
-        y_tr = np.concatenate([np.full(len(audit.train), k) for k in depths])
-        x_te = np.concatenate([feats(audit.test.inputs[k]) for k in depths])
-        y_te = np.concatenate([np.full(len(audit.test), k) for k in depths])
-        fitted = attackers.fit("mlp", x_tr, y_tr, [], small)
-        hits = attackers.predict(fitted, x_te, [])[:, 0] == y_te
-        out[name] = {"row_accuracy": float(hits.mean()), "n_rows": int(len(hits))}
+        train, test = ({k: part.inputs[k] for k in depths} for part in (audit.train, audit.test))
+        out[name] = _classify_depth(train, test, tb, eb, feats, small)
+    n_layers = len(audit.model.model.layers)
+    low, high = split_range[0], min(split_range[1], n_layers - 2)  # keep a cloud and a tail layer
+    if high > low:
+        wanted = tuple(range(low, high + 1))
+        missing = tuple(k for k in wanted if k not in audit.train.inputs)
+        extra = {}
+        if missing:  # one more forward pass per chunk for depths the audit did not collect
+            extra = {part: collect(audit.model, chunks, missing, (1,)).inputs
+                     for part, chunks in (("train", audit.corpus.train), ("test", audit.corpus.test))}
+        train = {k: audit.train.inputs[k] if k not in missing else extra["train"][k] for k in wanted}
+        test = {k: audit.test.inputs[k] if k not in missing else extra["test"][k] for k in wanted}
+        ranged = {"depths": list(wanted), "chance": 1 / len(wanted)}
+        for name, feats in (("row statistics", _row_stats), ("whole vector", lambda x: x)):
+            ranged[name] = _classify_depth(train, test, tb, eb, feats, small)
+        out["split_range"] = ranged
     return out

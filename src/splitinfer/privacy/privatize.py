@@ -1,10 +1,10 @@
 """Private local weights: perturb the local layers from a secret seed, then distil them back to utility.
 
 Each local layer's linear weights get a low-rank delta B @ A drawn from a generator seeded by the
-organisation's secret. The deltas (not the base weights, and never a cloud layer) are then trained so that
-the whole model's next-token distribution on the organisation's own text matches the original model's
-(KL divergence), with the cloud layers frozen: the cloud shard is unchanged and still understands what
-the new head sends. The merged weights replace the local layers in a new local shard whose manifest pins
+organisation's secret. The deltas (not the base weights, and never a cloud layer) are then trained on the
+organisation's own text so the model behaves like the original again (head: the state a few cloud layers
+later matches; tail: the next-token distribution matches, KL), with the cloud layers frozen: the cloud
+shard is unchanged and still understands what the new head sends. The merged weights replace the local layers in a new local shard whose manifest pins
 their hashes and says they are private. Utility is measured on held-out text: perplexity and greedy
 agreement (share of positions where the argmax equals the original model's).
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,12 @@ class PrivatizeConfig:
     tail_layers: int = 2  # m: layers [N-m, N) are made private
     rank: int = 8  # rank of each secret delta
     scale: float = 0.2  # initial ||delta||_F / ||W||_F: how far the secret start is from the public weights
-    steps: int = 40  # distillation steps
-    batch_chunks: int = 4
-    seq_len: int = 96
+    steps: int = 40  # distillation steps per stage (head, then tail)
+    batch_chunks: int = 4  # windows per step
+    seq_len: int = 96  # tokens per window
     lr: float = 1e-3
+    probe_layers: int = 2  # frozen cloud layers after the head whose output the head stage matches
+    pool_windows: int = 32  # training windows; their original-model states are computed once
     seed: int | None = None  # the secret; None draws one from the OS (never written anywhere)
 
 
@@ -107,8 +110,39 @@ def utility(reference: nn.Module, model: nn.Module, chunks: list[list[int]], per
     }
 
 
+@contextmanager
+def _only_layers(model: nn.Module, indices: list[int]):
+    """Run `model` with only its decoder layers `indices` (the rest skipped); restored on every exit path."""
+    full = model.model.layers
+    model.model.layers = nn.ModuleList([full[i] for i in indices])
+    try:
+        yield
+    finally:
+        model.model.layers = full
+
+
+def _last_output(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """ids [B, L] -> output of the model's last (possibly truncated) decoder layer [B, L, d], with grad."""
+    seen = []
+    handle = model.model.layers[-1].register_forward_hook(lambda _m, _i, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        model.model(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
 def privatize_model(model: nn.Module, train_chunks: list[list[int]], config: PrivatizeConfig) -> tuple[nn.Module, dict]:
-    """A copy of `model` whose local layers are private; returns (model, training record)."""
+    """A copy of `model` whose local layers are private; returns (model, training record).
+
+    Distillation runs in two stages, each `config.steps` steps, so that no step needs the whole model
+    (a full forward + backward per step made a useful number of steps cost many minutes on a CPU):
+      head: the private layers [0, k) plus `probe_layers` frozen cloud layers are trained so that the
+            probe's output matches the original model's (relative squared error per position);
+      tail: with the trained head, the state the cloud returns is computed once per training window; the
+            private layers [N-m, N) (+ norm + LM head, frozen) are trained so that the next-token
+            distribution matches the original model's (KL), which also absorbs what the head left.
+    """
     import copy
 
     seed = config.seed if config.seed is not None else int.from_bytes(np.random.SeedSequence().entropy.to_bytes(16, "little")[:8], "little")
@@ -117,27 +151,66 @@ def privatize_model(model: nn.Module, train_chunks: list[list[int]], config: Pri
     private.requires_grad_(False)
     indices = local_indices(private, config)
     installed = _install(private, indices, config, seed)
-    params = [p for _, _, d in installed for p in (d.a, d.b)]
-    opt = torch.optim.Adam(params, lr=config.lr)
     rng = np.random.default_rng(seed)
     windows = [c[: config.seq_len] for c in train_chunks if len(c) >= 16]
     if not windows:
         raise ConfigError("no training text long enough to privatize on; pass more of the organisation's text.")
-    started, losses = time.perf_counter(), []
-    private.train()
-    for _step in range(config.steps):
-        batch = [windows[i] for i in rng.choice(len(windows), size=min(config.batch_chunks, len(windows)), replace=False)]
-        length = min(len(b) for b in batch)
-        ids = torch.tensor([b[:length] for b in batch])
+    pool = [windows[i] for i in rng.permutation(len(windows))[: config.pool_windows]]
+    n, k, m = len(private.model.layers), config.head_layers, config.tail_layers
+    probe = min(k + config.probe_layers, n - m)
+    layers = private.model.layers
+    per_layer = {i: [d for parent, _, d in installed if parent in (layers[i].self_attn, layers[i].mlp)] for i in indices}
+    started = time.perf_counter()
+    from .collect import layer_outputs
+
+    ref_probe, ref_tail_in = [], []  # per pool window: [1, L, d] reference states at the probe / entering the tail
+    for w in pool:
+        _, hidden = layer_outputs(reference, torch.tensor([w]))
+        ref_probe.append(hidden[probe - 1][None].clone())
+        ref_tail_in.append(hidden[n - m - 1][None].clone())
+
+    def batches():
+        for _ in range(config.steps):
+            idx = rng.choice(len(pool), size=min(config.batch_chunks, len(pool)), replace=False)
+            yield idx, min(len(pool[i]) for i in idx)
+
+    def train(params, loss_of) -> list[float]:
+        opt, losses = torch.optim.Adam(params, lr=config.lr), []
+        private.train()
+        for idx, length in batches():
+            loss = loss_of(idx, length)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        private.eval()
+        return losses
+
+    def head_loss(idx, length):
+        ids = torch.tensor([pool[i][:length] for i in idx])
+        target = torch.cat([ref_probe[i][:, :length] for i in idx])
+        got = _last_output(private, ids)
+        return (((got - target) ** 2).sum(-1) / (target**2).sum(-1).clamp_min(1e-6)).mean()
+
+    head_losses, tail_losses = [], []
+    if k:
+        with _only_layers(private, list(range(probe))):
+            head_losses = train([p for i in range(k) for d in per_layer[i] for p in (d.a, d.b)], head_loss)
+    if m:
         with torch.no_grad():
-            target = nn.functional.log_softmax(reference(input_ids=ids, use_cache=False).logits.float(), -1)
-        logp = nn.functional.log_softmax(private(input_ids=ids, use_cache=False).logits.float(), -1)
-        loss = nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean") / length
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    private.eval()
+            tail_in = [layer_outputs(private, torch.tensor([w]))[1][n - m - 1][None].clone() for w in pool]
+        tail = list(range(n - m, n))
+
+        def tail_loss(idx, length):
+            h_ref = torch.cat([ref_tail_in[i][:, :length] for i in idx])
+            h = torch.cat([tail_in[i][:, :length] for i in idx])
+            with torch.no_grad():
+                target = nn.functional.log_softmax(reference(inputs_embeds=h_ref, use_cache=False).logits.float(), -1)
+            logp = nn.functional.log_softmax(private(inputs_embeds=h, use_cache=False).logits.float(), -1)
+            return nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean") / length
+
+        with _only_layers(private, tail), _only_layers(reference, tail):
+            tail_losses = train([p for i in tail for d in per_layer[i] for p in (d.a, d.b)], tail_loss)
     with torch.no_grad():
         shift = []
         for parent, name, delta in installed:
@@ -147,13 +220,18 @@ def privatize_model(model: nn.Module, train_chunks: list[list[int]], config: Pri
                 merged.bias.copy_(delta.base.bias)
             shift.append((delta.merged() - delta.base.weight).norm().item() / delta.base.weight.norm().item())
             setattr(parent, name, merged.requires_grad_(False))
+    last = tail_losses or head_losses or [float("nan")]
     record = {
         "layers": indices,
         "rank": config.rank,
         "scale": config.scale,
         "steps": config.steps,
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
+        "objective": f"head: relative error after {probe} layers; tail: next-token KL",
+        "head_loss": [head_losses[0], head_losses[-1]] if head_losses else None,
+        "tail_loss": [tail_losses[0], tail_losses[-1]] if tail_losses else None,
+        "first_loss": last[0],
+        "last_loss": last[-1],
+        "pool_windows": len(pool),
         "mean_relative_weight_change": float(np.mean(shift)),
         "seconds": time.perf_counter() - started,
     }

@@ -72,6 +72,21 @@ def markdown(result: dict) -> str:
             f"| {d['defence']} | {d['side']} | {d['depth']} | {u['perplexity']:.2f} ({u['reference_perplexity']:.2f}) | "
             f"{_pct(u['greedy_agreement'])} | {d.get('added_ms_per_token', 0)} | {u['n_tokens']} |"
         )
+    curve = [r for r in rows if r["threat"] == "T2"]
+    if curve:
+        own = result.get("chosen_plaintext", {})
+        lines += ["", "## T2 learning curve: chosen-plaintext tokens N vs recovery (private weights)", "",
+                  f"The attacker's own text: {own.get('documents', '?')} documents that are not in the audit's "
+                  f"train or test split; {own.get('input_tokens', '?')} tokens through the private head, "
+                  f"{own.get('output_tokens', '?')} through the whole model (output side, capped).", "",
+                  "| side | attacker | N | top-1 % [95% CI] | baseline top-1 % | ceiling % | train s (capped) |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sorted(curve, key=lambda r: (r["side"], r["attacker"].split(" ")[0], r["chosen_plaintext_tokens"])):
+            lines.append(
+                f"| {r['side']} | {r['attacker'].split(' ')[0]} | {r['chosen_plaintext_tokens']} | {_pct(r['top1'])} "
+                f"{_ci(r['top1_ci'])} | {_pct(r['baseline_top1'])} | {_pct(r['ceiling'])} | "
+                f"{r['train_seconds']}{' (capped)' if r['capped'] else ''} |"
+            )
     lines += ["", "Split depth: same function, so no utility cost; local compute per decoded token:", "",
               "| side | local layers | local ms / token (median decode step) |", "|---|---|---|"]
     for c in result.get("depth_costs", []):

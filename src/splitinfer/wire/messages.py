@@ -1,6 +1,7 @@
 """The protocol's messages: frozen dataclasses with `encode()` and validated decoding (sans-I/O).
 
-    client -> server   Hello   open or resume a session; pins the cloud shard fingerprint and split
+    client -> server   Hello   open or resume a session; pins the cloud shard fingerprint and split (and,
+                               under split-point randomisation, the session's head depth k)
                        Step    one block: hidden states [q, d] + positions + block structure, and the
                                rows of the previous block to keep (lazy KV commit)
                        Close   end the session and free its cache
@@ -36,7 +37,12 @@ from .frame import (
     show,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # the base protocol: every message, and every hello that does not pin a head depth
+# A hello that pins its head depth (split-point randomisation) says v2, so a server from before the
+# feature refuses it with a version error instead of ignoring the field and running the wrong layers.
+# Hellos without it stay v1, byte for byte, so old servers and old clients keep working with new ones.
+SPLIT_PIN_VERSION = 2
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION, SPLIT_PIN_VERSION)
 MAX_POSITION = 1 << 24
 MAX_ERROR_CHARS = 1000  # error sentences are cut here; peers' values are quoted shorter still
 MAX_PROBE_BYTES = 1 << 30  # decoder bound on a probe's reply size; the server applies its message limit
@@ -57,19 +63,26 @@ class Hello:
     cloud_layers: tuple[int, int]  # [start, end) the client expects the server to hold
     wire_dtype: str  # dtype of hidden states in both directions
     session_id: str | None = None  # resume this session if the server still has it
-    version: int = PROTOCOL_VERSION
+    version: int | None = None  # None: SPLIT_PIN_VERSION when head_layers is pinned, else PROTOCOL_VERSION
+    # k: this session runs layers [0, k) locally and the cloud runs [k, end). None: k = cloud_layers[0].
+    head_layers: int | None = None
+
+    def __post_init__(self):
+        if self.version is None:
+            object.__setattr__(self, "version", SPLIT_PIN_VERSION if self.head_layers is not None else PROTOCOL_VERSION)
 
     def encode(self) -> bytes:
-        return encode_frame(
-            {
-                "type": "hello",
-                "version": self.version,
-                "fingerprint": self.fingerprint,
-                "cloud_layers": list(self.cloud_layers),
-                "wire_dtype": self.wire_dtype,
-                "session_id": self.session_id,
-            }
-        )
+        header = {
+            "type": "hello",
+            "version": self.version,
+            "fingerprint": self.fingerprint,
+            "cloud_layers": list(self.cloud_layers),
+            "wire_dtype": self.wire_dtype,
+            "session_id": self.session_id,
+        }
+        if self.head_layers is not None:
+            header["head_layers"] = self.head_layers
+        return encode_frame(header)
 
 
 @dataclass(frozen=True)
@@ -261,12 +274,21 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         session_id = header.get("session_id")
         if session_id is not None:
             check_str(session_id, "session_id", 128)
+        version = _check_version(header)
+        head_layers = header.get("head_layers")
+        if head_layers is not None:
+            head_layers = check_int(head_layers, "head_layers", 1, 1 << 16)
+            if version < SPLIT_PIN_VERSION:
+                raise ProtocolError(
+                    f"field 'head_layers' needs protocol v{SPLIT_PIN_VERSION}; this hello says v{version}."
+                )
         return Hello(
             fingerprint=check_str(header.get("fingerprint"), "fingerprint", 128),
             cloud_layers=(layers[0], layers[1]),
             wire_dtype=dtype,
             session_id=session_id,
-            version=_check_version(header),
+            version=version,
+            head_layers=head_layers,
         )
     if kind == "step":
         seq = check_int(header.get("seq"), "seq", 0)
