@@ -93,11 +93,19 @@ def markdown(result: dict) -> str:
         lines.append(f"| {c['side']} | {c['depth']} | {c['local_ms_per_token']} |")
     ident = result.get("depth_identification")
     if ident:
-        lines += ["", "## Can the cloud tell the split depth? (split-point randomisation, measured only)", "",
-                  f"Depths {ident['depths']}; chance {_pct(ident['chance'])}%.", "",
-                  "| features | row accuracy % | rows |", "|---|---|---|"]
-        for name in ("row statistics", "whole vector"):
-            lines.append(f"| {name} | {_pct(ident[name]['row_accuracy'])} | {ident[name]['n_rows']} |")
+        lines += ["", "## Can the cloud tell the split depth? (split-point randomisation)", "",
+                  "A classifier trained on the attacker's own text at each depth; per row, and by majority vote over "
+                  "each test chunk's rows (a session).", "",
+                  "| depths | chance % | features | row accuracy % | rows | session accuracy % | sessions |",
+                  "|---|---|---|---|---|---|---|"]
+        for block in (ident, ident.get("split_range")):
+            if not block:
+                continue
+            for name in ("row statistics", "whole vector"):
+                m = block[name]
+                session = _pct(m["session_accuracy"]) if "session_accuracy" in m else "-"
+                lines.append(f"| {block['depths']} | {_pct(block['chance'])} | {name} | {_pct(m['row_accuracy'])} | "
+                             f"{m['n_rows']} | {session} | {m.get('n_sessions', '-')} |")
     lines += ["", "## Paired tests (exact McNemar on the same tokens)", "",
               "n01 = a wrong and b right; n10 = a right and b wrong.", "",
               "| comparison | a | b | n01 | n10 | p | tokens |", "|---|---|---|---|---|---|---|"]
