@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -16,3 +17,19 @@ def smollm2_shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2")
     prepare(load_source(None), out, 2, 2, "float32")
     return out
+
+
+def _settle(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def settle():
+    """settle(condition) waits up to 10 s for it: a client sends `close` and hangs up without waiting, so
+    the server frees the session a moment after close() returns (seen on a loaded CI machine)."""
+    return _settle

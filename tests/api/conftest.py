@@ -46,18 +46,3 @@ def cloud_server(chat_shards):
 
     with ServerThread(load_cloud(chat_shards / "cloud")) as server:
         yield server
-
-
-def _settle(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-@pytest.fixture
-def settle():
-    """settle(condition) waits up to 10 s for it: a client's Close reaches the server after close() returns."""
-    return _settle

@@ -32,6 +32,9 @@ def _via_proxy(tiny, wan: WanConfig, config=F32, **remote_kw):
         with start_proxy_thread("127.0.0.1", port, wan) as proxy:
             tokens, session = decode_with_hook(local, remote(local, f"ws://127.0.0.1:{proxy.port}", **remote_kw), config=config)
             stats = dict(proxy.proxy.stats)
+        deadline = time.monotonic() + 10.0  # the client's close reaches the server after close() returns
+        while len(server.server.table) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert len(server.server.table) == 0  # the last session was closed, the cut ones resumed
     return tokens, session, stats
 

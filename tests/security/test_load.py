@@ -17,7 +17,7 @@ from splitinfer.model.shards import load_cloud, load_local
 from security.sec_helpers import F32
 
 
-def test_forty_sessions_within_budgets(tiny):
+def test_forty_sessions_within_budgets(tiny, settle):
     shards, _ = tiny
     local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
     gen = torch.Generator().manual_seed(3)
@@ -27,7 +27,7 @@ def test_forty_sessions_within_budgets(tiny):
     sessions = SessionConfig(max_sessions=32, max_cached_tokens=32 * 24)
     with ServerThread(cloud, ServerConfig(port=0, sessions=sessions)) as server:
         report = run_load(local, server, prompts, expected, 40, 16, F32, max_wait_s=240)
-        assert len(server.server.table) == 0  # every session was closed
+        assert settle(lambda: len(server.server.table) == 0)  # every session was closed
     print(report)
     assert not report.other_errors, report.other_errors[:3]
     assert report.completed == report.exact == 40
