@@ -15,7 +15,7 @@ from splitinfer.local.client import check_local_weights
 from splitinfer.model.shards import load_cloud, load_local, local_weights_are_public, read_manifest
 from splitinfer.privacy.attackers import TrainConfig
 from splitinfer.privacy.audit import AuditConfig, quick_config, run_audit
-from splitinfer.privacy.collect import collect, collect_inputs
+from splitinfer.privacy.collect import collect
 from splitinfer.privacy.corpus import Chunk, CorpusConfig, attacker_text, build_corpus
 from splitinfer.privacy.privatize import PrivatizeConfig, privatize_model, utility, write_private_shard
 
@@ -135,11 +135,11 @@ def test_attacker_text_is_disjoint_from_the_audit_corpus():
     assert [c.tokens for c in build_corpus(CharTokenizer(), config).test] == [c.tokens for c in corpus.test]
 
 
-def test_collect_inputs_matches_the_whole_model_pass():
+def test_collect_without_tail_depths_runs_the_head_only_and_matches_the_whole_model_pass():
     model = tiny_model("llama")
     chunks = [Chunk(0, "a", list(range(3, 40))), Chunk(1, "b", list(range(50, 70)))]
     whole = collect(model, chunks, (1, 2), (1,))
-    head = collect_inputs(model, chunks, (1, 2))
+    head = collect(model, chunks, (1, 2))
     for k in (1, 2):
         assert np.array_equal(whole.inputs[k], head.inputs[k])
     assert np.array_equal(whole.tokens, head.tokens) and np.array_equal(whole.chunk, head.chunk)

@@ -24,7 +24,7 @@ from splitinfer.netem import WanConfig, start_proxy_thread
 from security.sec_helpers import F32, TOKEN_A, decode_with_hook, remote
 
 
-def _via_proxy(tiny, wan: WanConfig, config=F32, **remote_kw):
+def _via_proxy(tiny, settle, wan: WanConfig, config=F32, **remote_kw):
     shards, _ = tiny
     local = load_local(shards / "local")
     with ServerThread(load_cloud(shards / "cloud")) as server:
@@ -32,10 +32,7 @@ def _via_proxy(tiny, wan: WanConfig, config=F32, **remote_kw):
         with start_proxy_thread("127.0.0.1", port, wan) as proxy:
             tokens, session = decode_with_hook(local, remote(local, f"ws://127.0.0.1:{proxy.port}", **remote_kw), config=config)
             stats = dict(proxy.proxy.stats)
-        deadline = time.monotonic() + 10.0  # the client's close reaches the server after close() returns
-        while len(server.server.table) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(server.server.table) == 0  # the last session was closed, the cut ones resumed
+        assert settle(lambda: len(server.server.table) == 0)  # the last session was closed, the cut ones resumed
     return tokens, session, stats
 
 
@@ -50,31 +47,31 @@ def test_config_rejects_bad_fault_settings():
     assert "cutting the first 2" in WanConfig(cut_after_bytes=10, cut_connections=2).describe()
 
 
-def test_connection_cut_after_n_bytes_mid_generation(tiny):
+def test_connection_cut_after_n_bytes_mid_generation(tiny, settle):
     # ~23 KB cross the link in one uninterrupted generation. A cut that lands after the server ran a step but
     # before its reply arrived makes the resume inconsistent, so the client opens a fresh session and
     # re-prefills; either way each cut costs exactly one recovery and the output does not change.
-    tokens, session, stats = _via_proxy(tiny, WanConfig(cut_after_bytes=4000, cut_connections=3))
+    tokens, session, stats = _via_proxy(tiny, settle, WanConfig(cut_after_bytes=4000, cut_connections=3))
     assert tokens == tiny[1]
     print(f"cut after bytes: {stats['cuts']} cuts, {stats['connections']} connections, {recoveries(session)} recoveries")
     assert stats["cuts"] >= 2
     assert recoveries(session) == stats["cuts"]
 
 
-def test_connection_cut_at_a_time_mid_generation(tiny):
+def test_connection_cut_at_a_time_mid_generation(tiny, settle):
     # 22 round trips of >= 20 ms each take longer than 0.2 s, so the first connection dies mid-generation.
-    tokens, session, stats = _via_proxy(tiny, WanConfig(rtt_ms=20, cut_after_s=0.2, cut_connections=1))
+    tokens, session, stats = _via_proxy(tiny, settle, WanConfig(rtt_ms=20, cut_after_s=0.2, cut_connections=1))
     assert tokens == tiny[1]
     print(f"cut at time: {stats['cuts']} cuts, {stats['connections']} connections, {recoveries(session)} recoveries")
     assert stats["cuts"] == 1 and recoveries(session) >= 1
 
 
-def test_delay_spikes_past_the_reply_timeout(tiny):
+def test_delay_spikes_past_the_reply_timeout(tiny, settle):
     """A reply later than the timeout is given up on; the server ran that step, so the client re-prefills."""
     # One spike per direction of the first connection at most, so recovery is not hit again and again.
     wan = WanConfig(spike_ms=600, spike_prob=0.3, spike_count=1, seed=7)
     config = replace(F32, max_retries=8)
-    tokens, session, stats = _via_proxy(tiny, wan, config, reply_timeout_s=0.35)
+    tokens, session, stats = _via_proxy(tiny, settle, wan, config, reply_timeout_s=0.35)
     print(f"delay spikes: {stats['connections']} connections, {recoveries(session)} recoveries")
     assert tokens == tiny[1]
     assert recoveries(session) >= 1

@@ -120,6 +120,16 @@ def markdown(report: dict, plot_dir: str = "", level: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, out: Path, name: str) -> str:
+    """Lay out, write OUT/name and free one finished figure; returns name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+    return name
+
+
 def plot(report: dict, out: Path) -> list[str]:
     """tok/s vs RTT per mode with the fitted curves, stacked breakdown bars, prefill traces."""
     import matplotlib
@@ -148,10 +158,7 @@ def plot(report: dict, out: Path) -> list[str]:
     ax.set_title(f"{report['model']}: tok/s vs round trip")
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[0], dpi=120)
-    plt.close(fig)
-    made.append(PLOTS[0])
+    made.append(_save(fig, out, PLOTS[0]))
 
     fig, ax = plt.subplots(figsize=(max(7, 0.45 * len(s["rows"])), 4.5))
     labels = [f"{r['mode'].replace('split-', '').replace('local-only', 'local')}\n{r['rtt_ms']:g}" for r in s["rows"]]
@@ -164,10 +171,7 @@ def plot(report: dict, out: Path) -> list[str]:
     ax.set_ylabel("ms per decode step (mean)")
     ax.set_title("Where a step's time goes (mode, added RTT ms)")
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out / PLOTS[1], dpi=120)
-    plt.close(fig)
-    made.append(PLOTS[1])
+    made.append(_save(fig, out, PLOTS[1]))
 
     prefill = report.get("prefill")
     if prefill:
@@ -184,10 +188,7 @@ def plot(report: dict, out: Path) -> list[str]:
         ax.set_title(f"Prefill over {prefill['bandwidth_mbit']:g} Mbit/s, +{prefill['rtt_ms']:g} ms: one step per chunk")
         ax.legend(fontsize=7, loc="lower right")
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / PLOTS[2], dpi=120)
-        plt.close(fig)
-        made.append(PLOTS[2])
+        made.append(_save(fig, out, PLOTS[2]))
     return made
 
 

@@ -79,19 +79,53 @@ def layer_outputs(model: nn.Module, ids: torch.Tensor, perturb: dict[int, callab
     return logits, outputs
 
 
-def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail_depths: tuple[int, ...]) -> Collected:
+def head_outputs(model: nn.Module, ids: torch.Tensor, top: int) -> dict[int, torch.Tensor]:
+    """Run only layers [0, top) on ids [1, T] (what a chosen-plaintext query costs the deployment);
+    returns {layer index: output [T, d]}. The remaining layers, norm and LM head never run."""
+    full = model.model.layers
+    model.model.layers = nn.ModuleList(full[:top])
+    outputs: dict[int, torch.Tensor] = {}
+
+    def hook(index):
+        def fn(_module, _inputs, out):
+            outputs[index] = (out[0] if isinstance(out, tuple) else out)[0].detach()
+
+        return fn
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.inference_mode():
+            model.model(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+        model.model.layers = full
+    return outputs
+
+
+def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail_depths: tuple[int, ...] = ()) -> Collected:
+    """What the cloud sees at each input depth k and output depth m, per token of `chunks`.
+
+    Without tail depths only layers [0, max(depths)) run (10^5 tokens through two layers take minutes,
+    not an hour, on a CPU); there are then no output-side states and `greedy` is -1 (the model's
+    prediction was never computed).
+    """
     n_layers = len(model.model.layers)
-    if max(depths) >= n_layers or max(tail_depths) >= n_layers:
+    if max(depths) >= n_layers or max(tail_depths, default=0) >= n_layers:
         raise ValueError(f"depths must be below the model's {n_layers} layers")
     cols: dict[str, list] = {k: [] for k in ("tokens", "greedy", "doc", "chunk", "pos", "canary")}
     ins: dict[int, list] = {k: [] for k in depths}
     outs: dict[int, list] = {m: [] for m in tail_depths}
     for index, chunk in enumerate(chunks):
         ids = torch.tensor([chunk.tokens], dtype=torch.long)
-        logits, hidden = layer_outputs(model, ids)
         t = len(chunk.tokens)
+        if tail_depths:
+            logits, hidden = layer_outputs(model, ids)
+            cols["greedy"].append(logits.argmax(-1).numpy().astype(np.int64))
+        else:
+            hidden = head_outputs(model, ids, max(depths))
+            cols["greedy"].append(np.full(t, -1, dtype=np.int64))
         cols["tokens"].append(np.asarray(chunk.tokens, dtype=np.int64))
-        cols["greedy"].append(logits.argmax(-1).numpy().astype(np.int64))
         cols["doc"].append(np.full(t, chunk.doc_id, dtype=np.int32))
         cols["chunk"].append(np.full(t, index, dtype=np.int32))
         cols["pos"].append(np.arange(t, dtype=np.int32))
@@ -104,48 +138,4 @@ def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail
         **{k: np.concatenate(v) for k, v in cols.items()},
         inputs={k: np.concatenate(v) for k, v in ins.items()},
         outputs={m: np.concatenate(v) for m, v in outs.items()},
-    )
-
-
-def collect_inputs(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...]) -> Collected:
-    """Input side only: runs just layers [0, max(depths)) per chunk (what a chosen-plaintext attacker's
-    queries cost the deployment), so 10^5 tokens through two layers take minutes, not an hour on a CPU.
-    There are no output-side states, and `greedy` is -1 (the model's prediction was never computed).
-    """
-    top = max(depths)
-    if top >= len(model.model.layers):
-        raise ValueError(f"depths must be below the model's {len(model.model.layers)} layers")
-    cols: dict[str, list] = {k: [] for k in ("tokens", "doc", "chunk", "pos", "canary")}
-    ins: dict[int, list] = {k: [] for k in depths}
-    full = model.model.layers
-    model.model.layers = nn.ModuleList(full[:top])
-    try:
-        for index, chunk in enumerate(chunks):
-            ids = torch.tensor([chunk.tokens], dtype=torch.long)
-            seen: dict[int, torch.Tensor] = {}
-            handles = [
-                full[k - 1].register_forward_hook(lambda _m, _i, out, k=k: seen.__setitem__(k, out[0] if isinstance(out, tuple) else out))
-                for k in depths
-            ]
-            try:
-                with torch.inference_mode():
-                    model.model(input_ids=ids, use_cache=False)
-            finally:
-                for h in handles:
-                    h.remove()
-            t = len(chunk.tokens)
-            cols["tokens"].append(np.asarray(chunk.tokens, dtype=np.int64))
-            cols["doc"].append(np.full(t, chunk.doc_id, dtype=np.int32))
-            cols["chunk"].append(np.full(t, index, dtype=np.int32))
-            cols["pos"].append(np.arange(t, dtype=np.int32))
-            cols["canary"].append(np.arange(t) < chunk.canary_len)
-            for k in depths:
-                ins[k].append(seen[k][0].to(torch.float16).numpy())
-    finally:
-        model.model.layers = full
-    tokens = np.concatenate(cols["tokens"])
-    return Collected(
-        greedy=np.full(len(tokens), -1, dtype=np.int64), tokens=tokens,
-        **{k: np.concatenate(v) for k, v in cols.items() if k != "tokens"},
-        inputs={k: np.concatenate(v) for k, v in ins.items()},
     )

@@ -98,7 +98,6 @@ def _chosen_plaintext(audit, private) -> dict:
     """T2's own text pushed through the private deployment: input side through the head layers only, output
     side through the whole model (its targets are the private model's greedy tokens), up to its own cap.
     A side with no text (the sources ran out, or a cap of 0) is left out, with a warning, not a crash."""
-    from .collect import collect_inputs
     from .corpus import attacker_text
 
     cfg, k = audit.config, audit.config.defence_depth
@@ -108,7 +107,7 @@ def _chosen_plaintext(audit, private) -> dict:
         log.warning("T2 skipped: every source document is in the audit's corpus; lower --documents")
         audit.extra["chosen_plaintext"] = {"skipped": "no documents outside the audit's corpus"}
         return {}
-    inputs = collect_inputs(private, chunks, (k,))
+    inputs = collect(private, chunks, (k,))  # input side only: the head layers
     input_s = time.perf_counter() - started
     started = time.perf_counter()
     n_out, out_chunks = 0, []
