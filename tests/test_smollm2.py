@@ -12,7 +12,7 @@ import pytest
 from splitinfer.cloud.server import ServerThread
 from splitinfer.launch import cloud_server
 from splitinfer.local.client import SplitClient
-from splitinfer.local.middle import InProcessMiddle
+from splitinfer.inprocess import InProcessMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
 from splitinfer.model.shards import load_cloud
 

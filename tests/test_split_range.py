@@ -17,7 +17,8 @@ from splitinfer.cloud.server import ServerThread
 from splitinfer.cloud.sessions import SessionConfig, SessionTable
 from splitinfer.errors import ModelError, ProtocolError, SplitInferError, VersionMismatch
 from splitinfer.local.client import SplitClient
-from splitinfer.local.middle import InProcessMiddle, RemoteMiddle
+from splitinfer.inprocess import InProcessMiddle
+from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
 from splitinfer.masks import BlockStructure
 from splitinfer.model.shards import WEIGHTS, Split, fingerprint, load_cloud, load_local, prepare, read_manifest

@@ -214,7 +214,7 @@ def test_hostile_client_beside_an_honest_one(live, tiny):
 
     def hook(i, session):
         if i == 3:
-            seen_ids.append(session._session_id)
+            seen_ids.append(session.link.session_id)
             attacker.start()
         if i == 10:
             attacker.join(30)

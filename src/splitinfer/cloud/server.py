@@ -1,4 +1,5 @@
-"""The cloud server: a WebSocket adapter over SessionTable. It only moves bytes and schedules work.
+"""The cloud server: a WebSocket adapter over SessionTable. It only moves bytes and schedules work;
+which message a peer may send when (hello first) is the link protocol's rule (wire/link.py).
 
 Decoding and validation happen on the event loop (cheap); the middle layers run on one compute thread
 (scheduler.py), which batches concurrent sessions' steps, so compute never stalls any connection's I/O.
@@ -27,6 +28,7 @@ from websockets.exceptions import ConnectionClosed
 from ..errors import MessageTooLarge, ProtocolError, SplitInferError
 from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
+from ..wire.link import ServerLink
 from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
 from .scheduler import BatchConfig, Scheduler
 from .sessions import CloudSession, SessionConfig, SessionTable
@@ -80,6 +82,7 @@ class CloudServer:
     async def _handle(self, ws: ServerConnection) -> None:
         session: CloudSession | None = None
         owner = self.config.tokens.identify(ws.request.headers.get("Authorization"))
+        link = ServerLink()
         errors = 0
         try:
             async for data in ws:
@@ -87,20 +90,18 @@ class CloudServer:
                 seq = None
                 try:
                     message = decode_client_message(data, self.limits)
+                    seq = message.seq if isinstance(message, (Step, Probe)) else None
+                    after = link.check(message)  # hello first (wire/link.py)
                     if isinstance(message, Hello):
                         session, welcome = self.table.open(message, owner=owner)
                         await ws.send(welcome.encode())
                     elif isinstance(message, Step):
-                        seq = message.seq
-                        if session is None:
-                            raise ProtocolError("send hello before the first step.")
                         session = self.table.get(session.id, owner)  # raises if it expired meanwhile
                         reply = await self.scheduler.run(session, message, received_at)
                         if self.metrics is not None:
                             self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
                         await ws.send(reply)
                     elif isinstance(message, Probe):
-                        seq = message.seq
                         await ws.send(self._probe_reply(message))
                     elif isinstance(message, Close):
                         if session is not None:
@@ -108,6 +109,7 @@ class CloudServer:
                         session = None
                         await ws.close()
                         return
+                    link.state = after
                 except SplitInferError as exc:
                     log.info("error for %s: %s: %s", ws.remote_address, exc.code, exc)
                     if self.metrics is not None:

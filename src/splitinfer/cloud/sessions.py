@@ -1,11 +1,13 @@
 """Cloud sessions: per-session KV cache of the middle layers, TTL, capacity budget, step execution.
 
-This module holds the cloud's state machine and is free of I/O: the server adapter calls `open` and
+This module holds the cloud's sessions and is free of I/O: the server adapter calls `open` and
 `expire`, and its compute thread (scheduler.py) calls `run_steps` with the steps of several sessions,
 which batch.py runs in one pass. The KV budget (rows and bytes) is charged per session when a step is
 validated; idle sessions are evicted, least recently used first, before anything is refused. A session
 outlives its connection, so a client whose link dropped can resume it; one that expired, was evicted or
-was lost in a restart is rebuilt by the client (re-prefill).
+was lost in a restart is rebuilt by the client (re-prefill). What a peer may send (seq order, keep
+lists, positions, what a resume may not change) is the link protocol's rule (wire/link.py), applied here
+to each session's state.
 
 Under split-point randomisation the hello pins the session's head depth k inside the shard's range; the
 session then runs layers [k, N-m) only (`CloudHalf.stack_for`), its cache and budget cover those layers,
@@ -26,6 +28,7 @@ import torch
 from ..errors import CapacityError, ProtocolError, SessionError, ShardMismatch, SplitInferError, VersionMismatch
 from ..kv import KVCache
 from ..model.shards import CloudHalf
+from ..wire.link import check_resume, check_step
 from ..wire.messages import SUPPORTED_VERSIONS, Hello, Result, Step, Welcome
 from .batch import Block, forward_blocks
 
@@ -126,13 +129,7 @@ class SessionTable:
             existing = self._sessions.get(hello.session_id) if hello.session_id is not None else None
             if existing is not None and existing.owner == owner:
                 session = existing
-                if session.wire_dtype != hello.wire_dtype:
-                    raise ProtocolError("a session cannot change its wire dtype on resume; open a new session.")
-                if session.head_layers != head_layers:
-                    raise ProtocolError(
-                        f"a session cannot change its head depth on resume ({session.head_layers} -> {head_layers}); "
-                        "open a new session."
-                    )
+                check_resume(hello, session.wire_dtype, session.head_layers, head_layers)
                 session.last_used = now
                 resumed = True
             else:
@@ -192,28 +189,13 @@ class SessionTable:
         return gone
 
     def _check_step(self, session: CloudSession, step: Step) -> None:
+        """The protocol's rules for a step (wire/link.py), then the KV budget for the rows it brings."""
         cache = session.cache
-        if step.seq != session.next_seq:
-            raise ProtocolError(f"step seq {step.seq} is out of order; the session expects {session.next_seq}.")
-        if step.wire_dtype != session.wire_dtype:
-            raise ProtocolError(f"step tensor is {step.wire_dtype}, but the session uses {session.wire_dtype}.")
-        if any(r >= cache.pending for r in step.keep):
-            raise ProtocolError(f"keep names rows beyond the previous block of {cache.pending} rows.")
-        for j, row in enumerate(step.keep):
-            if session.pending_positions[row] != cache.length + j:
-                raise ProtocolError("kept rows must form a contiguous path that continues the committed sequence.")
-        committed = cache.length + len(step.keep)
-        q = len(step.positions)
-        depths = step.structure.depths(q)
-        if depths is not None:
-            expected = [committed + d for d in depths]
-            if list(step.positions) != expected:
-                raise ProtocolError(f"block positions must be the committed length ({committed}) plus each row's depth.")
-        elif not all(committed <= p < committed + q for p in step.positions):
-            raise ProtocolError(f"matrix block positions must lie in [{committed}, {committed + q}).")
-        if max(step.positions) >= self.max_position:
-            raise ProtocolError(f"position {max(step.positions)} exceeds the model's context of {self.max_position} tokens.")
-        self._reserve(session, committed + q)
+        committed = check_step(
+            step, session.next_seq, session.wire_dtype, cache.length, cache.pending, session.pending_positions,
+            self.max_position,
+        )
+        self._reserve(session, committed + len(step.positions))
 
     # -- KV budget: reservation, eviction, numbers for metrics -----------------------------------------
     def _reserve(self, session: CloudSession, rows: int) -> None:

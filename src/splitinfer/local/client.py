@@ -25,7 +25,8 @@ from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_cloud, load_local, local_weights_are_public
 from ..telemetry import summarize
 from .auth import ClientAuth
-from .middle import InProcessMiddle, RemoteMiddle
+from ..inprocess import InProcessMiddle
+from .middle import RemoteMiddle
 from .session import ClientConfig, SplitSession
 
 

@@ -1,35 +1,30 @@
-"""Ways for the local client to reach the middle layers: over a WebSocket, or in this process.
+"""The WebSocket transport to a `splitinfer serve` process: it moves the link's messages and times them.
 
-Both expose `open(resume_id) -> Welcome`, `step(Step) -> (Result, StepIO)` and `close()`, and raise
-errors from errors.py: `SessionError` when the server lost the session, `TransportError` when the link
-failed. `RemoteMiddle` validates everything the server returns as strictly as the server validates
-requests (an untrusted server must not be able to crash or confuse the client).
+`RemoteMiddle` implements wire/transport.py's `Middle` (`open(resume_id) -> Welcome`,
+`step(Step) -> (Result, StepIO)`, `close()`) and `probe` for path measurement. It decodes everything
+the server returns as strictly as the server decodes requests (an untrusted server must not be able to
+crash or confuse the client) and raises errors from errors.py: `SessionError` when the server lost the
+session, `TransportError` when the connection failed. Whether a reply fits the session (its seq, its rows,
+the committed length) is the link's rule (wire/link.py), not this module's. The in-process middle, which
+needs the cloud's session table, lives above both local/ and cloud/ (inprocess.py).
 """
 
 from __future__ import annotations
 
 import ssl
 import time
-from dataclasses import dataclass
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
-from ..cloud.sessions import SessionConfig, SessionTable
 from ..errors import AuthError, ProtocolError, TransportError, error_from_code
-from ..model.shards import CloudHalf
-from .auth import ClientAuth
 from ..wire.messages import (
     Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_server_message,
 )
+from ..wire.transport import StepIO
+from .auth import ClientAuth
 
-
-@dataclass
-class StepIO:
-    round_trip_ms: float  # request sent -> reply received (includes the server's handling)
-    serialize_ms: float  # client-side encode + decode
-    bytes_up: int
-    bytes_down: int
+__all__ = ["RemoteMiddle", "StepIO"]
 
 
 class RemoteMiddle:
@@ -132,12 +127,8 @@ class RemoteMiddle:
         t3 = time.perf_counter()
         if isinstance(message, Error):
             raise error_from_code(message.code, f"server: {message.message}")
-        if not isinstance(message, Result) or message.seq != step.seq:
+        if not isinstance(message, Result):
             raise ProtocolError("the server's reply does not answer the step that was sent.")
-        if message.hidden.shape[0] != step.hidden.shape[0]:
-            raise ProtocolError(
-                f"the server returned {message.hidden.shape[0]} rows for a {step.hidden.shape[0]}-row block."
-            )
         io = StepIO((t2 - t1) * 1e3, ((t1 - t0) + (t3 - t2)) * 1e3, len(payload), len(reply_view))
         return message, io
 
@@ -182,6 +173,12 @@ class RemoteMiddle:
                 pass
             self._ws = None
 
+    def __enter__(self) -> "RemoteMiddle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(end_session=True)
+
     def close(self, end_session: bool = True) -> None:
         """Ask the server to free the session (best effort), then close the connection."""
         if self._ws is not None and end_session:
@@ -191,36 +188,3 @@ class RemoteMiddle:
                 pass
         self._drop()
 
-
-class InProcessMiddle:
-    """The middle layers in this process, with no wire: the whole model runs locally (`--local-only`).
-
-    It goes through the same SessionTable as the server (same validation, same cache), but hands
-    tensors over directly, so no wire rounding happens.
-    """
-
-    def __init__(self, half: CloudHalf, head_layers: int | None = None):
-        self.table = SessionTable(half, SessionConfig(max_sessions=1 << 20, max_cached_tokens=1 << 40, max_block_rows=1 << 16))
-        self.cloud_layers = (half.stack.start, half.stack.end)
-        self.head_layers = head_layers  # as in RemoteMiddle
-        self._session = None
-        self.welcome: Welcome | None = None
-
-    def open(self, resume_id: str | None = None) -> Welcome:
-        hello = Hello(
-            self.table.half.fingerprint, self.cloud_layers, "float32", session_id=resume_id, head_layers=self.head_layers
-        )
-        self._session, self.welcome = self.table.open(hello)
-        return self.welcome
-
-    def step(self, step: Step) -> tuple[Result, StepIO]:
-        t0 = time.perf_counter()
-        # The session was opened as float32; the tensor's own dtype is what the layers get.
-        step = Step(step.seq, step.keep, step.positions, step.structure, step.hidden, wire_dtype="float32")
-        result = self.table.run_step(self._session, step, t0)
-        return result, StepIO((time.perf_counter() - t0) * 1e3, 0.0, 0, 0)
-
-    def close(self, end_session: bool = True) -> None:
-        if self._session is not None:
-            self.table.close(self._session.id)
-            self._session = None

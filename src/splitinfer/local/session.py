@@ -1,10 +1,12 @@
-"""The local half of one conversation: head and tail caches, the cloud session, lazy commit, recovery.
+"""The local half of one conversation: head -> link -> tail, then commit.
 
-`run_block` turns q tokens into q logits rows through head -> cloud -> tail in one round trip; `commit`
-names the accepted rows, which are kept locally at once and on the cloud by the next request's `keep`
-list (no extra round trip). The session keeps what it sent for every committed row, so when the cloud
-loses the session (TTL, restart, dropped link) it reconnects, re-sends those rows and carries on: the
-local caches are untouched and the output does not change.
+`run_block` turns q tokens into q logits rows in one round trip: the head's hidden states go through
+the link to the cloud's middle layers and come back into the tail. `commit` names the accepted rows,
+kept locally at once and on the cloud by the next request's keep list (lazy commit, no extra round
+trip). Which message goes when (hello, resume, seq, keep, re-sending the history into a fresh session
+after a loss) is the link's decision (wire/link.py); this module only carries its messages over the
+middle (wire/transport.py) and sleeps between reconnects. The local caches are never touched by a
+recovery, so the output does not change.
 
 Its head depth k is the one its middle pins in the hello (split-point randomisation; the client draws it
 per session), or the shard's fixed split; it runs layers [0, k) and never changes k, reconnects included.
@@ -21,11 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ProtocolError, SessionError, TransportError
+from ..errors import SessionError, TransportError
 from ..masks import BlockStructure
 from ..model.shards import LocalHalf
 from ..telemetry import StepRecord
-from ..wire.messages import Step
+from ..wire.link import Answered, Block, ClientLink, Open
+from ..wire.messages import Close
+from ..wire.transport import Middle
 
 log = logging.getLogger("splitinfer.local")
 
@@ -48,25 +52,32 @@ class ClientConfig:
 
 
 class SplitSession:
-    def __init__(self, local: LocalHalf, middle, config: ClientConfig = ClientConfig()):
+    """One conversation's split forward pass; a context manager that ends the cloud session on exit."""
+
+    def __init__(self, local: LocalHalf, middle: Middle, config: ClientConfig = ClientConfig()):
         self.local = local
         self.middle = middle
         self.config = config
-        pinned = getattr(middle, "head_layers", None)
+        pinned = middle.head_layers
         self.head_layers = local.head_range[0] if pinned is None else pinned  # k; the server checks its range
         self.head = local.head_for(self.head_layers)
         self.head_cache = self.head.new_cache()
         self.tail_cache = local.tail.new_cache()
-        self.length = 0  # committed tokens
+        self.link = ClientLink(config.wire_dtype, config.max_retries, config.prefill_chunk)
         self.records: list[StepRecord] = []
         self._device = next(local.embed.parameters()).device
-        self._seq = 0
-        self._keep_next: tuple[int, ...] = ()  # rows of the cloud's pending block to keep next time
-        self._sent: list[torch.Tensor] = []  # [rows, d] head outputs of committed rows, in order
-        self._pending_sent: torch.Tensor | None = None
         self._pending_q = 0
-        self._session_id: str | None = None
-        self._connected = False
+
+    @property
+    def length(self) -> int:
+        """Committed tokens."""
+        return self.link.committed
+
+    def __enter__(self) -> "SplitSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- one block through the whole model ---------------------------------------------------------
     def run_block(
@@ -94,9 +105,8 @@ class SplitSession:
         allowed = structure.allowed(q)
         with torch.inference_mode():
             hidden = self.head(self.local.embed(ids), pos, allowed, self.head_cache)  # [1, q, d]
-        sent = hidden[0]
         t1 = time.perf_counter()
-        returned = self._remote(positions, structure, sent, record)  # [q, d]
+        returned = self._through_link(Block(tuple(positions), structure, hidden[0]), record)  # [q, d]
         t2 = time.perf_counter()
         with torch.inference_mode():
             out = self.local.tail(returned.to(self._device, hidden.dtype)[None], pos, allowed, self.tail_cache)
@@ -104,7 +114,7 @@ class SplitSession:
         t3 = time.perf_counter()
         record.local_ms = ((t1 - t0) + (t3 - t2)) * 1e3
         self.records.append(record)
-        self._pending_sent, self._pending_q = sent, q
+        self._pending_q = q
         return logits
 
     def commit(self, rows: list[int]) -> None:
@@ -112,11 +122,8 @@ class SplitSession:
         assert self._pending_q, "no pending block"
         self.head_cache.keep(rows)
         self.tail_cache.keep(rows)
-        if rows:
-            self._sent.append(self._pending_sent[rows])
-        self._keep_next = tuple(rows)
-        self.length += len(rows)
-        self._pending_sent, self._pending_q = None, 0
+        self.link.commit(rows)
+        self._pending_q = 0
 
     def uncommit(self, rows: int) -> bool:
         """Forget the last `rows` committed rows if they all came from the last block; False otherwise.
@@ -130,19 +137,16 @@ class SplitSession:
         assert self._pending_q == 0, "commit the pending block first"
         if rows <= 0:
             return True
-        if rows > len(self._keep_next) or not self._sent:
+        if not self.link.uncommit(rows):
             return False
-        self._keep_next = self._keep_next[: len(self._keep_next) - rows]
-        self.length -= rows
         self.head_cache.truncate(self.length)
         self.tail_cache.truncate(self.length)
-        self._sent[-1] = self._sent[-1][: self._sent[-1].shape[0] - rows]
         return True
 
     def prefill(self, tokens: list[int], logits_rows: int = 1) -> torch.Tensor:
         """Run and commit `tokens` in chunks; returns logits [min(logits_rows, len), vocab] of the last rows."""
         first_wanted = len(tokens) - max(1, min(logits_rows, len(tokens)))
-        chunk = self._chunk_rows()
+        chunk = self.link.max_rows(self.config.prefill_chunk, self.local.config.hidden_size * 4)  # worst case: float32
         parts = []
         for start in range(0, len(tokens), chunk):
             part = tokens[start : start + chunk]
@@ -153,78 +157,48 @@ class SplitSession:
             self.commit(list(range(len(part))))
         return torch.cat(parts)
 
-    def _chunk_rows(self) -> int:
-        chunk = self.config.prefill_chunk
-        welcome = getattr(self.middle, "welcome", None)
-        if welcome is not None:
-            width = self.local.config.hidden_size * 4  # worst case: float32 wire
-            chunk = min(chunk, welcome.max_block_rows, max(1, (welcome.max_message_bytes - 65536) // width))
-        return max(1, chunk)
-
-    # -- the cloud, with recovery ------------------------------------------------------------------
-    def _remote(self, positions: list[int], structure: BlockStructure, hidden: torch.Tensor, record: StepRecord) -> torch.Tensor:
-        attempt = 0
+    # -- the link's messages over the middle, with reconnects ------------------------------------------
+    def _through_link(self, block: Block, record: StepRecord) -> torch.Tensor:
+        """The cloud's [q, d] answer to `block`, reconnecting (with backoff) as often as the link allows."""
+        self.link.submit(block)
         while True:
             try:
-                if not self._connected:
-                    self._connect(record)
-                step = Step(self._seq, self._keep_next, tuple(positions), structure, hidden, self.config.wire_dtype)
-                result, io = self.middle.step(step)
-                if result.committed != self.length:  # an untrusted server must agree on what was committed
-                    raise ProtocolError(
-                        f"the server reports {result.committed} committed rows where this client has {self.length}; "
-                        "it is out of step or misbehaving, so its output cannot be trusted."
-                    )
-                self._seq += 1
-                record.round_trip_ms += io.round_trip_ms
-                record.serialize_ms += io.serialize_ms
-                record.bytes_up += io.bytes_up
-                record.bytes_down += io.bytes_down
-                record.cloud_compute_ms += result.compute_ms
-                record.server_ms += result.handle_ms
-                return result.hidden
+                answer = self._send_next(record)
+                if answer is not None:
+                    return answer.result.hidden
             except (SessionError, TransportError) as exc:
-                self._connected = False
-                if attempt >= self.config.max_retries:
+                attempt = self.link.lost()
+                if attempt is None:
                     raise
                 delay = self.config.backoff_s(attempt)
                 log.warning("cloud session lost (%s); reconnecting in %.2f s", exc, delay)
                 time.sleep(delay)
-                attempt += 1
                 record.recoveries += 1
 
-    def _connect(self, record: StepRecord) -> None:
-        welcome = self.middle.open(resume_id=self._session_id)
-        cloud_committed = self.length - len(self._keep_next)
-        if welcome.resumed and welcome.committed == cloud_committed and welcome.next_seq == self._seq:
-            self._connected = True
-            return
-        if welcome.resumed:  # the server's state is not ours (it ran a step we never saw answered)
+    def _send_next(self, record: StepRecord) -> Answered | None:
+        """Send what the link asks for and hand it the reply; the block's answer, or None before it."""
+        message = self.link.next_send()
+        if isinstance(message, Open):
+            self.link.on_welcome(self.middle.open(resume_id=message.resume_id))
+            return None
+        if isinstance(message, Close):
             self.middle.close(end_session=True)
-            welcome = self.middle.open(resume_id=None)
-        self._session_id, self._seq, self._connected = welcome.session_id, welcome.next_seq, True
-        self._keep_next = ()
-        self._resend_history(record)
-
-    def _resend_history(self, record: StepRecord) -> None:
-        """Rebuild the cloud cache from the rows sent before; the replies are not needed (tail has them)."""
-        if not self._sent:
-            return
-        history = torch.cat(self._sent)
-        chunk = self._chunk_rows()
-        for start in range(0, history.shape[0], chunk):
-            rows = history[start : start + chunk]
-            positions = tuple(range(start, start + rows.shape[0]))
-            step = Step(self._seq, self._keep_next, positions, BlockStructure.chain(), rows, self.config.wire_dtype)
-            result, io = self.middle.step(step)
-            self._seq += 1
-            self._keep_next = tuple(range(rows.shape[0]))
-            record.bytes_up += io.bytes_up
-            record.bytes_down += io.bytes_down
-        # A compacted history is one tensor from now on.
-        self._sent = [history]
-        log.info("re-prefilled %d rows into a new cloud session", history.shape[0])
+            return None
+        result, io = self.middle.step(message)
+        reply = self.link.on_result(result)
+        record.bytes_up += io.bytes_up
+        record.bytes_down += io.bytes_down
+        if not isinstance(reply, Answered):  # history re-sent: the tail has its replies already
+            if reply.done:
+                log.info("re-prefilled %d rows into a new cloud session", self.length)
+            return None
+        record.round_trip_ms += io.round_trip_ms
+        record.serialize_ms += io.serialize_ms
+        record.cloud_compute_ms += result.compute_ms
+        record.server_ms += result.handle_ms
+        return reply
 
     def close(self) -> None:
+        """End the cloud session (best effort) and the link; safe to call more than once."""
         self.middle.close(end_session=True)
-        self._connected = False
+        self.link.close()

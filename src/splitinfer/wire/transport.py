@@ -1,0 +1,43 @@
+"""What the client's link needs from a transport to the middle layers, as a typed Protocol.
+
+A `Middle` carries one session's messages: `open` sends the hello and returns the welcome, `step` sends
+one step and returns its result with the bytes and times it cost, `close` ends the session. It moves
+and times messages only; which message goes next is decided by the link (wire/link.py). A WebSocket
+(local/middle.py) and the in-process middle (inprocess.py) are the two implementations.
+
+Failures are errors.py's: SessionError when the server lost the session, TransportError when the link
+failed (both make the link reconnect), anything else is raised to the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .messages import Result, Step, Welcome
+
+
+@dataclass
+class StepIO:
+    round_trip_ms: float  # request sent -> reply received (includes the server's handling)
+    serialize_ms: float  # client-side encode + decode
+    bytes_up: int
+    bytes_down: int
+
+
+class Middle(Protocol):
+    # k pinned in every hello of this transport's session (split-point randomisation), resumes included;
+    # None for the shard's fixed split.
+    head_layers: int | None
+
+    def open(self, resume_id: str | None = None) -> Welcome:
+        """Send a hello (resuming `resume_id` when the server still has it) and return the welcome."""
+        ...
+
+    def step(self, step: Step) -> tuple[Result, StepIO]:
+        """Send one step and return the server's result for it."""
+        ...
+
+    def close(self, end_session: bool = True) -> None:
+        """Free the server's session when `end_session` (best effort), then drop the connection."""
+        ...
