@@ -20,7 +20,8 @@ from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
 from splitinfer.model.shards import load_cloud, load_local
 from splitinfer.wire.frame import decode_frame
-from splitinfer.wire.messages import Hello, Limits, decode_server_message
+from splitinfer.masks import BlockStructure
+from splitinfer.wire.messages import Hello, Limits, Result, Step, Welcome, decode_server_message
 
 from tiny import prepare_tiny
 
@@ -175,11 +176,21 @@ def test_step_before_hello_and_version_mismatch(tiny):
     local = load_local(shards / "local")
     with ServerThread(load_cloud(shards / "cloud")) as server:
         limits = Limits(hidden_size=64)
+        step = Step(0, (), (0,), BlockStructure.chain(), torch.randn(1, 64), "float32").encode()
         with connect(server.url, compression=None) as ws:
             split = local.manifest["split"]
+            ws.send(step)
+            reply = decode_server_message(ws.recv(timeout=10), limits)
+            assert (reply.code, reply.seq, reply.message) == ("protocol", 0, "send hello before the first step.")
             ws.send(Hello(local.fingerprint, tuple(split["cloud_layers"]), "float32", version=99).encode())
             reply = decode_server_message(ws.recv(timeout=10), limits)
             assert reply.code == "version" and "upgrade" in reply.message
+            ws.send(step)  # a refused hello opened nothing
+            assert "send hello" in decode_server_message(ws.recv(timeout=10), limits).message
+            ws.send(Hello(local.fingerprint, tuple(split["cloud_layers"]), "float32").encode())
+            assert isinstance(decode_server_message(ws.recv(timeout=10), limits), Welcome)
+            ws.send(step)
+            assert isinstance(decode_server_message(ws.recv(timeout=10), limits), Result)
 
 
 def test_long_prompt_is_chunked_under_the_default_message_limit(tiny):

@@ -47,7 +47,7 @@ class Server(Enum):
     CLOSED = "closed"
 
 
-_LOSABLE = (Client.IDLE, Client.OPENING, Client.STALE, Client.REPLAYING, Client.REPLAY_SENT, Client.READY, Client.BLOCK_SENT)
+_AWAITING = (Client.OPENING, Client.REPLAY_SENT, Client.BLOCK_SENT)  # a reply is due: only here can a loss show
 
 # (state, event) -> next state, for both ends. Client events are the link's own decisions ("send_*") and
 # what came back; server events are the kinds of message a peer sent.
@@ -63,9 +63,8 @@ TRANSITIONS: dict[tuple[Client | Server, str], Client | Server] = {
     (Client.READY, "send_block"): Client.BLOCK_SENT,
     (Client.BLOCK_SENT, "block_result"): Client.PENDING,
     (Client.PENDING, "commit"): Client.READY,
-    (Client.READY, "uncommit"): Client.READY,
-    (Client.IDLE, "uncommit"): Client.IDLE,
-    **{(state, "lost"): Client.IDLE for state in _LOSABLE},  # session or connection gone: reconnect
+    (Client.READY, "uncommit"): Client.READY,  # rows still in the keep list leave it
+    **{(state, "lost"): Client.IDLE for state in _AWAITING},  # session or connection gone: reconnect
     **{(state, "close"): Client.CLOSED for state in Client},
     (Server.AWAIT_HELLO, "hello"): Server.OPEN,
     (Server.AWAIT_HELLO, "probe"): Server.AWAIT_HELLO,  # path measurement needs no session
@@ -175,9 +174,9 @@ class ClientLink:
             return self._step(positions, BlockStructure.chain(), rows)
         if self.state is Client.REPLAYING:
             self._move("replayed")
-        assert self._block is not None, "submit a block first"
         self._move("send_block")
         block = self._block
+        assert block is not None, "submit a block first"
         return self._step(block.positions, block.structure, block.hidden)
 
     def _step(self, positions: tuple[int, ...], structure: BlockStructure, hidden: torch.Tensor) -> Step:
