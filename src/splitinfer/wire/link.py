@@ -169,7 +169,8 @@ class ClientLink:
             return Close()
         if self.state is Client.REPLAYING and self._replay is not None and self._replay_at < self._replay.shape[0]:
             self._move("send_replay")
-            rows = self._replay[self._replay_at : self._replay_at + self.max_rows(self.replay_rows, self._replay.shape[1] * 4)]
+            chunk = self.max_rows(self.replay_rows, self._replay.shape[1] * 4)  # 4 bytes a value: a float32 wire at worst
+            rows = self._replay[self._replay_at : self._replay_at + chunk]
             positions = tuple(range(self._replay_at, self._replay_at + rows.shape[0]))
             return self._step(positions, BlockStructure.chain(), rows)
         if self.state is Client.REPLAYING:
