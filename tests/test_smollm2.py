@@ -35,7 +35,8 @@ FLOAT32_NEAR_TIE = 1e-3
 FLOAT16_NEAR_TIE = 0.1
 OWN_PROMPTS = [
     {"id": "colours", "chat": True, "prompt": "Name three primary colours."},
-    {"id": "raw-completion", "chat": False, "prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""},
+    {"id": "raw-completion", "chat": False,
+     "prompt": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""},
 ]
 
 
@@ -63,7 +64,8 @@ def compared_prompts() -> list[dict]:
 def plain():
     """(model, tokenizer) of plain transformers, loaded from the shipped GGUF as model/source.py finds it."""
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
     return model.eval(), tokenizer
 
@@ -114,7 +116,8 @@ def check_against_transformers(plain, reference, prompt: dict, got, near_tie: fl
     ids, want, margins = reference[prompt["id"]]
     assert got.prompt_token_ids == ids, (label, prompt["id"], "prompt tokens differ from the plain chat template")
     # The text is the plain tokenizer's decoding of the generated tokens, end-of-sequence left out.
-    assert got.text == tokenizer.decode([t for t in got.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=True)
+    text = tokenizer.decode([t for t in got.token_ids if t != tokenizer.eos_token_id], skip_special_tokens=True)
+    assert got.text == text, (label, prompt["id"])
     if got.token_ids == want:
         return
     first = next((i for i, (a, b) in enumerate(zip(got.token_ids, want)) if a != b), min(len(got.token_ids), len(want)))
@@ -135,7 +138,8 @@ def server(smollm2_shards):
 
 @pytest.mark.parametrize("strategy", ["sequential", "tree"])
 def test_float32_split_equals_transformers_greedy(smollm2_shards, server, plain, reference, strategy):
-    client = SplitClient.connect(smollm2_shards / "local", server, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
+    client = SplitClient.connect(smollm2_shards / "local", server, ClientConfig(wire_dtype="float32"),
+                                 allow_public_weights=True)
     for prompt in compared_prompts():
         got = client.generate(prompt["prompt"], max_new_tokens=NEW_TOKENS, chat=prompt["chat"], strategy=strategy)
         check_against_transformers(plain, reference, prompt, got, FLOAT32_NEAR_TIE, f"float32 {strategy}")

@@ -57,7 +57,11 @@ def test_bad_device_lists_are_refused():
 def _run_two_blocks(stack: LayerStack, record_layer: int) -> list[torch.Tensor]:
     """A 6-row prompt block, all of it kept, then a 1-row block; the output of layer `record_layer` of each."""
     seen = []
-    handle = stack.layers[record_layer].register_forward_hook(lambda _m, _i, out: seen.append(out[0] if isinstance(out, tuple) else out))
+
+    def record(_module, _inputs, out):
+        seen.append(out[0] if isinstance(out, tuple) else out)
+
+    handle = stack.layers[record_layer].register_forward_hook(record)
     hidden = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0))
     cache = stack.new_cache()
     try:
