@@ -36,11 +36,18 @@ def test_chunk_plan_and_floors():
 
 def test_probe_measures_the_emulated_path(server):
     with wan_proxy(server, 40.0, bandwidth_mbit=20.0) as url:
-        path = probe.measure(url, small=6, large=2, large_bytes=256 * 1024)
-    assert path["round_trip_ms"]["median"] >= 40.0
-    # nothing gets through faster than the emulated line; a slow shared machine can only read lower
+        path = probe.measure(url, small=10, large=3, large_bytes=256 * 1024)
+    # The emulated 40 ms plus two 1300-byte serialisations (1 ms) and the processes' own time, a few ms
+    # even on a loaded 2-core machine (median of 10).
+    assert 40.0 <= path["round_trip_ms"]["median"] < 60.0, path["round_trip_ms"]
+    # The probe reads (large - small bytes) / (median large probe - median small probe). At 20 Mbit/s the
+    # 256 KiB take 105 ms on the emulated line; what else differs between a large and a small probe is CPU
+    # time: encoding and copying 256 KiB reads lower, while the small probes' fixed costs (event-loop
+    # wake-ups, a few ms under load) are serial in their round trip but overlap the large one's 105 ms on
+    # the line, which reads higher (19.6-21.0 Mbit/s measured at load average 10 on 2 cores). +-35% is
+    # +-37 ms of such difference; a line that does not limit, or counts bytes as bits, is far outside.
     for direction in ("up_mbit", "down_mbit"):
-        assert path[direction] is not None and 2.0 < path[direction] <= 20.0 * 1.05
+        assert path[direction] is not None and 20.0 * 0.65 <= path[direction] <= 20.0 * 1.35, path
 
 
 def test_wire_prefill_is_not_faster_than_its_floor(server):

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from splitinfer.cloud.sessions import SessionConfig, SessionTable
 from splitinfer.errors import ConfigError
-from splitinfer.masks import BlockStructure
 from splitinfer.model.placement import parse_devices, place_layers, plan_device_map
 from splitinfer.model.shards import load_cloud
 from splitinfer.model.stack import LayerStack, skeleton
-from splitinfer.wire.messages import Hello, Step
 
 from tiny import TINY_CONFIGS, prepare_tiny
 
@@ -56,21 +54,49 @@ def test_bad_device_lists_are_refused():
         place_layers(meta_stack(), {0: "cpu"})
 
 
-def test_placed_stack_runs_the_same(tmp_path):
-    """A stack placed layer by layer computes what the unplaced one does. CPU is one device to torch
-    ('cpu' and 'cpu:0' are the same), so this checks the placement plumbing, not a real device crossing."""
+def _run_two_blocks(stack: LayerStack, record_layer: int) -> list[torch.Tensor]:
+    """A 6-row prompt block, all of it kept, then a 1-row block; the output of layer `record_layer` of each."""
+    seen = []
+
+    def record(_module, _inputs, out):
+        seen.append(out[0] if isinstance(out, tuple) else out)
+
+    handle = stack.layers[record_layer].register_forward_hook(record)
+    hidden = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(0))
+    cache = stack.new_cache()
+    try:
+        stack(hidden, torch.arange(6), np.tril(np.ones((6, 6), bool)), cache)
+        cache.keep(range(6))
+        stack(hidden[:, :1], torch.tensor([6]), np.ones((1, 1), bool), cache)
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_planned_placement_runs_each_layer_on_its_own_device(tmp_path):
+    """The planner's map over two distinct devices is where the layers live and where their inputs arrive.
+
+    CPU is one device to torch, so the second device is `meta` (shapes without values): a layer left on
+    the wrong device, or an activation not moved across the boundary, fails on the device check or in the
+    layer itself; the layers before the boundary must compute exactly what the unplaced stack does.
+    """
     _, shards = prepare_tiny(tmp_path, "qwen2", 1, 1)
-    plain, placed = load_cloud(shards / "cloud"), load_cloud(shards / "cloud")
-    place_layers(placed.stack, {0: "cpu", 1: "cpu", 2: "cpu:0", 3: "cpu:0"})
-    assert len(placed.stack.devices) == 4
-    outs = []
-    for half in (plain, placed):
-        table = SessionTable(half, SessionConfig())
-        session, _ = table.open(Hello(half.fingerprint, (half.stack.start, half.stack.end), "float32"))
-        hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
-        first = table.run_step(session, Step(0, (), tuple(range(6)), BlockStructure.chain(), hidden, "float32"), 0.0)
-        step = Step(1, tuple(range(6)), (6,), BlockStructure.chain(), hidden[:1], "float32")
-        second = table.run_step(session, step, 0.0)
-        outs.append((first.hidden, second.hidden))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    plain, placed = load_cloud(shards / "cloud").stack, load_cloud(shards / "cloud").stack
+    size = layer_bytes(placed)
+    device_map = plan_device_map(placed, {"cpu": 10 * size, "meta": 10 * size}, torch.float32)
+    assert device_map == {0: "cpu", 1: "cpu", 2: "meta", 3: "meta"}  # balanced, contiguous, in the given order
+    place_layers(placed, device_map)
+    for index, layer in enumerate(placed.layers):
+        assert {p.device.type for p in layer.parameters()} == {device_map[index]}, index
+    assert [d.type for d in placed.devices] == ["cpu", "cpu", "meta", "meta"]
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda _m, args, kwargs: inputs.append(
+        (args[0] if args else kwargs["hidden_states"]).device.type), with_kwargs=True) for layer in placed.layers]
+    boundary = _run_two_blocks(placed, 1)
+    for hook in hooks:
+        hook.remove()
+    assert inputs == ["cpu", "cpu", "meta", "meta"] * 2  # each block enters every layer on that layer's device
+    for got, want in zip(boundary, _run_two_blocks(plain, 1)):
+        assert got.device.type == "cpu" and torch.equal(got, want)
+    last = _run_two_blocks(placed, 3)
+    assert [(t.device.type, tuple(t.shape)) for t in last] == [("meta", (1, 6, 64)), ("meta", (1, 1, 64))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +18,7 @@ from splitinfer.privacy.attackers import TrainConfig
 from splitinfer.privacy.audit import AuditConfig, quick_config, run_audit
 from splitinfer.privacy.collect import collect
 from splitinfer.privacy.corpus import Chunk, CorpusConfig, attacker_text, build_corpus
+from splitinfer.privacy.defences import _classify_depth
 from splitinfer.privacy.privatize import PrivatizeConfig, privatize_model, utility, write_private_shard
 
 
@@ -75,7 +77,12 @@ def test_tiny_audit_writes_the_schema_and_a4_recovers_all(tmp_path):
     threat = {(t["a"], t["b"]) for t in saved["paired_tests"] if t["comparison"] == "threat"}
     assert ("output/2/T1/A2/private weights", "output/2/T2/A2 N=200/private weights") in threat
     ident = saved["depth_identification"]
-    assert ident["chance"] == 0.5 and 0.0 <= ident["whole vector"]["row_accuracy"] <= 1.0
+    test = saved["corpus"]["test"]
+    assert ident["chance"] == 0.5
+    for name in ("row statistics", "whole vector"):
+        # Every test row is classified once per depth, every test chunk is one session per depth.
+        m = ident[name]
+        assert (m["n_rows"], m["n_sessions"]) == (2 * test["tokens"], 2 * test["chunks"]), m
 
 
 def test_privatize_pins_new_hashes_keeps_cloud_and_client_refuses_stock(tmp_path):
@@ -99,7 +106,40 @@ def test_privatize_pins_new_hashes_keeps_cloud_and_client_refuses_stock(tmp_path
     local = load_local(out / "local")  # verifies the pinned hashes
     assert local.fingerprint == load_cloud(out / "cloud").fingerprint
     util = utility(model, private, text[:2])
-    assert 0.0 <= util["greedy_agreement"] <= 1.0 and util["perplexity"] > 1.0
+    agreement, perplexity = _utility_by_hand(model, private, text[:2])
+    assert util["greedy_agreement"] == pytest.approx(agreement, abs=1e-9)
+    assert util["perplexity"] == pytest.approx(perplexity, rel=1e-4)
+    assert util["n_tokens"] == 64
+    same = utility(model, model, text[:2])  # a model agrees with itself everywhere
+    assert same["greedy_agreement"] == 1.0 and same["perplexity"] == pytest.approx(same["reference_perplexity"])
+
+
+def _utility_by_hand(reference, model, chunks) -> tuple[float, float]:
+    """Greedy agreement with `reference` over all positions and next-token perplexity, from HF's own forward."""
+    agree = count = nll = 0.0
+    with torch.no_grad():
+        for tokens in chunks:
+            ids = torch.tensor([tokens])
+            ref, got = reference(ids).logits[0], model(ids).logits[0]
+            agree += float((got.argmax(-1) == ref.argmax(-1)).sum())
+            count += len(tokens)
+            nll += float(torch.nn.functional.cross_entropy(got[:-1], ids[0, 1:], reduction="sum"))
+    return agree / count, math.exp(nll / (count - len(chunks)))
+
+
+def test_depth_classifier_known_answers():
+    """Separable rows are told apart every time; rows identical at both depths are right exactly half the
+    time, whatever the classifier learned (it gives one answer for one input)."""
+    rng = np.random.default_rng(0)
+    bounds = [(0, 20), (20, 40)]  # two 20-row test chunks per depth: two sessions each
+    config = TrainConfig(hidden=16, epochs=40, lr=1e-2)
+    apart = [{1: rng.normal(3, 1, (40, 8)), 2: rng.normal(-3, 1, (40, 8))} for _ in range(2)]
+    train, test = ({k: v.astype(np.float32) for k, v in part.items()} for part in apart)
+    assert _classify_depth(train, test, bounds, bounds, lambda x: x, config) == {
+        "row_accuracy": 1.0, "n_rows": 80, "session_accuracy": 1.0, "n_sessions": 4}
+    same = rng.normal(0, 1, (40, 8)).astype(np.float32)
+    assert _classify_depth({1: same, 2: same}, {1: same, 2: same}, bounds, bounds, lambda x: x, config) == {
+        "row_accuracy": 0.5, "n_rows": 80, "session_accuracy": 0.5, "n_sessions": 4}
 
 
 def test_privatize_distillation_recovers_utility_and_leaves_cloud_layers_alone():

@@ -1,7 +1,7 @@
 """Faults injected through the WAN emulator and by killing the server: the client reconnects with backoff,
 recovers (resume or re-prefill) and its output is token for token that of an uninterrupted run.
 
-Expiry by TTL and an in-process restart are covered in tests/test_server.py.
+Expiry by TTL and an in-process restart are covered in tests/cloud/test_server.py.
 """
 
 from __future__ import annotations

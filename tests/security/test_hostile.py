@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -34,7 +35,6 @@ from security.sec_helpers import PROMPT, TOKEN_A, TOKEN_B, decode_with_hook, rem
 EXAMPLES = int(os.environ.get("SPLITINFER_FUZZ_EXAMPLES", "60"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
 D = 64  # hidden size of the tiny model
-OUTCOMES = {"results": 0, "refused": 0}  # how far the state-machine fuzz got (printed with -s)
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +74,9 @@ def step_sequences(draw):
     return out
 
 
-@FUZZ
-@given(step_sequences())
-def test_session_state_machine_fuzz(cloud, plan):
-    """Whatever sequence of decodable steps arrives, the table answers with a Result or one of our errors."""
+def _run_plan(cloud, plan) -> Counter:
+    """Run one fuzzed step sequence on a fresh table; counts the steps answered and refused."""
+    outcomes: Counter = Counter()
     table = SessionTable(cloud, SessionConfig(max_cached_tokens=64))
     session, _ = table.open(Hello(cloud.fingerprint, (cloud.stack.start, cloud.stack.end), "float32"))
     gen = torch.Generator().manual_seed(len(plan))
@@ -96,11 +95,27 @@ def test_session_state_machine_fuzz(cloud, plan):
         except SplitInferError:
             # A refused step changes nothing.
             assert (session.cache.length, session.cache.pending, session.next_seq) == before
-            OUTCOMES["refused"] += 1
+            outcomes["refused"] += 1
             continue
         assert result.hidden.shape == (q, D) and bool(torch.isfinite(result.hidden).all())
         assert session.cache.pending == q and session.rows <= 64
-        OUTCOMES["results"] += 1
+        outcomes["results"] += 1
+    return outcomes
+
+
+def test_session_state_machine_fuzz(cloud):
+    """Whatever sequence of decodable steps arrives, the table answers with a Result or one of our errors;
+    and the campaign is only worth something if it ran steps through the layers as well as refusals."""
+    outcomes: Counter = Counter()
+
+    @FUZZ
+    @given(step_sequences())
+    def campaign(plan):
+        outcomes.update(_run_plan(cloud, plan))
+
+    campaign()
+    print(f"state-machine fuzz: {dict(outcomes)}")
+    assert outcomes["results"] > 0 and outcomes["refused"] > 0, outcomes
 
 
 # -- a live server -------------------------------------------------------------------------------------
@@ -276,14 +291,6 @@ def test_client_rejects_a_lying_server(tiny, reply, match):
         with pytest.raises(ProtocolError, match=match):
             decode_with_hook(local, remote(local, url))
         server.shutdown()
-
-
-def test_state_machine_fuzz_reached_the_layers():
-    """The fuzz above is only worth something if it ran steps through the model, not only refusals."""
-    if OUTCOMES["results"] + OUTCOMES["refused"] == 0:
-        pytest.skip("run together with test_session_state_machine_fuzz")
-    print(f"state-machine fuzz: {OUTCOMES}")
-    assert OUTCOMES["results"] > 0 and OUTCOMES["refused"] > 0
 
 
 def test_one_token_cannot_take_every_session(tiny, cloud):

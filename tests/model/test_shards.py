@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from splitinfer.errors import ModelError
@@ -43,8 +44,13 @@ def test_tied_embedding_is_written_once_and_retied(tmp_path):
     model, shards = prepare_tiny(tmp_path, "qwen2", 2, 2)  # qwen2 tiny config ties embeddings
     assert "lm_head.weight" not in shard_keys(shards / "local")
     local = load_local(shards / "local")
-    assert local.lm_head.weight.data_ptr() != 0
-    assert (local.lm_head.weight == model.lm_head.weight).all()
+    # Re-tied from the one stored copy: the LM head is the embedding matrix, and computes the model's logits.
+    assert torch.equal(local.lm_head.weight, local.embed.weight)
+    assert torch.equal(local.lm_head.weight, model.lm_head.weight)
+    hidden = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model.lm_head(model.model.norm(hidden))[0]
+    assert torch.equal(local.logits(hidden), expected)
 
 
 def test_cloud_process_never_allocates_vocabulary_weights(tmp_path):
@@ -90,8 +96,6 @@ def test_split_must_leave_layers_on_both_sides(tmp_path):
 
 
 def test_whole_model_reassembles_from_both_shards(tmp_path):
-    import torch
-
     from splitinfer.model.shards import load_whole_hf
 
     model, shards = prepare_tiny(tmp_path, "qwen2", 2, 2)  # tied embeddings
