@@ -74,8 +74,8 @@ def cmd_api(args) -> int:
 def cmd_chat(args) -> int:
     from .chat import ChatSession, run_chat
 
+    sampling = sampling_from_args(args)  # option mistakes end here, before the model loads
     client = load_client(args, handshake=True)
-    sampling = sampling_from_args(args)
     chat = ChatSession(client, args.system, args.strategy)
     try:
         if sys.stdin.isatty():

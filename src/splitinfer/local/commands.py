@@ -161,20 +161,21 @@ def stats_table(stats: dict) -> str:
 
 
 def cmd_generate(args) -> int:
-    client = load_client(args)
-    stream = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    sampling = sampling_from_args(args)  # option mistakes end here, before the model loads
     strategy = args.strategy
     if strategy == "lookahead":
         from ..decoding.strategies import Lookahead, LookaheadConfig
 
         strategy = Lookahead(config_from_args(LookaheadConfig, args, LOOKAHEAD_OPTIONS))
+    client = load_client(args)
+    stream = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     result = client.generate(
         args.prompt,
         max_new_tokens=args.max_new_tokens,
         chat=not args.no_chat,
         strategy=strategy,
         on_text=stream,
-        sampling=sampling_from_args(args),
+        sampling=sampling,
     )
     if args.json:
         print(json.dumps(result.as_dict(with_steps=args.steps)))
