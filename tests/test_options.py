@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
 def test_options_take_the_fields_defaults_and_types():
     p = _parser()
     args = p.parse_args([])
-    assert (args.rows, args.ratio, args.name, args.seed, args.limit_mb, args.verbose) == (512, 0.5, "tree", None, 16, False)
+    got = (args.rows, args.ratio, args.name, args.seed, args.limit_mb, args.verbose)
+    assert got == (512, 0.5, "tree", None, 16, False)
     args = p.parse_args(["--rows", "7", "--ratio", "2", "--seed", "3", "--limit-mb", "2", "--verbose"])
     assert (args.rows, args.ratio, args.seed, args.limit_mb, args.verbose) == (7, 2.0, 3, 2, True)
     assert type(args.ratio) is float and type(args.rows) is int

@@ -229,7 +229,8 @@ def register(sub) -> None:
     s.add_argument("--tail-layers", type=int, default=2)
     s.add_argument("--dtype", default="float16", choices=DTYPE_NAMES, help="weights and KV")
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, help="default: --dtype")
-    s.add_argument("--max-message-mb", type=int, default=DEFAULT_MESSAGE_BYTES // MIB, help="the server's message limit, MiB")
+    s.add_argument("--max-message-mb", type=int, default=DEFAULT_MESSAGE_BYTES // MIB,
+                   help="the server's message limit, MiB")
     add_options(s, Rates, RATE_OPTIONS)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_plan)
