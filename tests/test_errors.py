@@ -80,3 +80,19 @@ def test_protocol_subclasses():
     assert issubclass(MessageTooLarge, ProtocolError)
     assert issubclass(VersionMismatch, ProtocolError)
     assert all(issubclass(cls, SplitInferError) for cls in ALL_DEFINED)
+
+
+def test_model_and_shard_mistakes_are_config_errors():
+    # A user's model or shard is a setting the user gave: `except ConfigError` catches it, its code stays.
+    assert issubclass(ModelError, ConfigError)
+    assert type(error_from_code("model", "x")) is ModelError
+
+
+def test_no_module_raises_the_base_class():
+    # Callers catch by kind; a bare SplitInferError says nothing about what went wrong or who can fix it.
+    import pathlib
+    import re
+
+    src = pathlib.Path(errors.__file__).parent
+    offenders = [str(p.relative_to(src)) for p in src.rglob("*.py") if re.search(r"raise SplitInferError\(", p.read_text())]
+    assert offenders == []

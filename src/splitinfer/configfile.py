@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .options import complete
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -65,6 +66,7 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def options(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    complete(sub)  # options a command adds only when used (options.defer)
     return {
         a.dest: a for a in sub._actions
         if a.option_strings and a.dest != argparse.SUPPRESS and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))
@@ -161,6 +163,18 @@ def _table(data: dict, name: str, known: dict, path: Path | None) -> dict:
     return table
 
 
+def _involved(argv: list[str], data: dict, environ, commands: dict) -> set[str]:
+    """The commands whose settings must be read: the one run, any the file or the environment names, and
+    all of them for `config show` or a [defaults] table. The others keep their deferred options unbuilt,
+    so a plain run does not import what every command needs."""
+    index = _command_index(argv)
+    run = argv[index] if index < len(argv) else None
+    if run == "config" or data.get(DEFAULTS_TABLE):
+        return set(commands)
+    named = {name for name in commands if name in data or any(v.startswith(env_name(name, "")) for v in environ)}
+    return named | {run}
+
+
 def apply_config(parser: argparse.ArgumentParser, argv: list[str], environ=None) -> dict[str, dict[str, Setting]]:
     """Install file and environment values as the subcommands' defaults; returns what came from where."""
     environ = os.environ if environ is None else environ
@@ -170,6 +184,7 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str], environ=None)
     stray = sorted(set(data) - set(commands) - {DEFAULTS_TABLE})
     if stray:
         raise ConfigError(f"{path}: [{stray[0]}] is not a command; tables are [{DEFAULTS_TABLE}] or a command name.")
+    commands = {name: sub for name, sub in commands.items() if name in _involved(argv, data, environ, commands)}
     every_option = {dest for sub in commands.values() for dest in options(sub)}
     unused = sorted(set(_table(data, DEFAULTS_TABLE, {}, path)) - every_option)
     if unused:

@@ -2,7 +2,8 @@
 
 Everything a user or a network peer can cause raises a subclass of `SplitInferError`. Each class has a
 stable wire `code`, so an error raised on the cloud travels to the client as an error frame and is raised
-there again as the same class. Messages are sentences that say what to do.
+there again as the same class. Messages are sentences that say what to do. Every mistake a user can make
+(an option, a file, a model or shard given) is a ConfigError; ModelError is the kind about a model or shard.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ class ConfigError(SplitInferError):
     code = "config"
 
 
-class ModelError(SplitInferError):
-    """A model or shard cannot be loaded or does not match what was asked for."""
+class ModelError(ConfigError):
+    """A model or shard cannot be loaded or does not match what was asked for (a user's file or setting)."""
 
     code = "model"
 

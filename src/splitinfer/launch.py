@@ -1,7 +1,8 @@
-"""Start `splitinfer serve` and `splitinfer wan` as child processes (the demo and the benchmarks).
+"""Start `splitinfer serve` and `splitinfer wan` as child processes (the benchmarks), and `splitinfer demo`.
 
 Each child can be pinned to one CPU core with a fixed number of threads, which is how both sides are
-measured fairly on a small machine: the cloud on one core, the client on another.
+measured fairly on a small machine: the cloud on one core, the client on another. The demo runs both
+children on loopback and generates through them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import ConfigError
+from .local.commands import ALLOW_PUBLIC_HELP
+from .netem.commands import WAN_RTT_MS
 
 
 def free_port() -> int:
@@ -104,3 +107,35 @@ def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_m
         yield f"{scheme}://127.0.0.1:{port}"
     finally:
         _stop(proc)
+
+
+DEMO_PROMPT = "Explain in three sentences why the round trip dominates split inference over a WAN."
+
+
+def cmd_demo(args) -> int:
+    from .local.client import SplitClient
+    from .local.commands import public_weights_gate, stats_table
+
+    shards = Path(args.shards)
+    public_weights_gate(shards / "local", args.allow_public_weights)
+    print(f"starting the cloud server on loopback with {shards / 'cloud'} (middle layers only) ...", flush=True)
+    with cloud_server(shards / "cloud") as (url, _proc), wan_proxy(url, args.rtt_ms) as wan_url:
+        print(f"cloud at {url}, reached through an emulated WAN at {wan_url} (+{args.rtt_ms:g} ms round trip)\n")
+        client = SplitClient.connect(shards / "local", wan_url, allow_public_weights=args.allow_public_weights)
+        print(f"prompt: {args.prompt}\n")
+        result = client.generate(
+            args.prompt, max_new_tokens=args.max_new_tokens, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush())
+        )
+        print(f"\n\n[{result.finish_reason}] split, {result.stats['strategy']} decoding, float16 wire")
+        print(stats_table(result.stats))
+    return 0
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("demo", help="serve + emulated WAN + generate, on loopback")
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--rtt-ms", type=float, default=WAN_RTT_MS, help="added round trip of the emulated WAN")
+    s.add_argument("--max-new-tokens", type=int, default=96)
+    s.add_argument("--prompt", default=DEMO_PROMPT)
+    s.add_argument("--allow-public-weights", action="store_true", help=ALLOW_PUBLIC_HELP)
+    s.set_defaults(func=cmd_demo)

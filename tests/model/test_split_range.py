@@ -11,7 +11,7 @@ from safetensors import safe_open
 from websockets.sync.client import connect
 
 import splitinfer.cloud.sessions as sessions_module
-from splitinfer.cli import parse_split_range
+from splitinfer.model.commands import parse_split_range
 from splitinfer.cloud.scheduler import BatchConfig, Scheduler
 from splitinfer.cloud.server import ServerThread
 from splitinfer.cloud.sessions import SessionConfig, SessionTable

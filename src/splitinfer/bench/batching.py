@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..wire.dtypes import DTYPE_NAMES
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -402,5 +403,5 @@ def register(subparsers) -> None:
     s.add_argument("--max-new-tokens", type=int, default=32, help="tokens per client end to end")
     s.add_argument("--threads", type=int, default=1, help="torch threads for the cloud-side part")
     s.add_argument("--device", default="cpu", help="cloud-side part: cpu, cuda, cuda:1 ...")
-    s.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="cloud-side compute dtype")
+    s.add_argument("--dtype", choices=DTYPE_NAMES, help="cloud-side compute dtype")
     s.set_defaults(func=run)

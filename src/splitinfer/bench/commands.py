@@ -1,12 +1,14 @@
-"""CLI of the benchmarks and sizing tools: `splitinfer bench`, `splitinfer probe`, `splitinfer plan`.
+"""CLI of the benchmarks and sizing tools: `splitinfer bench`, `probe`, `plan` and `bench-spec`.
 
     splitinfer bench --shards shards/smollm2 --out docs/bench           # the full sweep (~22 min quiet)
     splitinfer bench --quick --out /tmp/bench                           # a smaller sweep (minutes)
     splitinfer bench --report-only --out docs/bench                     # Markdown + plots from bench.json
     splitinfer probe --server ws://HOST:PORT [--bench docs/bench/bench.json] [--expect-rtt-ms 80]
     splitinfer plan  --config mistral-7b-v0.1 [--head-layers 2] [--tail-layers 2] [--dtype float16] [--json]
+    splitinfer bench-spec --shards shards/smollm2 --out docs/bench    # speculative strategies vs sequential
 
-Parsing and orchestration only; nothing heavy is imported until a command runs.
+Parsing and orchestration only; nothing heavy is imported until a command runs (the `bench` options, whose
+help quotes SweepConfig's defaults, are added when that command is used).
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..options import MIB, Opt, add_options, config_from_args, defer
+from ..wire.dtypes import DTYPE_NAMES
+from .plan import DEFAULT_MESSAGE_BYTES, Rates
+
+RATE_OPTIONS = (
+    Opt("rtt_ms"),
+    Opt("cloud_tflops", help="assumed effective cloud compute rate"),
+    Opt("cloud_gbps", help="assumed cloud memory bandwidth, GB/s"),
+    Opt("local_tflops"),
+    Opt("local_gbps"),
+)
 
 
 def _floats(text: str, name: str) -> tuple[float, ...]:
@@ -142,32 +155,42 @@ def cmd_probe(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .plan import Rates, load_config, plan, text_report
+    from .plan import load_config, plan, text_report
 
     label, cfg = load_config(args.config)
-    rates = Rates(args.rtt_ms, args.cloud_tflops, args.cloud_gbps, args.local_tflops, args.local_gbps)
+    rates = config_from_args(Rates, args, RATE_OPTIONS)
     result = plan(cfg, args.head_layers, args.tail_layers, args.dtype, args.wire_dtype,
-                  args.max_message_mb * 1024 * 1024, rates)
+                  args.max_message_mb * MIB, rates)
     print(json.dumps({"config": label, **result}) if args.json else text_report(label, result))
     return 0
 
 
-def register(sub) -> None:
-    from ..local.auth import add_client_auth_args
+def cmd_bench_spec(args) -> int:
+    from .speculative import run_speculative_bench
 
-    s = sub.add_parser("bench", help="sweep: added RTT x decoding mode x prompt category; fits, cost, prefill, plots")
+    run_speculative_bench(args)
+    return 0
+
+
+def _bench_options(s) -> None:
+    from .runtime import MODES, QUICK, SweepConfig
+
+    full = SweepConfig()
     s.add_argument("--shards", default="shards/smollm2")
     s.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and the plots")
-    s.add_argument("--quick", action="store_true", help="RTT 0,40,80, 16 tokens, 1 repetition (a few minutes)")
+    s.add_argument("--quick", action="store_true", help=f"RTT {_listed(QUICK.rtts_ms)}, {QUICK.max_new_tokens} tokens, "
+                   f"{QUICK.repeats} repetition(s) (a few minutes)")
     s.add_argument("--report-only", action="store_true", help="rebuild bench.md and the plots from OUT/bench.json")
     s.add_argument("--docs", help="also write the report into this Markdown file between its two bench markers "
                    "(docs/benchmarks.md)")
     s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
-    s.add_argument("--rtt-ms", help="comma-separated added round trips (default 0,20,40,80,150)")
-    s.add_argument("--modes", help="comma-separated: local-only,local-only-pld,split-sequential,split-lookahead,split-tree")
-    s.add_argument("--max-new-tokens", type=int, help="tokens per generation (default 40; --quick 16)")
-    s.add_argument("--per-category", type=int, help="prompts taken from each category (default 1)")
-    s.add_argument("--repeats", type=int, help="measured repetitions after the warm-up (default 3; --quick 1)")
+    s.add_argument("--rtt-ms", help=f"comma-separated added round trips (default {_listed(full.rtts_ms)})")
+    s.add_argument("--modes", help=f"comma-separated: {','.join(MODES)}")
+    s.add_argument("--max-new-tokens", type=int,
+                   help=f"tokens per generation (default {full.max_new_tokens}; --quick {QUICK.max_new_tokens})")
+    s.add_argument("--per-category", type=int, help=f"prompts taken from each category (default {full.per_category})")
+    s.add_argument("--repeats", type=int,
+                   help=f"measured repetitions after the warm-up (default {full.repeats}; --quick {QUICK.repeats})")
     s.add_argument("--gpu-price", type=float, help="assumed $ per GPU-hour for the cost table (default 2.0)")
     s.add_argument("--project-rtt-ms", default="1,5,10,200,300,500", help="RTTs for the projection table")
     s.add_argument("--no-prefill", action="store_true", help="skip the prefill measurement")
@@ -175,6 +198,17 @@ def register(sub) -> None:
     s.add_argument("--prefill-mbit", type=float, default=100.0, help="bandwidth limit per direction for prefill")
     s.add_argument("--prefill-rtt-ms", type=float, default=40.0, help="added round trip for prefill")
     s.add_argument("--prefill-real-max", type=int, default=1024, help="largest prompt also prefilled for real")
+
+
+def _listed(values) -> str:
+    return ",".join(f"{v:g}" for v in values)
+
+
+def register(sub) -> None:
+    from ..local.auth import add_client_auth_args
+
+    s = sub.add_parser("bench", help="sweep: added RTT x decoding mode x prompt category; fits, cost, prefill, plots")
+    defer(s, _bench_options)
     s.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("probe", help="measure round trip and bandwidth to a server; expected tok/s per mode")
@@ -193,13 +227,21 @@ def register(sub) -> None:
                    "llama-3.1-70b, llama-3.1-405b")
     s.add_argument("--head-layers", type=int, default=2)
     s.add_argument("--tail-layers", type=int, default=2)
-    s.add_argument("--dtype", default="float16", choices=("float32", "float16", "bfloat16"), help="weights and KV")
-    s.add_argument("--wire-dtype", choices=("float32", "float16", "bfloat16"), help="default: --dtype")
-    s.add_argument("--max-message-mb", type=int, default=16, help="the server's message limit, MiB")
-    s.add_argument("--rtt-ms", type=float, default=80.0)
-    s.add_argument("--cloud-tflops", type=float, default=400.0, help="assumed effective cloud compute rate")
-    s.add_argument("--cloud-gbps", type=float, default=3350.0, help="assumed cloud memory bandwidth, GB/s")
-    s.add_argument("--local-tflops", type=float, default=20.0)
-    s.add_argument("--local-gbps", type=float, default=400.0)
+    s.add_argument("--dtype", default="float16", choices=DTYPE_NAMES, help="weights and KV")
+    s.add_argument("--wire-dtype", choices=DTYPE_NAMES, help="default: --dtype")
+    s.add_argument("--max-message-mb", type=int, default=DEFAULT_MESSAGE_BYTES // MIB,
+                   help="the server's message limit, MiB")
+    add_options(s, Rates, RATE_OPTIONS)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("bench-spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--out", default="bench-out", help="directory for speculative.json and speculative.md")
+    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    s.add_argument("--strategies", default="sequential,lookahead,tree")
+    s.add_argument("--rtt-ms", default="0,80", help="comma-separated added round trips")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
+    s.set_defaults(func=cmd_bench_spec)

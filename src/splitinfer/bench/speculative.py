@@ -29,6 +29,7 @@ import torch
 from .. import __version__
 from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
+from ..local.commands import open_client
 from ..local.session import ClientConfig, SplitSession
 from ..model.shards import load_whole_hf
 from .runtime import _pin_self, load_prompts
@@ -83,7 +84,7 @@ def run_speculative_bench(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _pin_self(0)
-    local = SplitClient.local_only(shards)
+    local = open_client(local_only=True, shards=shards)
     reference = prompt_lookup_reference(shards, prompts, local, args.max_new_tokens)
     print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()}, file=sys.stderr)
 
@@ -91,7 +92,8 @@ def run_speculative_bench(args) -> dict:
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
-        clients = {rtt: SplitClient.connect(shards / "local", target, ClientConfig(), allow_public_weights=True) for rtt, target in targets.items()}
+        clients = {rtt: open_client(shard=shards / "local", server=target, allow_public_weights=True)
+                   for rtt, target in targets.items()}
         configs = [(s, rtt) for rtt in rtts for s in strategies]
         for strategy, rtt in configs:
             clients[rtt].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..errors import CapacityError
+from ..wire.dtypes import DTYPE_NAMES
 
 
 @dataclass
@@ -179,6 +180,6 @@ def register(subparsers) -> None:
     s.add_argument("--max-cached-tokens", type=int, default=262_144, help="the server's KV budget (rows)")
     s.add_argument("--max-new-tokens", type=int, default=32)
     s.add_argument("--prompts", type=int, default=8, help="distinct prompts from the packaged set")
-    s.add_argument("--wire-dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    s.add_argument("--wire-dtype", default="float32", choices=DTYPE_NAMES)
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_load_test)

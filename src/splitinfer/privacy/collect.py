@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .corpus import Chunk
 
 
@@ -112,7 +113,7 @@ def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail
     """
     n_layers = len(model.model.layers)
     if max(depths) >= n_layers or max(tail_depths, default=0) >= n_layers:
-        raise ValueError(f"depths must be below the model's {n_layers} layers")
+        raise ConfigError(f"depths must be below the model's {n_layers} layers; choose smaller --depths/--tail-depths.")
     cols: dict[str, list] = {k: [] for k in ("tokens", "greedy", "doc", "chunk", "pos", "canary")}
     ins: dict[int, list] = {k: [] for k in depths}
     outs: dict[int, list] = {m: [] for m in tail_depths}

@@ -10,6 +10,15 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..options import Opt, add_options, config_from_args, defer
+
+# `--steps` keeps this command's own default (60), which is not PrivatizeConfig's.
+PRIVATIZE_OPTIONS = (
+    Opt("steps", default=60, help="distillation steps"),
+    Opt("rank", help="rank of the secret low-rank deltas"),
+    Opt("scale", help="initial size of the deltas relative to the weights"),
+    Opt("seed", help="the secret seed (default: drawn from the OS and never stored)"),
+)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -100,10 +109,8 @@ def cmd_privatize(args) -> int:
     held = {d for d in range(len(texts)) if d % 5 == 4} or {len(texts) - 1}  # split by document
     train = [c for d, c in chunks if d not in held]
     test = [c for d, c in chunks if d in held][:32]
-    config = PrivatizeConfig(
-        head_layers=split["head_layers"], tail_layers=split["tail_layers"], rank=args.rank, scale=args.scale,
-        steps=args.steps, seed=args.seed,
-    )
+    config = config_from_args(PrivatizeConfig, args, PRIVATIZE_OPTIONS,
+                              head_layers=split["head_layers"], tail_layers=split["tail_layers"])
     model = load_whole_hf(shards)
     private, record = privatize_model(model, train, config)
     record["utility"] = utility(model, private, test)
@@ -140,9 +147,12 @@ def register(subparsers) -> None:
     s.add_argument("--shards", required=True, help="a prepared OUT directory with stock weights")
     s.add_argument("--out", required=True, help="new OUT directory: private OUT/local, unchanged OUT/cloud")
     s.add_argument("--text", nargs="+", required=True, help="the organisation's own text: files or directories")
-    s.add_argument("--steps", type=int, default=60, help="distillation steps")
-    s.add_argument("--rank", type=int, default=8, help="rank of the secret low-rank deltas")
-    s.add_argument("--scale", type=float, default=0.2, help="initial size of the deltas relative to the weights")
-    s.add_argument("--seed", type=int, help="the secret seed (default: drawn from the OS and never stored)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
+    defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)
+
+
+def _privatize_options(s) -> None:
+    from .privatize import PrivatizeConfig
+
+    add_options(s, PrivatizeConfig, PRIVATIZE_OPTIONS)

@@ -1,0 +1,120 @@
+"""`splitinfer serve`: the cloud side's command, a thin layer over CloudServer.
+
+Options that mirror ServerConfig, SessionConfig and BatchConfig are derived from them (options.py), so
+their defaults live in those dataclasses only. Everything is checked before the shard loads. Nothing
+heavy is imported at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from ..errors import ConfigError
+from ..options import MIB, Opt, add_options, config_from_args, defer
+from ..wire.dtypes import DTYPE_NAMES
+
+log = logging.getLogger("splitinfer.cloud")
+
+SERVER_OPTIONS = (
+    Opt("host", help="interface to listen on"),
+    Opt("port"),
+    Opt("tls_cert", help="PEM certificate chain; with --tls-key, serve wss://"),
+    Opt("tls_key", help="PEM private key of --tls-cert"),
+    Opt("client_ca", help="require client certificates signed by this PEM CA (mutual TLS)"),
+)
+SESSION_OPTIONS = (
+    Opt("ttl_s", "--session-ttl", help="seconds an idle session keeps its cache"),
+    Opt("max_sessions", help="open sessions at once; more are told to retry later"),
+    Opt("max_cached_tokens", help="KV rows over all sessions"),
+    Opt("max_message_bytes", "--max-message-mb", scale=MIB, help="largest accepted message, MiB"),
+    Opt("max_kv_bytes", "--kv-budget-mb", scale=MIB, type=float,
+        help="KV cache memory over all sessions, MiB (idle sessions are evicted first)"),
+    Opt("evict_idle_s", help="a session idle this long may be evicted for room"),
+    Opt("max_sessions_per_owner", "--max-sessions-per-token", help="sessions one client token may hold at once"),
+)
+BATCH_OPTIONS = (
+    Opt("window_ms", "--batch-window-ms",
+        help="longest wait to batch concurrent sessions' steps (never spent by a lone session)"),
+    Opt("max_batch", help="steps per batched pass (1: one session at a time)"),
+)
+
+
+def _serve_options(s: argparse.ArgumentParser) -> None:
+    from .scheduler import BatchConfig
+    from .server import ServerConfig
+    from .sessions import SessionConfig
+
+    s.add_argument("--shard", required=True, help="the cloud shard directory (OUT/cloud)")
+    add_options(s, ServerConfig, SERVER_OPTIONS)
+    add_options(s, SessionConfig, SESSION_OPTIONS)
+    add_options(s, BatchConfig, BATCH_OPTIONS)
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    s.add_argument("--devices", help="spread the layers over several GPUs by memory: cuda:0,cuda:1 or auto")
+    s.add_argument("--dtype", choices=DTYPE_NAMES, help="compute dtype (default: the shard's; GPUs: float16/bfloat16)")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.add_argument("--token-file", help="accepted bearer tokens, one per line (or set SPLITINFER_SERVER_TOKENS)")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics")
+    s.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (default loopback)")
+    s.add_argument("--insecure", action="store_true",
+                   help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("serve", help="serve the middle layers (the untrusted side)")
+    defer(s, _serve_options)
+    s.set_defaults(func=cmd_serve)
+
+
+def _server_config(args):
+    """ServerConfig from the options, or a ConfigError saying which option to fix; loads nothing."""
+    from .scheduler import BatchConfig
+    from .security import exposure_problem, load_server_tokens, server_ssl_context
+    from .server import ServerConfig
+    from .sessions import SessionConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("give --tls-cert and --tls-key together.")
+    if args.client_ca and not args.tls_cert:
+        raise ConfigError("--client-ca needs TLS; give --tls-cert and --tls-key too.")
+    if args.max_sessions_per_token is not None and args.max_sessions_per_token < 1:
+        raise ConfigError("--max-sessions-per-token must be at least 1.")
+    tokens = load_server_tokens(args.token_file)
+    if args.tls_cert:
+        server_ssl_context(args.tls_cert, args.tls_key, args.client_ca)  # fail now, not at the first client
+    problem = exposure_problem(args.host, tokens, bool(args.tls_cert))
+    if problem and not args.insecure:
+        raise ConfigError(problem)
+    if problem:
+        log.warning("--insecure: %s", problem.split(":")[0])
+    if (args.kv_budget_mb is not None and args.kv_budget_mb <= 0) or args.evict_idle_s < 0:
+        raise ConfigError("--kv-budget-mb must be positive (or left out) and --evict-idle-s not negative.")
+    sessions = config_from_args(SessionConfig, args, SESSION_OPTIONS)
+    batching = config_from_args(BatchConfig, args, BATCH_OPTIONS)
+    return config_from_args(ServerConfig, args, SERVER_OPTIONS, sessions=sessions, batching=batching, tokens=tokens)
+
+
+def cmd_serve(args) -> int:
+    from ..model.shards import load_cloud
+    from .server import CloudServer
+
+    config = _server_config(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    half = load_cloud(args.shard, device="cpu" if args.devices else args.device, dtype=args.dtype)
+    if args.devices:  # several GPUs of this node: layers placed by memory (model/placement.py)
+        from ..model.placement import parse_devices, spread
+
+        device_map = spread(half.stack, parse_devices(args.devices), next(half.stack.parameters()).dtype)
+        log.info("layer placement: %s", device_map)
+    server = CloudServer(half, config)
+    if args.metrics_port is not None:
+        from ..metrics import CloudMetrics, serve_metrics
+
+        server.metrics = CloudMetrics(server.table)
+        serve_metrics(server.metrics, args.metrics_host, args.metrics_port)
+    asyncio.run(server.serve_forever())
+    return 0

@@ -1,0 +1,56 @@
+"""`splitinfer prepare`: convert a model once into a local shard and a cloud shard (model/shards.py).
+
+Parsing and reporting only; nothing heavy is imported until the command runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import ConfigError
+from ..wire.dtypes import DTYPE_NAMES
+
+
+def parse_split_range(text: str) -> tuple[int, int]:
+    """'K1-K2' -> (K1, K2) with 1 <= K1 < K2."""
+    low, sep, high = text.partition("-")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit() or not 1 <= int(low) < int(high):
+        raise ConfigError(f"--split-range must be K1-K2 with 1 <= K1 < K2, e.g. 2-4 (got {text!r}).")
+    return int(low), int(high)
+
+
+def cmd_prepare(args) -> int:
+    from ..progress import progress
+    from .shards import prepare
+    from .source import load_source
+
+    split_range = parse_split_range(args.split_range) if args.split_range else None  # fail before loading
+    with progress(total=2, desc="prepare: loading the model", unit="step") as bar:
+        source = load_source(args.model)
+        bar.set_description("prepare: writing the shards")
+        bar.update(1)
+        out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range)
+        bar.update(1)
+    manifest = json.loads((out / "cloud" / "manifest.json").read_text())
+    split = manifest["split"]
+    low, high = split.get("head_range", [split["head_layers"]] * 2)
+    randomised = f"; each session picks its split k in {low}..{high}" if high > low else ""
+    print(
+        f"prepared {manifest['model_id']}: local layers [0, {high}) + "
+        f"[{split['cloud_layers'][1]}, {split['num_layers']}), cloud layers [{split['cloud_layers'][0]}, "
+        f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
+    )
+    return 0
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("prepare", help="convert a model once into a local shard and a cloud shard")
+    s.add_argument("--out", required=True, help="output directory; OUT/local and OUT/cloud are written")
+    s.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--head-layers", type=int, default=2, help="decoder layers kept local before the cloud (k)")
+    s.add_argument("--split-range", metavar="K1-K2",
+                   help="split-point randomisation instead of --head-layers: each session runs k in [K1, K2] head "
+                        "layers, drawn at random; the local shard holds layers [0, K2), the cloud [K1, N-m)")
+    s.add_argument("--tail-layers", type=int, default=2, help="decoder layers kept local after the cloud (m)")
+    s.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights' dtype in the shards")
+    s.set_defaults(func=cmd_prepare)
