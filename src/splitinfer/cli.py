@@ -32,7 +32,7 @@ DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 
 # Subcommands that live beside the code they drive. Each module has `register(subparsers)`, which adds
 # its parsers with `set_defaults(func=...)`; it must import nothing heavy (torch) at module level.
-COMMAND_MODULES: tuple[str, ...] = ("splitinfer.api.commands", "splitinfer.configfile", "splitinfer.bench.commands", "splitinfer.bench.batching", "splitinfer.cloud.loadtest", "splitinfer.privacy.commands")
+COMMAND_MODULES: tuple[str, ...] = ("splitinfer.api.commands", "splitinfer.configfile", "splitinfer.bench.commands", "splitinfer.bench.batching", "splitinfer.bench.loadtest", "splitinfer.privacy.commands")
 
 
 def _threads(args) -> None:

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..local.auth import add_client_auth_args, client_auth_from_args, read_token_file
+from ..local.auth import add_client_auth_args, client_auth_from_args
+from ..tokens import read_token_file
 
 log = logging.getLogger("splitinfer.api")
 
