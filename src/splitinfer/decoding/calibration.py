@@ -22,8 +22,9 @@ and none of its own. Layer 1 learns against `base`, so a node's weight never fee
 evidence that set it. The residual learns against scores that already carry layer 1's ratios, so where
 those are right it sees only what a per-node estimate cannot: one source's score standing for a node
 several sources proposed, and the spread of conditional probabilities between texts, which a product
-of averages does not reproduce. A draft whose layer-1 ratios are right keeps the residual at 1; the
-residual's larger prior makes it the slower of the two to move when a source's accuracy changes.
+of averages does not reproduce. A draft whose layer-1 ratios are right keeps the residual at 1. While a
+source's accuracy is changing both layers see the change (layer 1 has not caught up yet); the residual
+forgets that within a few dozen steps (`ControllerConfig.calibration_decay`).
 """
 
 from __future__ import annotations
