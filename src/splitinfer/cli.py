@@ -37,7 +37,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.configfile",  # config
     "splitinfer.bench.commands",  # bench, probe, plan, bench-spec
     "splitinfer.bench.batching",  # bench-batch
-    "splitinfer.cloud.loadtest",  # load-test
+    "splitinfer.bench.loadtest",  # load-test
     "splitinfer.privacy.commands",  # audit, privatize
 )
 # Commands whose progress is their output, so they log at INFO without -v.

@@ -138,18 +138,9 @@ class CloudMetrics(_Common):
         self.kv_bytes.set_function(lambda: float(self._stats()["kv_bytes"]))
 
     def _stats(self) -> dict:
-        stats = getattr(self.table, "stats", None)
-        if callable(stats):
-            s = stats()
-            if {"sessions", "kv_tokens", "kv_allocated_bytes"} <= s.keys():
-                return {**s, "kv_bytes": s["kv_allocated_bytes"]}
-        # A table without stats(): count from its sessions (a snapshot; each cache reports its own bytes).
-        sessions = list(getattr(self.table, "_sessions", {}).values())
-        return {
-            "sessions": len(sessions),
-            "kv_tokens": sum(s.rows for s in sessions),
-            "kv_bytes": sum(s.cache.nbytes() for s in sessions),
-        }
+        """The session table's numbers (SessionTable.stats()), with `kv_bytes` the bytes its buffers hold."""
+        stats = self.table.stats()
+        return {**stats, "kv_bytes": stats["kv_allocated_bytes"]}
 
     def observe_step(self, rows: int, bytes_in: int, bytes_out: int, handle_s: float) -> None:
         self.steps.labels(kind="step").inc()
@@ -160,18 +151,16 @@ class CloudMetrics(_Common):
 
 
 class _TableCollector:
-    """Budget, evictions and refusals, when the session table reports them (SessionTable.stats())."""
+    """Budget, evictions and refusals from the session table at scrape time (SessionTable.stats())."""
 
     def __init__(self, metrics: CloudMetrics):
         self.metrics = metrics
 
     def collect(self):
         s = self.metrics._stats()
-        if s.get("evictions") is not None:
-            yield CounterMetricFamily("splitinfer_kv_evictions", "Idle sessions evicted to make room.", value=s["evictions"])
-        if s.get("refusals") is not None:
-            yield CounterMetricFamily("splitinfer_session_refusals", "Sessions refused at capacity.", value=s["refusals"])
-        if s.get("kv_budget_bytes"):
+        yield CounterMetricFamily("splitinfer_kv_evictions", "Idle sessions evicted to make room.", value=s["evictions"])
+        yield CounterMetricFamily("splitinfer_session_refusals", "Sessions refused at capacity.", value=s["refusals"])
+        if s["kv_budget_bytes"] is not None:  # None: the table has no byte budget
             yield GaugeMetricFamily("splitinfer_kv_cache_budget_bytes", "KV memory budget.", value=s["kv_budget_bytes"])
 
 

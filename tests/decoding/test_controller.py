@@ -162,21 +162,6 @@ def test_calibration_above_one_is_capped_and_scores_capped_at_one():
     assert c.choose(SCORES) == best_size(capped, 100.0, 8.0)
 
 
-def test_copy_calibration_starts_at_the_prior_and_learns_per_match_length():
-    from splitinfer.decoding.strategies import CopyCalibration
-
-    cal = CopyCalibration(cap=8, prior=4.0, decay=1.0)
-    assert cal.prob(2) == pytest.approx(2 / 4)
-    assert cal.prob(50) == pytest.approx(8 / 10)  # lengths past the cap share its estimate
-    for _ in range(36):
-        cal.update(8, True)
-        cal.update(1, False)
-    # 4 prior observations at 0.8 + 36 hits; 4 prior at 1/3 + 36 misses.
-    assert cal.prob(8) == pytest.approx((3.2 + 36) / 40)
-    assert cal.prob(1) == pytest.approx((4 / 3) / 40)
-    assert cal.prob(4) == pytest.approx(4 / 6)  # untouched lengths keep their prior
-
-
 def test_step_costs_are_shared_between_controllers_but_calibration_is_not():
     from splitinfer.decoding.controller import StepCosts
 

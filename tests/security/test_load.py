@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from splitinfer.cloud.loadtest import run_load, solo_outputs
+from splitinfer.bench.loadtest import run_load, solo_outputs
 from splitinfer.cloud.server import ServerConfig, ServerThread
 from splitinfer.cloud.sessions import SessionConfig
 from splitinfer.model.shards import load_cloud, load_local

@@ -10,7 +10,7 @@ import logging
 import sys
 
 from ..errors import ConfigError
-from ..local.auth import read_token_file
+from ..tokens import read_token_file
 from ..local.commands import add_client_options, add_sampling_options, load_client, sampling_from_args
 from ..options import defer
 

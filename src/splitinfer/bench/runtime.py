@@ -73,23 +73,6 @@ def _pin_self(cpu: int) -> None:
     torch.set_num_threads(1)
 
 
-def codec_microbench(hidden_size: int, repeats: int = 2000) -> dict:
-    """Warm client-side cost of encoding one decode step and decoding its reply (median, microseconds)."""
-    from ..masks import BlockStructure
-    from ..wire.messages import Limits, Result, Step, decode_server_message
-
-    hidden = torch.randn(1, hidden_size)
-    limits = Limits(hidden_size)
-    reply = Result(7, hidden, 1.0, 1.0, 100, "float16").encode()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        Step(7, (0,), (100,), BlockStructure.chain(), hidden, "float16").encode()
-        decode_server_message(reply, limits)
-        times.append((time.perf_counter() - t0) * 1e6)
-    return {"encode_step_and_decode_result_us": round(statistics.median(times), 2), "repeats": repeats}
-
-
 def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else 0.0
 

@@ -17,6 +17,7 @@ import ssl
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
+from ..tokens import read_token_file
 
 SERVER_TOKENS_ENV = "SPLITINFER_SERVER_TOKENS"  # whitespace- or comma-separated tokens, for `serve`
 MIN_TOKEN_CHARS = 16  # shorter secrets can be guessed online; secrets.token_urlsafe(32) gives 43
@@ -68,8 +69,6 @@ class TokenSet:
 
 def load_server_tokens(token_file: str | None) -> TokenSet:
     """Tokens from --token-file (one per line, '#' comments) or the SPLITINFER_SERVER_TOKENS variable."""
-    from ..local.auth import read_token_file
-
     if token_file:
         return TokenSet.from_tokens(read_token_file(token_file))
     raw = os.environ.get(SERVER_TOKENS_ENV, "")

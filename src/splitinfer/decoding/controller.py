@@ -10,7 +10,8 @@ more than one row, on a GPU tens of rows cost about one: the fit learns which ma
 What a row costs depends on the machines and the link, not on the text, so the measured steps live in a
 `StepCosts` that a client shares between its generations (SplitClient keeps one per connection): a new
 generation starts from what the earlier ones measured instead of from a prior. What drafts are worth
-(the calibration) depends on the text and stays with each generation.
+depends on the text and stays with each generation: the scores arrive calibrated per node, and the
+controller multiplies them by its own residual ratio (the second layer in calibration.py).
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from .calibration import Ratio
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
     max_nodes: int = 32  # draft nodes per step at most
     window: int = 48  # recent steps used for the cost fit
     prior_per_row: float = 0.05  # per-row cost as a fraction of a one-row step, until measured
-    calibration_decay: float = 0.97  # weight of history in the acceptance calibration
-    calibration_prior: float = 8.0  # pseudo-observations of a calibrated drafter at the start
+    calibration_decay: float = 0.97  # weight of history in the residual acceptance ratio
+    calibration_prior: float = 8.0  # predicted drafts, at ratio 1, the residual starts from
     calibration_floor: float = 0.25  # never trust drafts less than this, so the controller keeps exploring
+    calibration_cap: float = 4.0  # nor more than this
     explore_rows: int = 16  # block size of an exploration step, which measures what rows really cost
     explore_every: int = 24  # at most this many steps without a block that large
 
@@ -104,14 +108,15 @@ class BlockController:
     def __init__(self, config: ControllerConfig = ControllerConfig(), costs: StepCosts | None = None):
         self.config = config
         self.costs = costs if costs is not None else StepCosts(config.window)
-        # Discounted sums of predicted and accepted draft nodes. Without a floor, a bad start drives the
-        # calibration to zero, the controller stops drafting, and nothing is ever observed to revise it.
-        self._predicted = config.calibration_prior
-        self._accepted = config.calibration_prior
+        self.residual = Ratio(
+            config.calibration_prior, config.calibration_decay,
+            floor=config.calibration_floor, cap=config.calibration_cap,
+        )
 
     @property
     def calibration(self) -> float:
-        return min(max(self._accepted / self._predicted, self.config.calibration_floor), 4.0)
+        """Accepted drafts per unit of (already per-node calibrated) path score sent."""
+        return self.residual.value
 
     def cost(self) -> tuple[float, float]:
         """(fixed, per_row) of multi-row blocks."""
@@ -150,8 +155,7 @@ class BlockController:
         return n
 
     def observe(self, rows: int, step_ms: float, predicted: float, accepted_drafts: int) -> None:
+        """A verified step: its rows and time, the sum of the path scores it sent and the drafts accepted."""
         self.costs.add(rows, step_ms, self.config.explore_rows)
         if predicted > 0:
-            d = self.config.calibration_decay
-            self._predicted = d * self._predicted + predicted
-            self._accepted = d * self._accepted + accepted_drafts
+            self.residual.update(predicted, accepted_drafts)

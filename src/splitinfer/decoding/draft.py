@@ -70,7 +70,7 @@ class TokenTrie:
     def add_path(self, tokens: list[int], probs: list[float], source: str = "", keys: list | None = None) -> None:
         """Insert a continuation; probs[i] is the conditional probability of tokens[i] given the path.
 
-        keys[i], if given, is what the source will learn from when node i is verified (see Tree.observe).
+        keys[i], if given, is what the source will learn from when node i is verified (see calibration.py).
         """
         node, path_prob = 0, 1.0
         keys = keys if keys is not None else [None] * len(tokens)

@@ -19,12 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from .calibration import prior_continue_prob
 from .draft import TokenTrie
-
-
-def prior_continue_prob(length: int) -> float:
-    """Before anything is measured: a copy that has matched L tokens goes on with probability L / (L + 2)."""
-    return length / (length + 2.0)
 
 
 class SuffixIndex:
@@ -35,8 +31,8 @@ class SuffixIndex:
     A node at depth d below a match of n tokens has matched L = n + d - 1 tokens if its ancestors are
     accepted, so a long copy (a quoted passage, repeated code) grows more confident as it goes, which is
     what lets the tree send deep chains exactly where they pay. The first factor is `continue_prob(L)`,
-    learned online by the Tree strategy from which nodes were accepted (each node carries the key
-    ("suffix", L) for that).
+    learned online from which nodes were accepted (each node carries the key ("suffix", L) for that;
+    calibration.py).
     """
 
     def __init__(self, max_match: int = 8, max_occurrences: int = 64):
@@ -123,20 +119,24 @@ class TokenRecycling:
             self._next[token] = (ids[r], ps[r])
 
     def propose(self, root: int, trie: TokenTrie, max_nodes: int, max_depth: int, weight: float = 1.0) -> None:
-        """Best-first expansion from the root token through the successor table (a max-heap on path probability)."""
+        """Best-first expansion from the root token through the successor table (a max-heap on path probability).
+
+        Each step's probability is the table's p times `weight` (the calibrated trust in this source); each
+        node's key ("recycling", p) keeps the uncalibrated p for calibration.py to learn from.
+        """
         counter = itertools.count()  # tie-breaker: heapq never compares the lists
         frontier = [(-1.0, next(counter), [root], [])]
         added = 0
         while frontier and added < max_nodes:
             neg_prob, _, path, probs = heapq.heappop(frontier)
             if len(path) > 1:
-                trie.add_path(path[1:], probs, "recycling")
+                trie.add_path(path[1:], [p * weight for p in probs], "recycling", [("recycling", p) for p in probs])
                 added += 1
             if len(path) - 1 >= max_depth or path[-1] not in self._next:
                 continue
             ids, ps = self._next[path[-1]]
             for token, p in zip(ids, ps):
-                heapq.heappush(frontier, (neg_prob * p * weight, next(counter), path + [token], probs + [p * weight]))
+                heapq.heappush(frontier, (neg_prob * p * weight, next(counter), path + [token], probs + [p]))
 
 
 class NgramPool:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
+from .calibration import NodeCalibration
 from .controller import BlockController, ControllerConfig, StepCosts
 from .draft import Draft, SideRows, TokenTrie
-from .sources import NgramPool, SuffixIndex, TokenRecycling, prior_continue_prob
+from .sources import NgramPool, SuffixIndex, TokenRecycling
 
 
 class Strategy:
@@ -164,49 +165,6 @@ class TreeConfig:
     controller: ControllerConfig = ControllerConfig()
 
 
-class SourceCalibration:
-    """How far to trust one source: discounted accepted / predicted over its draft nodes."""
-
-    def __init__(self, prior: float = 2.0, decay: float = 0.98):
-        self.decay = decay
-        self.predicted = prior
-        self.accepted = prior
-
-    @property
-    def weight(self) -> float:
-        # Above 1 when the source is too modest (a copied passage continues more surely than its
-        # frequencies say); per-step probabilities are capped in TokenTrie.add_path.
-        return min(max(self.accepted / self.predicted, 0.05), 2.0)
-
-    def update(self, predicted: float, accepted: float) -> None:
-        self.predicted = self.decay * self.predicted + predicted
-        self.accepted = self.decay * self.accepted + accepted
-
-
-class CopyCalibration:
-    """P(a copied continuation goes on one more token | it has matched L tokens so far), learned online.
-
-    One estimate per L up to `cap` (longer matches share the last), starting from the prior
-    L / (L + 2) worth `prior` observations; every verified suffix node whose parent was accepted is one
-    observation at its L. Grounded answers that quote their source drive the long-L estimates towards
-    1, open-ended chat drives the short ones down, and the tree's depth follows.
-    """
-
-    def __init__(self, cap: int = 16, prior: float = 4.0, decay: float = 0.99):
-        self.cap, self.decay = cap, decay
-        self.trials = [prior] * (cap + 1)
-        self.hits = [prior * prior_continue_prob(max(length, 1)) for length in range(cap + 1)]
-
-    def prob(self, length: int) -> float:
-        length = min(max(length, 1), self.cap)
-        return self.hits[length] / self.trials[length]
-
-    def update(self, length: int, accepted: bool) -> None:
-        length = min(max(length, 1), self.cap)
-        self.trials[length] = self.decay * self.trials[length] + 1.0
-        self.hits[length] = self.decay * self.hits[length] + float(accepted)
-
-
 class Tree(Strategy):
     """Suffix index + Token Recycling, merged into one tree and sized by the measured cost model."""
 
@@ -220,8 +178,7 @@ class Tree(Strategy):
         self.prompt_logits_rows = config.prompt_rows
         self.recycling = TokenRecycling(config.recycling_k)
         self.controller = BlockController(config.controller, costs)
-        self.copy = CopyCalibration()
-        self.calibration = SourceCalibration()  # Token Recycling's probabilities come from other contexts
+        self.calibration = NodeCalibration()  # per-node trust in each source; the controller adds its residual
         self.earlier = earlier if earlier is not None else []
         self.last_draft = Draft()
         self.index: SuffixIndex | None = None
@@ -242,9 +199,10 @@ class Tree(Strategy):
 
     def propose(self, history):
         trie = TokenTrie()
-        self.index.propose(history, trie, self.config.suffix_depth, self.copy.prob)
+        self.index.propose(history, trie, self.config.suffix_depth, self.calibration.continue_prob)
         self.recycling.propose(
-            history[-1], trie, self.config.recycling_nodes, self.config.max_depth, weight=self.calibration.weight,
+            history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
+            weight=self.calibration.recycling_weight,
         )
         scores = sorted(trie.score[1:], reverse=True)
         n = self.config.fixed_nodes if self.config.fixed_nodes is not None else self.controller.choose(scores)
@@ -255,21 +213,7 @@ class Tree(Strategy):
         self.recycling.observe(tokens, logits)
         self.index.extend(self.doc, emitted)
         draft = self.last_draft
-        accepted_rows = set(path)
-        # Only nodes whose parent was accepted were really tested: their conditional probability is
-        # what the source predicted.
-        live = [i for i in range(len(draft)) if draft.parents[i] in accepted_rows]
-        predicted = accepted = 0.0
-        for i in live:
-            hit = (i + 1) in accepted_rows
-            if draft.sources[i] == "suffix":
-                self.copy.update(draft.keys[i][1], hit)
-            elif draft.sources[i] == "recycling":
-                parent = draft.parents[i]
-                predicted += draft.scores[i] / max(draft.scores[parent - 1], 1e-6) if parent > 0 else draft.scores[i]
-                accepted += hit
-        if predicted > 0:
-            self.calibration.update(predicted / self.calibration.weight, accepted)
+        self.calibration.observe(draft.keys, draft.parents, set(path))
         self.controller.observe(len(tokens), step_ms, sum(draft.scores), len(path) - 1)
 
 

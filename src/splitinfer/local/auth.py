@@ -12,9 +12,9 @@ import argparse
 import os
 import ssl
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import ConfigError
+from ..tokens import read_token_file
 
 TOKEN_ENV = "SPLITINFER_TOKEN"
 
@@ -45,18 +45,6 @@ class ClientAuth:
             raise ConfigError(f"cannot load the TLS files (--ca-file/--client-cert/--client-key): {exc}.") from exc
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         return context
-
-
-def read_token_file(path: str | Path) -> list[str]:
-    """Tokens in a file, one per line; blank lines and lines starting with '#' are ignored."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read the token file {path}: {exc.strerror}.") from exc
-    tokens = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not tokens:
-        raise ConfigError(f"the token file {path} holds no token; put one token per line.")
-    return tokens
 
 
 def add_client_auth_args(parser: argparse.ArgumentParser) -> None:

@@ -118,11 +118,11 @@ def run_load(local, server, prompts: list[list[int]], expected: list[list[int]],
 
 def solo_outputs(local, cloud, prompts: list[list[int]], max_new_tokens: int, client_config) -> list[list[int]]:
     """Each prompt run alone through a fresh server: the reference every loaded session must match."""
+    from ..cloud.server import ServerThread
     from ..decoding.loop import decode
     from ..decoding.strategies import Sequential
     from ..local.middle import RemoteMiddle
     from ..local.session import SplitSession
-    from .server import ServerThread
 
     out = []
     split = local.manifest["split"]
@@ -143,10 +143,10 @@ def cmd_load_test(args) -> int:
 
     import torch
 
+    from ..cloud.server import ServerConfig, ServerThread
+    from ..cloud.sessions import SessionConfig
     from ..local.session import ClientConfig
     from ..model.shards import load_cloud, load_local
-    from .server import ServerConfig, ServerThread
-    from .sessions import SessionConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
