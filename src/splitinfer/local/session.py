@@ -116,6 +116,8 @@ class SplitSession:
             self._sent.append(self._pending_sent[rows])
         self._keep_next = tuple(rows)
         self.length += len(rows)
+        if self.records[-1].kind == "decode":
+            self.records[-1].accepted = len(rows)
         self._pending_sent, self._pending_q = None, 0
 
     def uncommit(self, rows: int) -> bool:
