@@ -17,10 +17,13 @@ from collections.abc import Callable
 from ..decoding.sampling import SamplingConfig
 from ..errors import ConfigError
 from ..local.client import SplitClient
-from .engine import Conversation, Turn
+from ..local.conversation import Turn
+from ..local.text import chat_prompt_ids
 
 
 class ChatSession:
+    """A terminal chat over one conversation; a context manager (leaving it ends the cloud session)."""
+
     def __init__(self, client: SplitClient, system: str | None = None, strategy: str = "tree", metrics=None):
         tok = client.local.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -28,7 +31,7 @@ class ChatSession:
         self.client = client
         self.tokenizer = tok
         self.system = system
-        self.conversation = Conversation(client, strategy, metrics)
+        self.conversation = client.conversation(strategy, metrics)
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.last: Turn | None = None
 
@@ -39,8 +42,7 @@ class ChatSession:
         """The tokens to append to the conversation for the next user message."""
         messages = self.messages + [{"role": "user", "content": user}]
         if self.last is None:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return chat_prompt_ids(self.tokenizer, messages)
         before = self._render(self.messages, generation_prompt=False)
         after = self._render(messages, generation_prompt=True)
         if not after.startswith(before):
@@ -69,6 +71,12 @@ class ChatSession:
 
     def close(self) -> None:
         self.conversation.close()
+
+    def __enter__(self) -> ChatSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def summary_line(turn: Turn) -> str:

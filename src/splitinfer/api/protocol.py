@@ -1,5 +1,6 @@
 """OpenAI's HTTP shapes, with no I/O: request validation into typed parameters, response and chunk bodies,
-error bodies, and stop-string matching over streamed text.
+and error bodies. Stop strings are matched where the text is made (local/text.py; StopMatcher is
+re-exported here for its importers).
 
 Only what the engine supports is accepted: one choice per request (`n` = 1), text content. Parameters the
 API defines but this server ignores (logprobs, presence_penalty ...) are accepted and ignored, as other
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from ..decoding.sampling import SamplingConfig
 from ..decoding.strategies import STRATEGIES
+from ..local.text import StopMatcher  # noqa: F401  (re-exported)
 
 MAX_STOP_STRINGS = 4
 
@@ -193,35 +195,3 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None) -> dict:
     return _chunk(rid, model, "text_completion", {"text": text, "finish_reason": finish}, use)
-
-
-# -- stop strings ----------------------------------------------------------------------------------
-class StopMatcher:
-    """Cuts streamed text before the first stop string, holding back only what could still start one.
-
-    `feed(delta) -> (text safe to emit, stopped)`; after `stopped`, nothing more is emitted. `flush()`
-    releases the held-back tail when generation ends without a stop string.
-    """
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.buffer = ""
-        self.stopped = False
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        self.buffer += delta
-        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.buffer, self.stopped = self.buffer[: min(hits)], "", True
-            return out, True
-        # A stop string can only begin in the last `hold` characters.
-        cut = max(len(self.buffer) - self.hold, 0)
-        out, self.buffer = self.buffer[:cut], self.buffer[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buffer = ("" if self.stopped else self.buffer), ""
-        return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..masks import tree_allowed, tree_depths
+from ..masks import BlockStructure, tree_allowed, tree_depths
 
 # No source is ever certain; a calibrated weight above 1 must not make a path probability exceed 1.
 MAX_STEP_PROB = 0.98
@@ -54,6 +54,32 @@ class Draft:
     def block(self, root: int) -> tuple[list[int], list[int]]:
         """(block tokens, block parents) with the root as row 0."""
         return [root, *self.tokens], [-1, *self.parents]
+
+    def to_block(self, root: int) -> Block:
+        """Everything one step verifies: the tree below `root`, then the side rows if there are any."""
+        tokens, parents = self.block(root)
+        if self.side is not None and self.side.tokens:
+            allowed, depths = block_layout(parents, self.side)
+            return Block(tokens + self.side.tokens, parents, BlockStructure.matrix(allowed), depths)
+        structure = BlockStructure.tree(parents) if len(tokens) > 1 else BlockStructure.chain()
+        return Block(tokens, parents, structure, None)
+
+
+@dataclass(frozen=True)
+class Block:
+    """The rows of one verification: the tree's rows (root first), then any side rows.
+
+    Only the tree's rows can be accepted; side rows gather information for the strategy that drew them.
+    """
+
+    tokens: list[int]  # every row's token: the tree's, then the side rows'
+    parents: list[int]  # the tree's rows only; row 0 (the root) has -1
+    structure: BlockStructure  # which rows each row sees
+    depths: list[int] | None  # each row's distance from the committed sequence; None: the structure's own
+
+    @property
+    def tree_tokens(self) -> list[int]:
+        return self.tokens[: len(self.parents)]
 
 
 class TokenTrie:

@@ -2,14 +2,17 @@
 
     root = choose(prefill logits)                       # emitted
     repeat:
-        draft = strategy.propose(history)              # nodes below the root
-        logits = session.run_block([root] + draft)     # one round trip
-        path, next = accept(block, logits, choose)     # rows whose tokens the model itself chose
-        session.commit(path)                           # local now, cloud with the next request
+        block = strategy.propose(history).to_block(root)   # the root, the draft below it, any side rows
+        logits = verifier.run_block(block)                  # one round trip
+        path, next = accept(block, logits, choose)          # rows whose tokens the model itself chose
+        verifier.commit(path)                               # local now, cloud with the next request
         emit(accepted drafts..., next); root = next
 
 With `choose = argmax` the emitted tokens are exactly those of sequential greedy decoding. Each emitted
 token's log-probability comes from the logits row that predicted it: the parent's row.
+
+The loop knows the verifier only through its Protocol (verifier.py) and a strategy only through
+propose/observe and the block its draft lays out; it keeps no telemetry (the verifier records its steps).
 """
 
 from __future__ import annotations
@@ -19,24 +22,25 @@ from collections.abc import Callable
 
 import torch
 
-from ..local.session import SplitSession
-from ..masks import BlockStructure
-from .draft import accept, block_layout
+from .draft import accept
 from .sampling import greedy
 from .strategies import Strategy
+from .verifier import Verifier
 
 
 def decode(
-    session: SplitSession,
+    verifier: Verifier,
     prompt: list[int],
     prompt_logits: torch.Tensor,
     max_new_tokens: int,
     stop_ids: set[int],
-    emit: Callable[[int, float], None],
+    emit: Callable[[int, float], bool | None],
     strategy: Strategy,
     choose: Callable[[torch.Tensor], int] = greedy,
 ) -> str:
     """Decode after prefill; `emit(token, logprob)` per token. Returns "stop" or "length".
+
+    emit returns True to end decoding after that token ("stop": e.g. its text completed a stop string).
 
     prompt_logits: [r, vocab] logits of the prompt's last r rows (r >= 1; the strategy asked for r).
     """
@@ -48,10 +52,10 @@ def decode(
     def emit_all(tokens: list[int], rows: list[torch.Tensor]) -> str | None:
         nonlocal produced
         for token, row in zip(tokens, rows):
-            emit(token, float(torch.log_softmax(row, dim=-1)[token]))
+            ended = emit(token, float(torch.log_softmax(row, dim=-1)[token]))
             history.append(token)
             produced += 1
-            if token in stop_ids:
+            if ended or token in stop_ids:
                 return "stop"
             if produced == max_new_tokens:
                 return "length"
@@ -61,18 +65,11 @@ def decode(
     finish = emit_all([root], [first_logits])
     while finish is None:
         t0 = time.perf_counter()
-        draft = strategy.propose(history)
-        tokens, parents = draft.block(root)
-        if draft.side is not None and draft.side.tokens:
-            allowed, depths = block_layout(parents, draft.side)
-            block = tokens + draft.side.tokens
-            logits = session.run_block(block, BlockStructure.matrix(allowed), depths=depths)  # [t + r, vocab]
-        else:
-            structure = BlockStructure.tree(parents) if len(tokens) > 1 else BlockStructure.chain()
-            logits = session.run_block(tokens, structure)  # [q, vocab]
+        block = strategy.propose(history).to_block(root)
+        logits = verifier.run_block(block.tokens, block.structure, depths=block.depths)  # [tree + side rows, vocab]
+        tokens, parents = block.tree_tokens, block.parents
         path, root = accept(tokens, parents, logits[: len(tokens)], choose)
-        session.commit(path)
-        session.records[-1].accepted = len(path)
+        verifier.commit(path)
         emitted = [tokens[r] for r in path[1:]] + [root]
         # A token is predicted by its parent's row: path[i] by path[i-1], the next root by path[-1].
         finish = emit_all(emitted, [logits[r] for r in path])

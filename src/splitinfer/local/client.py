@@ -4,7 +4,8 @@
     result = client.generate("Explain KV caches.", max_new_tokens=64, on_text=print)
 
 The client owns the tokenizer and chat template; only hidden states leave the process. Each
-`generate` call opens its own cloud session and closes it at the end, freeing the server's cache.
+`generate` call is a one-turn conversation (conversation.py): it opens its own cloud session and closes
+it at the end, freeing the server's cache. `client.conversation()` keeps one session across turns.
 With a randomised split (`prepare --split-range`) each session (each `make_middle()`) draws its head
 depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_seed` only for tests).
 """
@@ -12,24 +13,21 @@ depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_se
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..decoding.controller import StepCosts
-from ..decoding.loop import decode
-from ..decoding.sampling import SamplingConfig, make_chooser
-from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
+from ..decoding.sampling import SamplingConfig
+from ..decoding.strategies import Strategy
 from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_cloud, load_local, local_weights_are_public
-from ..telemetry import summarize
 from .auth import ClientAuth
+from .conversation import Conversation
 from ..inprocess import InProcessMiddle
 from .middle import RemoteMiddle
-from .session import ClientConfig, SplitSession
-
-
+from .session import ClientConfig
+from .text import chat_prompt_ids
 
 PUBLIC_WEIGHTS_WARNING = (
     "warning: the local layers are the stock public weights, so the cloud can run them itself and recover "
@@ -134,9 +132,7 @@ class SplitClient:
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         tok = self._tokenizer()
         if chat and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-            # transformers 5 returns a BatchEncoding here, 4.x a list
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
         return list(tok(prompt)["input_ids"])
 
     def _tokenizer(self):
@@ -154,6 +150,10 @@ class SplitClient:
         return ids
 
     # -- generation --------------------------------------------------------------------------------
+    def conversation(self, strategy: str | Strategy = "tree", metrics=None) -> Conversation:
+        """A conversation over this client: one cloud session kept across turns (use it in a `with`)."""
+        return Conversation(self, strategy, metrics)
+
     def generate(
         self,
         prompt: str | list[int],
@@ -166,75 +166,11 @@ class SplitClient:
     ) -> Generation:
         """Generate from text (chat template applied unless chat=False) or from token ids.
 
-        A strategy named by string is created fresh for this call, so nothing learned from one
-        generation leaks into the next; pass a Strategy instance to keep its state across calls.
+        A generation is a one-turn conversation, closed (its cloud session ended) when it returns. A
+        strategy named by string is created fresh for this call, so nothing learned from one generation
+        leaks into the next; pass a Strategy instance to keep its state across calls.
         """
-        if isinstance(strategy, str):
-            if strategy not in STRATEGIES:
-                raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-            strategy = make_strategy(strategy, costs=self.step_costs)
-        if max_new_tokens < 1:
-            raise ConfigError("--max-new-tokens must be at least 1.")
-        prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
-        if not prompt_ids:
-            raise ConfigError("the prompt is empty; give at least one token.")
-        limit = getattr(self.local.config, "max_position_embeddings", None)
-        if limit is not None and len(prompt_ids) + max_new_tokens > limit:
-            raise ConfigError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of {limit}."
-            )
-        stops = self.stop_ids() if stop_ids is None else stop_ids
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        streamer = _TextStreamer(self.local.tokenizer, on_text)
-
-        def emit(token: int, logprob: float) -> None:
-            tokens.append(token)
-            logprobs.append(logprob)
-            streamer.push(tokens, token in stops)
-
-        session = SplitSession(self.local, self.make_middle(), self.config)
-        try:
-            t0 = time.perf_counter()
-            prompt_logits = session.prefill(prompt_ids, logits_rows=strategy.prompt_logits_rows)
-            t1 = time.perf_counter()
-            finish = decode(session, prompt_ids, prompt_logits, max_new_tokens, stops, emit, strategy, make_chooser(sampling))
-            t2 = time.perf_counter()
-        finally:
-            session.close()
-        streamer.flush(tokens)
-        text = streamer.text(tokens, stops)
-        stats = summarize(session.records, len(tokens), decode_s=t2 - t1, prefill_s=t1 - t0)
-        stats["mode"] = self.mode
-        stats["strategy"] = strategy.name
-        stats["wire_dtype"] = self.config.wire_dtype if self.mode == "split" else None
-        stats["head_layers"] = session.head_layers
-        return Generation(text, prompt_ids, tokens, finish, logprobs, stats, [r.as_dict() for r in session.records])
-
-
-class _TextStreamer:
-    """Incremental detokenization: emits only text that will not change when more tokens arrive."""
-
-    def __init__(self, tokenizer, on_text: Callable[[str], None] | None):
-        self.tokenizer = tokenizer
-        self.on_text = on_text
-        self.sent = ""
-
-    def text(self, tokens: list[int], stops: set[int] = frozenset()) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode([t for t in tokens if t not in stops], skip_special_tokens=True)
-
-    def push(self, tokens: list[int], final: bool) -> None:
-        if self.on_text is None or self.tokenizer is None:
-            return
-        text = self.text(tokens)
-        # A trailing replacement character is a multi-byte character that is not complete yet.
-        if not final and text.endswith("\ufffd"):
-            return
-        if text.startswith(self.sent) and len(text) > len(self.sent):
-            self.on_text(text[len(self.sent) :])
-            self.sent = text
-
-    def flush(self, tokens: list[int]) -> None:
-        self.push(tokens, final=True)
+        with self.conversation(strategy) as conversation:
+            prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode_prompt(prompt, chat)
+            turn = conversation.send(prompt_ids, max_new_tokens, sampling, on_text=on_text, stop_ids=stop_ids)
+        return Generation(turn.text, prompt_ids, turn.token_ids, turn.finish_reason, turn.logprobs, turn.stats, turn.steps)

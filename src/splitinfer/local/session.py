@@ -124,6 +124,8 @@ class SplitSession:
         self.tail_cache.keep(rows)
         self.link.commit(rows)
         self._pending_q = 0
+        if self.records[-1].kind == "decode":
+            self.records[-1].accepted = len(rows)
 
     def uncommit(self, rows: int) -> bool:
         """Forget the last `rows` committed rows if they all came from the last block; False otherwise.
