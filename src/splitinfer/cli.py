@@ -51,6 +51,10 @@ def parse_split_range(text: str) -> tuple[int, int]:
 
 
 def cmd_prepare(args) -> int:
+    from .extras import GGUF, is_gguf_source, require_extra
+
+    if is_gguf_source(args.model):
+        require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
     from .model.shards import prepare
     from .model.source import load_source
     from .progress import progress
@@ -75,6 +79,10 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if args.devices:
+        from .extras import GPU, require_extra
+
+        require_extra("gpu", GPU, "splitinfer serve --devices")
     from .cloud.security import exposure_problem, load_server_tokens, server_ssl_context
     from .cloud.server import CloudServer, ServerConfig
     from .cloud.sessions import SessionConfig
@@ -139,6 +147,10 @@ def _load_client(args):
     if args.local_only:
         shards = args.shards
         if shards is None or args.model is not None:
+            from .extras import GGUF, is_gguf_source, require_extra
+
+            if is_gguf_source(args.model):
+                require_extra("gguf", GGUF, "--local-only (reading a GGUF model; the default is one)")
             from .model.shards import prepare
             from .model.source import load_source
 
