@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,18 @@ def test_require_extra_names_the_missing_modules_and_the_extra():
         require_extra("audit", ("scipy", "no_such_module_x1"), "splitinfer audit")
     assert str(e.value) == ("splitinfer audit needs the audit extra (no_such_module_x1 is not installed): "
                             "pip install 'splitinfer[audit]'")
+
+
+def test_the_checked_modules_are_the_extras_packages_and_dev_has_them_all():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def names(requirements):
+        return {re.match(r"[A-Za-z0-9_.-]+", r).group().lower().replace("-", "_") for r in requirements}
+
+    for extra, modules in (("api", API), ("audit", AUDIT), ("bench", BENCH), ("gguf", GGUF), ("gpu", GPU)):
+        assert names(extras[extra]) == set(modules), extra
+        if extra != "gpu":
+            assert set(extras[extra]) <= set(extras["dev"]), f"dev lacks part of the {extra} extra"
 
 
 def test_with_the_extra_installed_the_command_goes_past_the_check(tmp_path, capsys):
