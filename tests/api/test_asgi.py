@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +21,7 @@ import pytest
 from splitinfer.api.app import ApiLimits
 from splitinfer.api.engine import Engine
 from splitinfer.api.server import ApiServer
+from splitinfer.launch import free_port
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.metrics import LocalMetrics
@@ -193,3 +198,28 @@ def test_request_bodies_and_pending_requests_are_bounded(split_client, cloud_ser
     metrics = server.app.engine.metrics.render().decode()
     assert 'splitinfer_errors_total{code="too_large"} 2.0' in metrics
     assert 'splitinfer_errors_total{code="rate_limit_exceeded"} 1.0' in metrics
+
+
+def test_the_api_command_serves_and_ends_open_streams_on_ctrl_c(chat_shards, cloud_server, settle):
+    port = free_port()
+    cmd = [sys.executable, "-m", "splitinfer", "api", "--shard", str(chat_shards / "local"), "--server",
+           cloud_server.url, "--port", str(port), "--allow-public-weights", "--model-name", MODEL]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert f"on http://127.0.0.1:{port}/v1" in proc.stdout.readline()
+        server = type("Server", (), {"port": port})
+        sock = open_stream(server, 15000)
+        assert sock.recv(256).startswith(b"HTTP/1.1 200")
+        assert settle(lambda: len(cloud_server.server.table) == 1)
+        proc.send_signal(signal.SIGINT)
+        raw = b""
+        while data := sock.recv(65536):
+            raw += data
+        sock.close()
+        assert proc.wait(timeout=10) in (0, 130)  # well within the 5 s shutdown grace: the stream was ended
+    finally:
+        proc.kill()
+    assert b'"code": "shutdown"' in raw and raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert settle(lambda: len(cloud_server.server.table) == 0, timeout_s=2)
+    assert "Traceback" not in proc.stderr.read()

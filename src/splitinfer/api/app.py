@@ -139,7 +139,7 @@ class ApiApp:
     def cancel_all(self) -> None:
         with self._lock:
             active = list(self._active)
-        shutdown = p.APIError(503, "the api server is shutting down; retry on another.", type="server_error",
+        shutdown = p.APIError(503, "the api server is shutting down; retry once it is back.", type="server_error",
                               code="shutdown")
         for generation in active:
             generation.abort("error", shutdown)
