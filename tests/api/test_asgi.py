@@ -105,7 +105,7 @@ def test_a_slow_reader_gets_the_whole_stream_without_holding_the_cloud(split_cli
         assert settle(lambda: len(table) == 0 and server.app.pending == 0, timeout_s=30)
         started = time.monotonic()
         assert oc.models.list().data[0].id == MODEL  # the event loop is not blocked by the stalled stream
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 5.0
         raw = first
         while not raw.endswith(b"0\r\n\r\n"):  # read slowly, a few KB at a time
             data = sock.recv(4096)

@@ -181,7 +181,8 @@ class ApiApp:
         if not self.api_keys:
             return
         given = (request.headers.get("authorization") or "").removeprefix("Bearer ").strip().encode()
-        if not any(hmac.compare_digest(given, key) for key in self.api_keys):
+        # Compare with every key, not stopping at a match, so timing does not tell which key was sent.
+        if not any([hmac.compare_digest(given, key) for key in self.api_keys]):
             raise p.APIError(401, "missing or wrong API key; send the key of --api-key-file as the bearer token.",
                              code="invalid_api_key")
 
@@ -189,7 +190,7 @@ class ApiApp:
         limit = self.limits.max_body_bytes
         too_large = p.APIError(413, f"send a request body of at most {limit} bytes.", code="too_large")
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        if declared is not None and not (declared.isascii() and declared.isdigit() and int(declared) <= limit):
             raise too_large
         chunks, size = [], 0
         async for chunk in request.stream():  # chunked bodies have no length to check up front
@@ -232,8 +233,9 @@ class _Completions:
         api = self.api
         request = Request(scope, receive)
         try:
-            body = p.parse_body(await api.read_body(request))  # read first: an error reply keeps the connection usable
+            raw = await api.read_body(request)  # read first, so that an error reply leaves the connection usable
             api.authorize(request)
+            body = p.parse_body(raw)
             generation = self._generation(body)
             api.admit(generation)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
@@ -269,7 +271,7 @@ class _Completions:
         if kind == "ready":
             kind, value = await generation.events.get()
         if kind == "gone":
-            log.info("client went away before its reply; its cloud session was closed")
+            log.info("client went away before its reply; its generation stops and closes its cloud session")
         elif kind == "error":
             await self.api.error_response(value)(scope, receive, send)
         else:
@@ -316,7 +318,7 @@ class _Stream:
                     await event(self._chunk(value))
                     continue
                 if kind == "gone":
-                    log.info("client went away mid-stream; its cloud session was closed")
+                    log.info("client went away mid-stream; its generation stops and closes its cloud session")
                     return
                 if kind == "done":
                     await event(self._chunk(finish=value.finish_reason))

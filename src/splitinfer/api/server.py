@@ -21,7 +21,7 @@ from .engine import Engine
 START_TIMEOUT_S = 30.0
 
 
-def _uvicorn_server(uvicorn):
+def _uvicorn_server(uvicorn):  # a factory: uvicorn is imported only once the api extra is known to be there
     class Server(uvicorn.Server):
         """uvicorn's server; on Ctrl-C or SIGTERM it first ends every stream (an error event, then [DONE]),
         so the graceful shutdown finishes at once instead of waiting for generations to run out."""
