@@ -98,13 +98,13 @@ class _Generation:
             self._put("ready", None)
             if self.cancelled.is_set():
                 raise ClientGone
-            turn = self.engine.generate(prompt_ids, self.params, self._on_text)
+            last = ("done", self.engine.generate(prompt_ids, self.params, self._on_text))
         except BaseException as exc:  # noqa: BLE001 - every failure is handed to the request's task
-            self._put("error", exc)
-        else:
-            self._put("done", turn)
-        finally:
-            self.on_exit(self)
+            last = ("error", exc)
+        # Leave before the reply goes out: a client that sends its next request on reading this one's end
+        # must find the slot free.
+        self.on_exit(self)
+        self._put(*last)
 
 
 class ApiApp:
@@ -195,9 +195,14 @@ class ApiApp:
         chunks, size = [], 0
         async for chunk in request.stream():  # chunked bodies have no length to check up front
             size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > 2 * limit:
+                break
+            # Past the limit, read on (up to as much again) and discard: closing on a client that is still
+            # sending resets the connection, and the 413 would be lost with it.
+        if size > limit:
+            raise too_large
         return b"".join(chunks)
 
     # -- GET routes ----------------------------------------------------------------------------------
