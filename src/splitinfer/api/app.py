@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import threading
 import time
@@ -32,11 +33,43 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ..errors import CapacityError, ConfigError, ShardMismatch, SplitInferError, TransportError
 from ..metrics import CONTENT_TYPE_LATEST
 from . import protocol as p
 from .engine import Engine
 
 log = logging.getLogger("splitinfer.api")
+
+
+def error_for(exc: BaseException) -> p.APIError:
+    """The OpenAI-shaped error for a failure (status, type, code)."""
+    if isinstance(exc, p.APIError):
+        return exc
+    if isinstance(exc, ConfigError):
+        code = "context_length_exceeded" if "context" in str(exc) else "invalid_value"
+        return p.APIError(400, str(exc), code=code)
+    if isinstance(exc, (CapacityError, TransportError)):
+        return p.APIError(503, f"the cloud half is unavailable: {exc}", type="server_error", code=exc.code)
+    if isinstance(exc, (ShardMismatch, SplitInferError)):
+        return p.APIError(502, str(exc), type="server_error", code=exc.code)
+    return p.APIError(500, "internal error; see the api server's log.", type="server_error", code="internal")
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise p.APIError(400, f"the request body is not valid JSON: {exc}.", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise p.APIError(400, "the request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event carrying a JSON object (or a literal such as "[DONE]")."""
+    payload = obj if isinstance(obj, str) else json.dumps(obj)
+    return f"data: {payload}\n\n".encode()
 
 
 @dataclass(frozen=True)
@@ -158,7 +191,7 @@ class ApiApp:
             self._active.discard(generation)
 
     def error_response(self, exc: BaseException) -> JSONResponse:
-        err = p.error_for(exc)
+        err = error_for(exc)
         if err.status == 500:
             log.error("request failed", exc_info=exc)
         self.count_error(err)
@@ -240,7 +273,7 @@ class _Completions:
         try:
             raw = await api.read_body(request)  # read first, so that an error reply leaves the connection usable
             api.authorize(request)
-            body = p.parse_body(raw)
+            body = parse_body(raw)
             generation = self._generation(body)
             api.admit(generation)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
@@ -312,7 +345,7 @@ class _Stream:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
 
         async def event(obj: dict | str) -> None:
-            await send({"type": "http.response.body", "body": p.sse(obj), "more_body": True})
+            await send({"type": "http.response.body", "body": sse(obj), "more_body": True})
 
         try:
             if self.chat:
@@ -330,7 +363,7 @@ class _Stream:
                     if self.generation.params.include_usage:
                         await event(self._chunk(use=p.usage(value.prompt_tokens, len(value.token_ids))))
                 else:  # headers are gone: the error travels as one more event, as OpenAI's streams do
-                    err = p.error_for(value)
+                    err = error_for(value)
                     if err.status == 500:
                         log.error("stream failed", exc_info=value)
                     self.api.count_error(err)

@@ -8,7 +8,6 @@ local servers do, so existing tools keep working; anything malformed is refused 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -16,7 +15,6 @@ from dataclasses import dataclass
 
 from ..decoding.sampling import SamplingConfig
 from ..decoding.strategies import STRATEGIES
-from ..errors import CapacityError, ConfigError, ShardMismatch, SplitInferError, TransportError
 
 MAX_STOP_STRINGS = 4
 
@@ -34,31 +32,6 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-
-
-def error_for(exc: BaseException) -> APIError:
-    """The OpenAI-shaped error for a failure (status, type, code)."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ConfigError):
-        code = "context_length_exceeded" if "context" in str(exc) else "invalid_value"
-        return APIError(400, str(exc), code=code)
-    if isinstance(exc, (CapacityError, TransportError)):
-        return APIError(503, f"the cloud half is unavailable: {exc}", type="server_error", code=exc.code)
-    if isinstance(exc, (ShardMismatch, SplitInferError)):
-        return APIError(502, str(exc), type="server_error", code=exc.code)
-    return APIError(500, "internal error; see the api server's log.", type="server_error", code="internal")
-
-
-def parse_body(raw: bytes) -> dict:
-    """A request body as a JSON object, or a 400."""
-    try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}.", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object.", code="invalid_json")
-    return body
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -220,12 +193,6 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None) -> dict:
     return _chunk(rid, model, "text_completion", {"text": text, "finish_reason": finish}, use)
-
-
-def sse(obj: dict | str) -> bytes:
-    """One server-sent event carrying a JSON object (or a literal such as "[DONE]")."""
-    payload = obj if isinstance(obj, str) else json.dumps(obj)
-    return f"data: {payload}\n\n".encode()
 
 
 # -- stop strings ----------------------------------------------------------------------------------
