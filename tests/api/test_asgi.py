@@ -223,3 +223,22 @@ def test_the_api_command_serves_and_ends_open_streams_on_ctrl_c(chat_shards, clo
     assert b'"code": "shutdown"' in raw and raw.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert settle(lambda: len(cloud_server.server.table) == 0, timeout_s=2)
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_failure_after_the_headers_travels_as_an_error_event(split_client):
+    with serve(split_client) as server:
+        oc = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+        with pytest.raises(openai.APIError) as e:  # the client raises on an error event inside the stream
+            for _ in oc.completions.create(model=MODEL, prompt="abc", max_tokens=50_000, stream=True):
+                pass
+        assert "context" in e.value.message and e.value.body["code"] == "context_length_exceeded"
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50_000, "stream": True}
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        events = [line for line in resp.read().decode().split("\n\n") if line]
+        conn.close()
+        assert resp.status == 200 and events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "context_length_exceeded"
+        metrics = server.app.engine.metrics.render().decode()
+        assert 'splitinfer_errors_total{code="context_length_exceeded"} 2.0' in metrics
