@@ -3,7 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions   (stream: server-sent events)
     GET  /v1/models             GET  /metrics (Prometheus)   GET /health
 
-It only adapts HTTP to the engine. Request bodies are read up to a size bound (413 beyond) and requests
+It only adapts HTTP to the engine, and failures to OpenAI's error body (`error_for`). Request bodies are read up to a size bound (413 beyond) and requests
 are admitted up to a count bound (429 beyond). Each admitted request generates on a thread of its own,
 because generation is blocking torch and socket work that must never run on the event loop; text reaches
 the loop through a queue. While a request is open its connection is watched: a client that goes away sets
