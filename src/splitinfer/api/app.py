@@ -169,6 +169,15 @@ class ApiApp:
         with self._lock:
             return len(self._active)
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until every admitted request's thread has ended (and so closed its cloud session)."""
+        deadline = time.monotonic() + timeout_s
+        while self.pending:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
     def cancel_all(self) -> None:
         with self._lock:
             active = list(self._active)

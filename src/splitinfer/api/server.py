@@ -10,6 +10,7 @@ Needs the `api` extra (starlette, uvicorn); constructing a server without it rai
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ import time
 from ..errors import ConfigError
 from ..extras import API, require_extra
 from .engine import Engine
+
+log = logging.getLogger("splitinfer.api")
 
 START_TIMEOUT_S = 30.0
 
@@ -83,6 +86,11 @@ class ApiServer:
         if self._thread is not None:
             self._thread.join(timeout=self.app.limits.shutdown_grace_s + 10)
         self.sock.close()
+        # Generation threads are daemons: left running at exit, their cloud sessions would linger until the
+        # cloud's idle TTL.
+        if not self.app.wait_idle(self.app.limits.shutdown_grace_s):
+            log.warning("%d generation(s) still running at shutdown; their cloud sessions expire by TTL",
+                        self.app.pending)
 
     def __enter__(self):
         return self.start()
