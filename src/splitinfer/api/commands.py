@@ -26,6 +26,7 @@ def _api_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--model-name", help="model id the API answers to (default: the shard's model id)")
     s.add_argument("--max-concurrent", type=int, default=4, help="requests generating at once; more wait")
+    s.add_argument("--max-queued", type=int, default=60, help="requests waiting beyond --max-concurrent; more get 429")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
 
 
@@ -47,12 +48,16 @@ def register(subparsers) -> None:
 
 
 def cmd_api(args) -> int:
+    from ..extras import API, require_extra
+
+    require_extra("api", API, "splitinfer api")
     from ..metrics import LocalMetrics
+    from .app import ApiLimits
     from .engine import Engine
     from .server import ApiServer
 
-    if args.max_concurrent < 1 or args.default_max_tokens < 1:
-        raise ConfigError("--max-concurrent and --default-max-tokens must be at least 1.")
+    if args.max_concurrent < 1 or args.default_max_tokens < 1 or args.max_queued < 0:
+        raise ConfigError("--max-concurrent and --default-max-tokens must be at least 1, --max-queued at least 0.")
     keys = tuple(read_token_file(args.api_key_file)) if args.api_key_file else ()
     if args.host not in LOOPBACK and not keys:
         log.warning("binding the API to %s without --api-key-file: anyone who can reach it can use the model", args.host)
@@ -60,7 +65,7 @@ def cmd_api(args) -> int:
     model_id = args.model_name or client.local.manifest.get("model_id", "splitinfer")
     engine = Engine(client, model_id, LocalMetrics(), args.strategy, args.max_concurrent, args.default_max_tokens)
     try:
-        server = ApiServer(engine, args.host, args.port, keys)
+        server = ApiServer(engine, args.host, args.port, keys, ApiLimits(max_pending=args.max_concurrent + args.max_queued))
     except OSError as exc:
         raise ConfigError(f"cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port.") from exc
     print(f"OpenAI-compatible API for {model_id!r} ({client.mode}) on {server.url}  (metrics: /metrics)", flush=True)

@@ -68,6 +68,9 @@ def _sweep_config(args):
 
 
 def cmd_bench(args) -> int:
+    from ..extras import BENCH, require_extra
+
+    require_extra("bench", BENCH, "splitinfer bench")
     from . import report as reporting
 
     out = Path(args.out)
@@ -132,12 +135,8 @@ def cmd_bench(args) -> int:
 def _write_report(data: dict, out: Path, docs: str | None) -> None:
     from . import report as reporting
 
-    try:
-        data["plots"] = reporting.plot(data, out)
-        data.pop("plots_error", None)
-    except ImportError:
-        data["plots"] = []
-        data["plots_error"] = "matplotlib is not installed (pip install 'splitinfer[bench]')"
+    data["plots"] = reporting.plot(data, out)  # cmd_bench checked for the bench extra
+    data.pop("plots_error", None)
     (out / "bench.json").write_text(json.dumps(data, indent=1))
     (out / "bench.md").write_text(reporting.markdown(data))
     if docs:

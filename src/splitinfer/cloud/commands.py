@@ -96,6 +96,10 @@ def _server_config(args):
 
 
 def cmd_serve(args) -> int:
+    if args.devices:
+        from ..extras import GPU, require_extra
+
+        require_extra("gpu", GPU, "splitinfer serve --devices")
     from ..model.shards import load_cloud
     from .server import CloudServer
 

@@ -106,6 +106,10 @@ def open_client(
     config = config or ClientConfig()
     if local_only:
         if shards is None or model is not None:
+            from ..extras import GGUF, is_gguf_source, require_extra
+
+            if is_gguf_source(model):
+                require_extra("gguf", GGUF, "--local-only (reading a GGUF model; the default is one)")
             from ..model.shards import prepare
             from ..model.source import load_source
 

@@ -20,6 +20,10 @@ def parse_split_range(text: str) -> tuple[int, int]:
 
 
 def cmd_prepare(args) -> int:
+    from ..extras import GGUF, is_gguf_source, require_extra
+
+    if is_gguf_source(args.model):
+        require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
     from ..progress import progress
     from .shards import prepare
     from .source import load_source

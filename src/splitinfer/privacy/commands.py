@@ -32,6 +32,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_audit(args) -> int:
+    from ..extras import AUDIT, require_extra
+
+    require_extra("audit", AUDIT, "splitinfer audit")
     from dataclasses import replace
 
     import torch
