@@ -8,6 +8,8 @@ window size), rotary tables (one per layer type where the family keeps several) 
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 from torch import nn
@@ -87,6 +89,12 @@ def layer_window(config: PretrainedConfig, index: int) -> int | None:
     return None
 
 
+def _cache_keyword(layer: nn.Module) -> str:
+    # Decoder layers name their cache argument `cache` from transformers 5.24 and `past_key_values` in
+    # 5.0-5.23. A wrong name lands in **kwargs, and the layer silently attends without the cache.
+    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
+
+
 def layer_rope_key(config: PretrainedConfig, rotary: nn.Module, index: int) -> str | None:
     """Which rotary table layer `index` uses: its layer type where the rotary module keeps one table per
     type (Gemma 3: a local base for sliding layers, a global one for full attention), else None."""
@@ -118,6 +126,7 @@ class LayerStack(nn.Module):
             layer.self_attn.layer_idx = local_index
         self.windows = [layer_window(config, start + i) for i in range(len(layers))]
         self.rope_keys = [layer_rope_key(config, rotary, start + i) for i in range(len(layers))]
+        self._cache_kw = _cache_keyword(self.layers[0]) if len(self.layers) else "cache"
         self.refresh_devices()
 
     def refresh_devices(self) -> None:
@@ -170,7 +179,7 @@ class LayerStack(nn.Module):
                 attention_mask=device_masks[window],
                 position_ids=device_positions,
                 position_embeddings=device_tables[rope_key],
-                cache=cache,
+                **{self._cache_kw: cache},
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
