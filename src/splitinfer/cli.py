@@ -372,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=2)
     s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
+    s.add_argument("--wire-dtype", choices=DTYPE_CHOICES, default="float16", help="Gemma needs float32 or bfloat16")
     s.set_defaults(func=cmd_bench_spec)
 
     for name in COMMAND_MODULES:
