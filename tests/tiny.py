@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from splitinfer.model.shards import prepare
 from splitinfer.model.source import SourceModel
@@ -29,7 +29,41 @@ TINY_CONFIGS = {
     # A small sliding window so generation runs past it and the windowed mask is exercised.
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=12),
     "qwen2": lambda: Qwen2Config(**{**COMMON, "tie_word_embeddings": True}),
+    # q/k norms on every attention head.
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
+    # Llama 3 frequency-dependent rope scaling; a short original context so most frequencies are rescaled.
+    "llama3": lambda: LlamaConfig(
+        **COMMON,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500_000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "gemma3": lambda: gemma3_config(),
 }
+
+# Gemma 3's pattern at a tiny scale: two sliding layers then one global, twice. A window of 6 is far
+# shorter than the prompts, so sliding layers drop keys a global layer still sees.
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+GEMMA3_WINDOW = 6
+
+
+def gemma3_config() -> Gemma3TextConfig:
+    return Gemma3TextConfig(
+        **{**COMMON, "tie_word_embeddings": True},
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=GEMMA3_WINDOW,
+        layer_types=GEMMA3_LAYER_TYPES,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+    )
 
 
 def tiny_model(family: str, seed: int = 0):

@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..wire.dtypes import DTYPE_NAMES
 from ..options import MIB, Opt, add_options, config_from_args, defer
 from ..wire.dtypes import DTYPE_NAMES
 from .plan import DEFAULT_MESSAGE_BYTES, Rates
@@ -243,4 +244,6 @@ def register(sub) -> None:
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=2)
     s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
+    s.add_argument("--wire-dtype", choices=DTYPE_NAMES, default=None,
+                   help="dtype of hidden states on the wire (default: the client default, float16; Gemma 3 needs bfloat16 or float32)")
     s.set_defaults(func=cmd_bench_spec)

@@ -92,7 +92,8 @@ def run_speculative_bench(args) -> dict:
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
-        clients = {rtt: open_client(shard=shards / "local", server=target, allow_public_weights=True)
+        wire = ClientConfig(wire_dtype=args.wire_dtype) if args.wire_dtype else ClientConfig()
+        clients = {rtt: open_client(shard=shards / "local", server=target, config=wire, allow_public_weights=True)
                    for rtt, target in targets.items()}
         configs = [(s, rtt) for rtt in rtts for s in strategies]
         for strategy, rtt in configs:
@@ -132,9 +133,10 @@ def run_speculative_bench(args) -> dict:
         "torch": torch.__version__,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "setup": "client: this process, core 0, 1 thread; cloud server: child process, core 1, 1 thread; "
-        "WAN emulator: child process on core 1; float16 wire; greedy; fresh drafting state per generation "
+        f"WAN emulator: child process on core 1; {args.wire_dtype} wire; greedy; fresh drafting state per generation "
         "(the client's measured step costs are shared by its generations)",
         "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
+        "wire_dtype": args.wire_dtype,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "prompts": [p["id"] for p in prompts],
@@ -269,7 +271,8 @@ def markdown(report: dict) -> str:
     divergences = report["divergences"]
     lines += [""]
     if divergences:
-        lines.append("Generations whose tokens differ from sequential decoding at the same round trip (float16 wire), "
+        lines.append("Generations whose tokens differ from sequential decoding at the same round trip "
+                     f"({report.get('wire_dtype', 'float16')} wire), "
                      "with the local float32 model's top-1 minus top-2 logit at the first different token:")
         lines.append("")
         for d in divergences:

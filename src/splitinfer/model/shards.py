@@ -256,6 +256,7 @@ class StackView(LayerStack):
         self.layers = nn.ModuleList(list(full.layers)[first:last])
         self.start, self.end = full.start + first, full.start + last
         self.windows = full.windows[first:last]
+        self.rope_keys = full.rope_keys[first:last]
         self._slots = len(full.layers)
         self.refresh_devices()
 
@@ -327,7 +328,10 @@ class LocalHalf:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, q, d] tail output -> [q, vocab] float32 logits."""
         with torch.inference_mode():
-            return self.lm_head(self.norm(hidden))[0].float()
+            logits = self.lm_head(self.norm(hidden))[0].float()
+        # Gemma 2 style soft-capping, where the family's config asks for it (Gemma 3 leaves it unset).
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def _open(directory: Path, role: str, dtype: str | None, verify: bool):

@@ -2,7 +2,8 @@
 
 Pieces are built on the meta device from the config alone and then materialised only for the weights a
 side actually holds, so the cloud never allocates an embedding, a final norm or an LM head. Layers are
-the model family's own HF decoder layers; this module only supplies positions, masks and the cache.
+the model family's own HF decoder layers; this module only supplies positions, masks (one per sliding
+window size), rotary tables (one per layer type where the family keeps several) and the cache.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from ..kv import KVCache
 from ..masks import attention_mask
 
 # Families whose layers take (hidden, position_embeddings, attention_mask, cache) and whose model has
-# embed_tokens / layers / norm / rotary_emb / lm_head. Gemma3 (two rotary tables, sliding layers with a
-# different rope base) needs more than this module does and is not claimed.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# embed_tokens / layers / norm / rotary_emb / lm_head. Gemma 3 (text) adds per-layer attention types with
+# a rotary table per type, which `LayerStack` handles; its multimodal wrapper is not claimed.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def check_supported(config: PretrainedConfig) -> None:
@@ -58,7 +59,23 @@ def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str
         extra = sorted(set(weights) - expected)[:5]
         raise ModelError(f"shard weights do not match the model structure (missing {missing}, unexpected {extra}).")
     module.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
+    _restore_buffers(module)
     return module.to(dtype).eval().requires_grad_(False)
+
+
+def _restore_buffers(module: nn.Module) -> None:
+    """Refill the buffers that are not in a state dict, which `to_empty` leaves uninitialised."""
+    persistent = set(module.state_dict())
+    for name, buffer in module.named_buffers():
+        if name in persistent:
+            continue
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        # Gemma's embedding multiplies by sqrt(hidden_size), kept as a non-persistent buffer.
+        if name.rpartition(".")[2] == "embed_scale" and hasattr(owner, "scalar_embed_scale"):
+            buffer.fill_(owner.scalar_embed_scale)
+        else:
+            raise ModelError(f"{type(owner).__name__} keeps a buffer ({name}) that splitinfer cannot rebuild; "
+                             "this model family is not supported.")
 
 
 def layer_window(config: PretrainedConfig, index: int) -> int | None:
@@ -73,12 +90,24 @@ def layer_window(config: PretrainedConfig, index: int) -> int | None:
 
 
 def _cache_keyword(layer: nn.Module) -> str:
-    # transformers 5.x: `cache`; 4.5x: `past_key_values`; older 4.x: `past_key_value`.
-    params = inspect.signature(layer.forward).parameters
-    for name in ("cache", "past_key_values", "past_key_value"):
-        if name in params:
-            return name
-    return "past_key_values"
+    # Decoder layers name their cache argument `cache` from transformers 5.24 and `past_key_values` in
+    # 5.0-5.23. A wrong name lands in **kwargs, and the layer silently attends without the cache.
+    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
+
+
+def layer_rope_key(config: PretrainedConfig, rotary: nn.Module, index: int) -> str | None:
+    """Which rotary table layer `index` uses: its layer type where the rotary module keeps one table per
+    type (Gemma 3: a local base for sliding layers, a global one for full attention), else None."""
+    if getattr(rotary, "layer_types", None) is None:
+        return None
+    return config.layer_types[index]
+
+
+def rotary_tables(rotary: nn.Module, keys: set, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+    """{rope key: (cos, sin)} for the keys of `layer_rope_key`; position_ids: [B, Q]."""
+    if keys == {None}:
+        return {None: rotary(hidden, position_ids)}
+    return {key: rotary(hidden, position_ids, key) for key in keys}
 
 
 class LayerStack(nn.Module):
@@ -96,6 +125,7 @@ class LayerStack(nn.Module):
         for local_index, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = local_index
         self.windows = [layer_window(config, start + i) for i in range(len(layers))]
+        self.rope_keys = [layer_rope_key(config, rotary, start + i) for i in range(len(layers))]
         self._cache_kw = _cache_keyword(self.layers[0]) if len(self.layers) else "cache"
         self.refresh_devices()
 
@@ -134,21 +164,21 @@ class LayerStack(nn.Module):
         Inputs live on the first layer's device; the output is on the last one's. Layers placed on several
         devices get the activations, masks and rotary tables moved to them once per device, not per layer.
         """
-        cos_sin = self.rotary(hidden, position_ids)
+        tables = rotary_tables(self.rotary, set(self.rope_keys), hidden, position_ids)
         on_device: dict[torch.device, tuple] = {}
-        for layer, window, device in zip(self.layers, self.windows, self.devices):
+        for layer, window, rope_key, device in zip(self.layers, self.windows, self.rope_keys, self.devices):
             if device not in on_device:
                 on_device[device] = (
                     position_ids.to(device),
-                    tuple(t.to(device) for t in cos_sin),
+                    {key: tuple(t.to(device) for t in cos_sin) for key, cos_sin in tables.items()},
                     {w: m.to(device) for w, m in masks.items()},
                 )
-            device_positions, device_cos_sin, device_masks = on_device[device]
+            device_positions, device_tables, device_masks = on_device[device]
             out = layer(
                 hidden.to(device),
                 attention_mask=device_masks[window],
                 position_ids=device_positions,
-                position_embeddings=device_cos_sin,
+                position_embeddings=device_tables[rope_key],
                 **{self._cache_kw: cache},
             )
             hidden = out[0] if isinstance(out, tuple) else out
