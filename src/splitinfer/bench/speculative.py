@@ -93,6 +93,7 @@ def run_speculative_bench(args) -> dict:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
         wire = ClientConfig(wire_dtype=args.wire_dtype) if args.wire_dtype else ClientConfig()
+        args.wire_dtype = wire.wire_dtype
         clients = {rtt: open_client(shard=shards / "local", server=target, config=wire, allow_public_weights=True)
                    for rtt, target in targets.items()}
         configs = [(s, rtt) for rtt in rtts for s in strategies]
