@@ -10,6 +10,7 @@ import torch
 from splitinfer.cloud.server import ServerThread
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.strategies import Strategy, Tree, TreeConfig
+from splitinfer.inprocess import local_only_client
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.masks import attention_mask, tree_allowed, tree_depths
@@ -65,7 +66,7 @@ def test_gemma3_local_only_matches_hf_generate(tmp_path, head, tail):
     model, shards = prepare_tiny(tmp_path, "gemma3", head, tail)
     expected = reference(model, PROMPT, NEW_TOKENS)
     assert min_margin(model, PROMPT, expected) > 1e-3  # the comparison is meaningful, not a tie
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
+    got = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
     assert got.token_ids == expected
 
 
@@ -96,7 +97,7 @@ def test_local_only_matches_hf_generate(tmp_path, family, head, tail):
     model, shards = prepare_tiny(tmp_path, family, head, tail)
     expected = reference(model, PROMPT, NEW_TOKENS)
     assert min_margin(model, PROMPT, expected) > 1e-3
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
+    got = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
     assert got.token_ids == expected
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from splitinfer.cloud.server import ServerThread
+from splitinfer.inprocess import local_only_client
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
@@ -36,7 +37,7 @@ def test_local_only_matches_hf_generate(tmp_path, family, head, tail):
     model, shards = prepare_tiny(tmp_path, family, head, tail)
     expected = reference(model, PROMPT, NEW_TOKENS)
     assert min_margin(model, PROMPT, expected) > 1e-3  # the comparison is meaningful, not a tie
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
+    got = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
     assert got.token_ids == expected
 
 
@@ -56,7 +57,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
 
 def test_split_logprobs_match_monolithic(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=8, stop_ids=set())
+    got = local_only_client(shards).generate(PROMPT, max_new_tokens=8, stop_ids=set())
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + got.token_ids[:-1]])).logits[0, len(PROMPT) - 1 :]
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
@@ -77,6 +78,6 @@ def test_stop_token_ends_generation(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     expected = reference(model, PROMPT, NEW_TOKENS)
     stop = expected[5]
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids={stop})
+    got = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids={stop})
     assert got.finish_reason == "stop"
     assert got.token_ids == expected[: expected.index(stop) + 1]
