@@ -38,7 +38,7 @@ SYNTHETIC = {
          "buying a used car", "planning a budget trip", "keeping a journal", "repairing a bicycle"),
     ),
     "creative": (
-        ("Write a short story about {x}.", "Write a poem about {x}.", "Describe {x} in a few vivid sentences."),
+        ("Tell a short tale about {x}.", "Compose verses about {x}.", "Describe {x} in a few vivid sentences."),
         ("a clockmaker who loses track of time", "a fox living near a railway", "a storm over a fishing village",
          "an astronaut's first night back on Earth", "a library that opens only at midnight", "a forgotten violin",
          "the last day of summer at a lake", "a robot learning to paint", "two rivals stuck in an elevator",
@@ -53,7 +53,7 @@ SYNTHETIC = {
          "groups records by a key", "validates an email address with a regular expression", "reverses a linked list"),
     ),
     "structured": (
-        ("Return a JSON object describing {x}.", "Make a Markdown table of {x}.", "List {x} as CSV with a header row."),
+        ("Produce a JSON document about {x}.", "Lay out {x} as a Markdown table.", "List {x} as CSV with a header row."),
         ("four musical instruments with their families", "five European capitals and their populations",
          "three programming languages and the year each appeared", "the days of the week in French and Spanish",
          "six chemical elements with symbols and atomic numbers", "a weekly meal plan", "three books and their authors",
