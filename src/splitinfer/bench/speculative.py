@@ -215,6 +215,12 @@ def _set_rate(runs: list[dict]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def _emitted_per_step(run: dict) -> float:
+    """One generation's emitted tokens per step (runs recorded before steps counted only emitted tokens
+    may carry a last step that accepted past the limit; the generated count never does)."""
+    return max(run["stats"]["generated_tokens"] - 1, 0) / max(len(run["accepted"]), 1)
+
+
 def _pooled(runs: list[dict]) -> float:
     """Emitted tokens per step over all of `runs`' decode steps (the first token comes from prefill)."""
     tokens = sum(max(r["stats"]["generated_tokens"] - 1, 0) for r in runs)
@@ -246,7 +252,7 @@ def _config_row(strategy: str, rtt: float, mine: list[dict], sequential_tps: dic
                 local_rate: float, pld_mean: float) -> dict:
     accepted = [a for r in mine for a in r["accepted"]]
     first = [r for r in mine if r["repeat"] == 0]
-    per_prompt = [sum(r["accepted"]) / max(len(r["accepted"]), 1) for r in first]
+    per_prompt = [_emitted_per_step(r) for r in first]
     mean_over_prompts = statistics.mean(per_prompt)
     ratios = [r["tokens_per_s"] / sequential_tps[(r["prompt_id"], r["rtt_ms"], r["repeat"])] for r in mine]
     rate = _set_rate(mine)
@@ -269,7 +275,7 @@ def _config_row(strategy: str, rtt: float, mine: list[dict], sequential_tps: dic
         "median_rows_per_step": statistics.median(x for r in mine for x in r["rows"]),
         "median_bytes_per_step": statistics.median(x for r in mine for x in r["bytes"]),
         "per_category_accepted": _by_category(
-            first, lambda rs: statistics.mean(sum(r["accepted"]) / max(len(r["accepted"]), 1) for r in rs)),
+            first, lambda rs: statistics.mean(_emitted_per_step(r) for r in rs)),
         "per_category_pooled": _by_category(mine, _pooled),
         "bound": bound(mine, rtt) if all("time_ms" in r for r in mine) else None,
     }
@@ -352,9 +358,14 @@ def replace_results(readme: Path, report: dict, details: Path) -> None:
                           "where the table goes.")
     head, rest = text.split(RESULTS_START, 1)
     _, tail = rest.split(RESULTS_END, 1)
+    link = os.path.relpath(details, readme.parent)
+    speculative = sum(r["strategy"] != "sequential" for r in report["runs"]) if "runs" in report else None
+    differing = len(report["divergences"])
+    exact = (f"{speculative - differing} of {speculative} speculative generations were token-identical to sequential "
+             "decoding at the same round trip." if speculative is not None else "")
     body = [f"{report['model']}, {len(report['prompts'])} prompts x {report['max_new_tokens']} new tokens, "
             f"{report['repeats']} repetitions; {report['setup']}. Command: `{report['command']}`; "
-            f"details: {details}.", "", *results_table(report)]
+            f"details: [{link}]({link}).", "", *results_table(report), "", exact]
     readme.write_text(head + RESULTS_START + "\n" + "\n".join(body) + "\n" + RESULTS_END + tail)
 
 
