@@ -13,11 +13,11 @@
 # It fails loudly: a step that fails or cannot run (no CUDA, no head strategy, no train-drafter command)
 # is recorded as such, every later step still runs, and the script exits non-zero naming them. Nothing is
 # skipped in silence. For a dry run on a machine without a GPU: DEVICE=cpu with small sizes, e.g.
-#   DEVICE=cpu MAX_NEW_TOKENS=8 BATCH_SIZES=1,4 scripts/gpu_check.sh /tmp/gpu-dry
+#   DEVICE=cpu MAX_NEW_TOKENS=8 BATCH_SIZES=1,4 LIMIT_SCALE=4 scripts/gpu_check.sh /tmp/gpu-dry
 # Knobs (environment): DEVICE (cuda), SHARDS (shards/smollm2), SPLITINFER (the CLI), PYTHON (its
 # interpreter), HEAD_STRATEGY (the
 # strategy name of the learned draft head, default tree-head), MAX_NEW_TOKENS (64), BATCH_SIZES (1,16,64),
-# TRAIN_TOKENS (20000).
+# TRAIN_TOKENS (20000), LIMIT_SCALE (1).
 set -u -o pipefail
 
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -29,6 +29,7 @@ HEAD_STRATEGY=${HEAD_STRATEGY:-tree-head}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-64}
 BATCH_SIZES=${BATCH_SIZES:-1,16,64}
 TRAIN_TOKENS=${TRAIN_TOKENS:-20000}
+LIMIT_SCALE=${LIMIT_SCALE:-1}  # multiplies every step's time limit (a CPU dry run needs more than a GPU)
 mkdir -p "$OUT"
 STATUS="$OUT/status.tsv"
 : > "$STATUS"
@@ -40,7 +41,7 @@ record() {  # name status seconds rc detail
 }
 
 step() {  # name limit_s command...: run it, record ok/failed with its time and exit code
-    local name=$1 limit=$2
+    local name=$1 limit=$(( $2 * LIMIT_SCALE ))
     shift 2
     local t0=$(date +%s)
     timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -72,7 +73,8 @@ fi
 
 # 1. serve --device DEVICE and one generation through it
 serve_check() {
-    local port=18765
+    local port
+    port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
     "$SPLITINFER" serve --shard "$SHARDS/cloud" --port "$port" --device "$DEVICE" > "$OUT/serve-server.log" 2>&1 &
     local pid=$!
     local ok=1
@@ -89,7 +91,8 @@ serve_check() {
     wait "$pid" 2> /dev/null
     return $ok
 }
-step serve 180 bash -c "$(declare -f serve_check); SPLITINFER='$SPLITINFER' SHARDS='$SHARDS' DEVICE='$DEVICE' OUT='$OUT' serve_check"
+step serve 180 bash -c "$(declare -f serve_check); SPLITINFER='$SPLITINFER' PYTHON='$PYTHON' SHARDS='$SHARDS' \
+DEVICE='$DEVICE' OUT='$OUT' serve_check"
 
 # 2. bench-spec: 5 prompts (one per category), 0 and 80 ms, sequential / tree / tree with the head
 STRATEGIES="sequential,tree"
