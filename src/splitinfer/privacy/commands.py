@@ -87,6 +87,32 @@ def _read_texts(paths: list[str]) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
+def _basis(shards: Path, out: Path, seed: int | None) -> int:
+    """`privatize --basis`: both shards rewritten in a secret residual basis (privacy/basis.py)."""
+    import time
+
+    import torch
+
+    from ..model.shards import load_whole_hf
+    from .basis import BasisConfig, apply_basis, write_basis_shards
+
+    started = time.perf_counter()
+    model = load_whole_hf(shards)
+    keyed, _secret, record = apply_basis(model, BasisConfig(seed=seed))
+    # A self-check on 64 arbitrary tokens: the keyed model must compute the public model's logits.
+    ids = torch.arange(64)[None] * 7919 % model.config.vocab_size
+    with torch.inference_mode():
+        gap = (model(ids).logits - keyed(ids).logits).abs().max().item()
+    record["self_check_max_logit_difference"] = gap
+    write_basis_shards(keyed, shards, out, record)
+    print(
+        f"wrote {out} (local and cloud shards in a secret residual basis, {time.perf_counter() - started:.1f} s; "
+        f"max |logit difference| to the public model {gap:.2e} on 64 tokens)\n"
+        "serve OUT/cloud to this deployment only: its host can recover the basis from it (docs/privacy.md, T4)."
+    )
+    return 0
+
+
 def cmd_privatize(args) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -99,6 +125,12 @@ def cmd_privatize(args) -> int:
     shards, out = Path(args.shards), Path(args.out)
     if out.exists():
         raise ConfigError(f"{out} exists; choose a new --out directory.")
+    if args.basis:
+        if args.text:
+            raise ConfigError("--basis needs no --text and does not combine with the distilled private weights; pass one or the other.")
+        return _basis(shards, out, args.seed)
+    if not args.text:
+        raise ConfigError("pass the organisation's own text with --text (or --basis for a secret residual basis).")
     texts = _read_texts(args.text)
     if len(texts) < 2:
         raise ConfigError("pass at least two documents of the organisation's own text with --text (one is held out).")
@@ -146,10 +178,12 @@ def register(subparsers) -> None:
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
 
-    s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation)")
+    s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation, or --basis)")
     s.add_argument("--shards", required=True, help="a prepared OUT directory with stock weights")
     s.add_argument("--out", required=True, help="new OUT directory: private OUT/local, unchanged OUT/cloud")
-    s.add_argument("--text", nargs="+", required=True, help="the organisation's own text: files or directories")
+    s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")
+    s.add_argument("--basis", action="store_true",
+                   help="instead: rewrite both shards in a secret residual basis (same outputs; new cloud shard)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)
