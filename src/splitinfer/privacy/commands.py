@@ -161,6 +161,22 @@ def cmd_privatize(args) -> int:
     return 0
 
 
+def cmd_basis_check(args) -> int:
+    from .basis_check import compare
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = compare(Path(args.public), Path(args.keyed), args.tokens)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    same = sum(r["float32_identical"] for r in result["prompts"])
+    p = result["perplexity"]
+    print(f"float32 greedy identical on {same}/{len(result['prompts'])} prompts; perplexity {p['perplexity']:.3f} "
+          f"(public {p['reference_perplexity']:.3f}); decode tok/s {result['decode_tok_s_median']}; wrote {args.out}")
+    return 0
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("audit", help="measure what the cloud can recover from the hidden states it sees")
     s.add_argument("--shards", default="shards/smollm2", help="a prepared OUT directory (OUT/local + OUT/cloud)")
@@ -177,6 +193,14 @@ def register(subparsers) -> None:
     s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
+
+    s = subparsers.add_parser("basis-check", help="compare a `privatize --basis` copy with its public shards")
+    s.add_argument("--public", required=True, help="the public OUT directory")
+    s.add_argument("--keyed", required=True, help="its `privatize --basis` copy")
+    s.add_argument("--out", required=True, help="JSON file for the comparison")
+    s.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.set_defaults(func=cmd_basis_check)
 
     s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation, or --basis)")
     s.add_argument("--shards", required=True, help="a prepared OUT directory with stock weights")
