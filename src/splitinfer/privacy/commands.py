@@ -61,6 +61,10 @@ def cmd_audit(args) -> int:
         changes["seq_attacker"] = False
     if args.no_privatize:
         changes["privatize"] = None
+    if args.no_basis:
+        changes["basis"] = None
+    elif args.t5_pairs:
+        changes["basis"] = replace(config.basis, t5_pairs=_ints(args.t5_pairs))
     if args.noise is not None:
         try:
             changes["noise_sigmas"] = tuple(float(v) for v in args.noise.split(",") if v.strip())
@@ -190,6 +194,8 @@ def register(subparsers) -> None:
     s.add_argument("--t2-tokens", help="chosen-plaintext attacker's own tokens (T2 learning curve), e.g. 1000,10000,100000")
     s.add_argument("--no-seq", action="store_true", help="skip A3, the sequence-aware attacker")
     s.add_argument("--no-privatize", action="store_true", help="skip the private-weights defence (T1, T2)")
+    s.add_argument("--no-basis", action="store_true", help="skip the secret residual basis (threats T3, T4, T5)")
+    s.add_argument("--t5-pairs", help="known (text, activation) pairs for T5's least squares, e.g. 100,1000,10000")
     s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
