@@ -32,7 +32,7 @@ from .options import CommandParser
 COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.model.commands",  # prepare
     "splitinfer.cloud.commands",  # serve
-    "splitinfer.local.commands",  # generate
+    "splitinfer.clients",  # generate
     "splitinfer.netem.commands",  # wan
     "splitinfer.launch",  # demo
     "splitinfer.api.commands",  # api, chat
