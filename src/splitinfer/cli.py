@@ -42,7 +42,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.bench.acceptance",  # bench-acceptance
     "splitinfer.bench.loadtest",  # load-test
     "splitinfer.privacy.commands",  # audit, privatize
-    "splitinfer.decoding.recycling",  # build-recycling
+    "splitinfer.recycling",  # build-recycling
 )
 # Commands whose progress is their output, so they log at INFO without -v.
 LOUD_COMMANDS = ("serve", "wan")

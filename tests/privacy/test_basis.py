@@ -10,7 +10,7 @@ from tiny import prepare_tiny, tiny_model
 
 from splitinfer.cli import main
 from splitinfer.errors import ConfigError
-from splitinfer.local.client import SplitClient
+from splitinfer.inprocess import local_only_client
 from splitinfer.model.shards import load_cloud, read_manifest
 from splitinfer.privacy.basis import BasisConfig, apply_basis, write_basis_shards
 
@@ -67,7 +67,7 @@ def test_basis_shards_generate_the_public_tokens(tmp_path, family):
     assert local["residual_basis"]["method"].startswith("orthogonal")
     assert local["split"] == public["split"]
     assert load_cloud(out / "cloud").fingerprint != public["cloud_fingerprint"]  # a cloud shard per deployment
-    got = SplitClient.local_only(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
+    got = local_only_client(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
     assert got.token_ids == greedy(model, PROMPT)
 
 

@@ -128,9 +128,9 @@ def _merge(counts: list[dict]) -> dict:
 def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, max_new_tokens: int) -> dict:
     """Per source: per-generation counts and their summaries per category and over all prompts."""
     from ..decoding.warm import SuffixMemory
-    from ..local.client import SplitClient
+    from ..inprocess import local_only_client
 
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     stop = client.stop_ids() if client.local.tokenizer is not None else set()
     encoded = {p["id"]: list(p["prompt"]) if isinstance(p["prompt"], list) else client.encode_prompt(p["prompt"], p.get("chat", True))
                for p in prompts}

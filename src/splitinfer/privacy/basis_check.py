@@ -46,12 +46,13 @@ def _generate(client, prompt: str, new_tokens: int):
 
 def compare(public: Path, keyed: Path, new_tokens: int = 32, prompts: tuple[str, ...] = PROMPTS) -> dict:
     from ..cloud.server import ServerThread
+    from ..inprocess import local_only_client
     from ..local.client import SplitClient
     from ..local.session import ClientConfig
     from ..model.shards import load_cloud, load_whole_hf
 
     reference = load_whole_hf(public)
-    clients = {"public": SplitClient.local_only(public), "keyed": SplitClient.local_only(keyed)}
+    clients = {"public": local_only_client(public), "keyed": local_only_client(keyed)}
     records, rates = [], {"public": [], "keyed": []}
     for prompt in prompts:
         got = {}
