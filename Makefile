@@ -9,7 +9,7 @@ SHARDS ?= shards/smollm2
 RTT_MS ?= 80
 PROMPT ?= Explain in three sentences why the round trip dominates split inference over a WAN.
 
-.PHONY: venv prepare demo test test-floor bench clean
+.PHONY: venv prepare demo test test-floor bench gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -52,6 +52,14 @@ $(FLOOR_VENV)/.installed: pyproject.toml Makefile
 # The full sweep (~22 min on a quiet 2-core machine); rewrites docs/bench/ and the results in docs/benchmarks.md.
 bench: prepare
 	$(VENV)/bin/splitinfer bench --shards $(SHARDS) --out docs/bench --docs docs/benchmarks.md
+
+# The GPU check (scripts/gpu_check.sh): serve on the device, bench-spec at 0 and 80 ms with the draft head, a
+# short bench-batch and drafter training throughput, in under 8 minutes; JSON in GPU_OUT. Exits non-zero
+# when any step failed or could not run.
+GPU_OUT ?= gpu-check-out
+GPU_DEVICE ?= cuda
+gpu-check: prepare
+	DEVICE=$(GPU_DEVICE) SHARDS=$(SHARDS) SPLITINFER=$(VENV)/bin/splitinfer PYTHON=$(PY) scripts/gpu_check.sh $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) shards .pytest_cache

@@ -12,6 +12,8 @@
     splitinfer bench     --shards shards/smollm2 [--out docs/bench] [--quick]   (also: probe, plan)
     splitinfer bench-spec --shards shards/smollm2 [--out docs/bench]
     splitinfer bench-batch --shards shards/smollm2 [--out DIR]   (batched vs one-at-a-time cloud, 1-64 sessions)
+    splitinfer bench-acceptance --shards shards/smollm2 [--out DIR]   (acceptance by draft depth, category, source)
+    splitinfer build-recycling --shards shards/smollm2 --out DIR   (warm-start table for Token Recycling)
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.configfile",  # config
     "splitinfer.bench.commands",  # bench, probe, plan, bench-spec
     "splitinfer.bench.batching",  # bench-batch
+    "splitinfer.bench.acceptance",  # bench-acceptance
     "splitinfer.bench.loadtest",  # load-test
     "splitinfer.privacy.commands",  # audit, privatize
+    "splitinfer.recycling",  # build-recycling
 )
 # Commands whose progress is their output, so they log at INFO without -v.
 LOUD_COMMANDS = ("serve", "wan")

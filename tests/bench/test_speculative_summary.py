@@ -13,6 +13,7 @@ def _run(strategy, prompt, category, accepted, decode_s, generated=None):
         "strategy": strategy, "rtt_ms": 80.0, "repeat": 0, "prompt_id": prompt, "category": category,
         "tokens_per_s": (generated - 1) / decode_s, "accepted": accepted, "rows": [len(accepted)] * len(accepted),
         "bytes": [1000] * len(accepted), "stats": {"generated_tokens": generated, "decode_s": decode_s},
+        "token_ids": list(range(generated)),
     }
 
 
@@ -51,3 +52,47 @@ def test_a_slower_prompt_run_is_counted_below_0_95x_and_shows_in_the_table():
               "torch": "t", "summary": summary, "divergences": []}
     table = markdown(report)
     assert "| tree | 80 |" in table and "0.833x" in table
+
+
+def _timed(run, local_ms, cloud_ms, drafting_ms):
+    steps = len(run["accepted"])
+    run["time_ms"] = {"local": local_ms * steps, "cloud": cloud_ms * steps, "round_trip": 0.0,
+                      "drafting": drafting_ms * steps}
+    return run
+
+
+def test_pooled_counts_emitted_tokens_and_the_bound_uses_the_same_steps():
+    # 11 emitted tokens after the first in 4 steps, though the last step's path ran past the cap.
+    tree = _timed(_run("tree", "a", "code", [3, 3, 3, 9], 1.0, generated=12), 20.0, 50.0, 10.0)
+    seq = _timed(_run("sequential", "a", "code", [1] * 11, 2.0), 20.0, 50.0, 0.0)
+    local = _timed(_run("local-only", "a", "code", [1] * 11, 0.5), 30.0, 15.0, 0.0)
+    local["rtt_ms"] = 0.0
+    summary = summarize([seq, tree], {"a": {"category": "code", "accepted_per_step": 1.0}}, [local])
+    row = next(r for r in summary["rows"] if r["strategy"] == "tree")
+    assert row["mean_accepted_pooled"] == pytest.approx(11 / 4, abs=1e-3)
+    assert row["per_category_pooled"] == {"code": pytest.approx(11 / 4, abs=1e-3)}
+    # 1000 * 2.75 / (80 + 20 + 50 + 10)
+    assert row["bound"]["tokens_per_s"] == pytest.approx(1000 * 2.75 / 160, abs=1e-3)
+    assert row["vs_local_only_whole_set"] == pytest.approx(11.0 / 22.0, abs=1e-3)
+    assert summary["local_only"]["bound"]["tokens_per_s"] == pytest.approx(1000 / 45, abs=1e-3)
+    assert summary["local_only"]["identical_to_split_sequential"] == {"80": "1 of 1"}
+
+
+def test_results_table_goes_between_the_readme_markers_and_nowhere_else(tmp_path):
+    from splitinfer.bench.speculative import RESULTS_END, RESULTS_START, replace_results
+    from splitinfer.errors import ConfigError
+
+    runs = [_run("sequential", "a", "code", [1] * 10, 2.0), _run("tree", "a", "code", [2] * 5, 1.0)]
+    summary = summarize(runs, {"a": {"category": "code", "accepted_per_step": 1.0}})
+    report = {"model": "m", "command": "splitinfer bench-spec x", "setup": "s", "prompts": ["a"], "max_new_tokens": 11,
+              "repeats": 1, "torch": "t", "summary": summary, "divergences": []}
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{RESULTS_START}\nold numbers\n{RESULTS_END}\n\nafter\n")
+    replace_results(readme, report, tmp_path / "speculative.md")
+    text = readme.read_text()
+    assert "old numbers" not in text and text.startswith("# title") and text.endswith("after\n")
+    assert "| split, tree | 80 | 10.0 | 2.0x (2.0x) | - | 2.0 (2.0) | - |" in text
+    assert "splitinfer bench-spec x" in text
+    readme.write_text("no markers")
+    with pytest.raises(ConfigError, match="markers"):
+        replace_results(readme, report, tmp_path / "speculative.md")

@@ -6,6 +6,9 @@ The template is rendered as text with and without the new message; the differenc
 template writes after the end-of-turn token the model generated (e.g. a newline), is the new turn.
 Only those tokens and the previous turn's last token are prefilled.
 
+Replies are also kept in a memory of this process (decoding/warm.py) that drafting searches, so it
+survives /reset; it never leaves the process.
+
 Commands: /stats (the last turn's full statistics), /reset (new conversation, new cloud session), /exit.
 """
 
@@ -15,6 +18,7 @@ import sys
 from collections.abc import Callable
 
 from ..decoding.sampling import SamplingConfig
+from ..decoding.warm import SUFFIX_MEMORY_TOKENS, suffix_memory
 from ..errors import ConfigError
 from ..local.client import SplitClient
 from ..local.conversation import Turn
@@ -24,14 +28,15 @@ from ..local.text import chat_prompt_ids
 class ChatSession:
     """A terminal chat over one conversation; a context manager (leaving it ends the cloud session)."""
 
-    def __init__(self, client: SplitClient, system: str | None = None, strategy: str = "tree", metrics=None):
+    def __init__(self, client: SplitClient, system: str | None = None, strategy: str = "tree", metrics=None,
+                 memory_tokens: int = SUFFIX_MEMORY_TOKENS):
         tok = client.local.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ConfigError("this local shard has no tokenizer with a chat template; use `generate --no-chat`.")
         self.client = client
         self.tokenizer = tok
         self.system = system
-        self.conversation = client.conversation(strategy, metrics)
+        self.conversation = client.conversation(strategy, metrics, suffix_memory(memory_tokens))
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         self.last: Turn | None = None
 

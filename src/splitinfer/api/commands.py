@@ -29,6 +29,7 @@ def _api_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-concurrent", type=int, default=4, help="requests generating at once; more wait")
     s.add_argument("--max-queued", type=int, default=60, help="requests waiting beyond --max-concurrent; more get 429")
     s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    _memory_option(s)
 
 
 def _chat_options(s: argparse.ArgumentParser) -> None:
@@ -36,6 +37,14 @@ def _chat_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--system", help="system prompt")
     s.add_argument("--max-new-tokens", type=int, default=256)
     add_sampling_options(s)
+    _memory_option(s)
+
+
+def _memory_option(s: argparse.ArgumentParser) -> None:
+    from ..decoding.warm import SUFFIX_MEMORY_TOKENS
+
+    s.add_argument("--memory-tokens", type=int, default=SUFFIX_MEMORY_TOKENS,
+                   help="earlier replies kept in this process for drafting (tokens; 0 keeps none)")
 
 
 def register(subparsers) -> None:
@@ -57,14 +66,16 @@ def cmd_api(args) -> int:
     from .engine import Engine
     from .server import ApiServer
 
-    if args.max_concurrent < 1 or args.default_max_tokens < 1 or args.max_queued < 0:
-        raise ConfigError("--max-concurrent and --default-max-tokens must be at least 1, --max-queued at least 0.")
+    if args.max_concurrent < 1 or args.default_max_tokens < 1 or args.max_queued < 0 or args.memory_tokens < 0:
+        raise ConfigError("--max-concurrent and --default-max-tokens must be at least 1, --max-queued and "
+                          "--memory-tokens at least 0.")
     keys = tuple(read_token_file(args.api_key_file)) if args.api_key_file else ()
     if args.host not in LOOPBACK and not keys:
         log.warning("binding the API to %s without --api-key-file: anyone who can reach it can use the model", args.host)
     client = load_client(args, handshake=True)
     model_id = args.model_name or client.local.manifest.get("model_id", "splitinfer")
-    engine = Engine(client, model_id, LocalMetrics(), args.strategy, args.max_concurrent, args.default_max_tokens)
+    engine = Engine(client, model_id, LocalMetrics(), args.strategy, args.max_concurrent, args.default_max_tokens,
+                    args.memory_tokens)
     try:
         server = ApiServer(engine, args.host, args.port, keys, ApiLimits(max_pending=args.max_concurrent + args.max_queued))
     except OSError as exc:
@@ -81,8 +92,10 @@ def cmd_chat(args) -> int:
     from .chat import ChatSession, run_chat
 
     sampling = sampling_from_args(args)  # option mistakes end here, before the model loads
+    if args.memory_tokens < 0:
+        raise ConfigError("--memory-tokens must be at least 0 (0 keeps no earlier replies).")
     client = load_client(args, handshake=True)
-    chat = ChatSession(client, args.system, args.strategy)
+    chat = ChatSession(client, args.system, args.strategy, memory_tokens=args.memory_tokens)
     try:
         if sys.stdin.isatty():
             import readline  # noqa: F401 - line editing and history for input()

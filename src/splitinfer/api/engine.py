@@ -5,6 +5,9 @@ WebSocket connection and cloud session, local/conversation.py), closed when the 
 `on_text` callback raises (the HTTP client went away), the generation stops there and its cloud session
 is closed at once; the exception reaches the caller.
 
+Requests share one memory of earlier replies (decoding/warm.py) that the tree drafts from: a client that
+asks similar things again gets the shared wording proposed. It stays in this process.
+
 It knows nothing about HTTP; text streams out through the `on_text` callback.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from ..decoding.warm import SUFFIX_MEMORY_TOKENS, suffix_memory
 from ..errors import ConfigError
 from ..local.client import SplitClient
 from ..local.conversation import Conversation, Turn
@@ -26,13 +30,14 @@ class Engine:
     """Independent requests over one SplitClient, at most `max_concurrent` generating at once."""
 
     def __init__(self, client: SplitClient, model_id: str, metrics=None, strategy: str = "tree",
-                 max_concurrent: int = 4, default_max_tokens: int = 256):
+                 max_concurrent: int = 4, default_max_tokens: int = 256, memory_tokens: int = SUFFIX_MEMORY_TOKENS):
         self.client = client
         self.model_id = model_id
         self.metrics = metrics
         self.strategy = strategy
         self.default_max_tokens = default_max_tokens
         self._slots = threading.BoundedSemaphore(max_concurrent)
+        self.memory = suffix_memory(memory_tokens)  # earlier replies, searched by every request's tree
 
     @property
     def tokenizer(self):
@@ -56,5 +61,5 @@ class Engine:
         return prompt
 
     def generate(self, prompt_ids: list[int], params: Params, on_text: Callable[[str], None] | None = None) -> Turn:
-        with self._slots, self.client.conversation(params.strategy, self.metrics) as conversation:
+        with self._slots, self.client.conversation(params.strategy, self.metrics, self.memory) as conversation:
             return conversation.send(prompt_ids, params.max_tokens, params.sampling(), params.stop, on_text)

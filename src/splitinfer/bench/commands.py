@@ -239,11 +239,15 @@ def register(sub) -> None:
     s.add_argument("--shards", default="shards/smollm2")
     s.add_argument("--out", default="bench-out", help="directory for speculative.json and speculative.md")
     s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
-    s.add_argument("--strategies", default="sequential,lookahead,tree")
+    s.add_argument("--strategies", default="sequential,lookahead,tree",
+                   help="comma-separated strategy names: any registered one (a learned head's joins by its "
+                   "name); sequential is always run")
     s.add_argument("--rtt-ms", default="0,80", help="comma-separated added round trips")
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=2)
     s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, default=None,
                    help="dtype of hidden states on the wire (default: the client default, float16; Gemma 3 needs bfloat16 or float32)")
+    s.add_argument("--cloud-device", help="device of the cloud server child (serve --device), e.g. cuda; default cpu")
+    s.add_argument("--readme", help="also put the results table between the bench-spec markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)

@@ -31,6 +31,8 @@ from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
 from ..clients import open_client
 from ..local.session import ClientConfig, SplitSession
+from ..decoding.strategies import STRATEGIES
+from ..errors import ConfigError
 from ..model.shards import load_whole_hf
 from .runtime import _pin_self, load_prompts
 
@@ -78,6 +80,9 @@ def run_speculative_bench(args) -> dict:
     shards = Path(args.shards)
     rtts = [float(x) for x in str(args.rtt_ms).split(",") if x.strip()]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ConfigError(f"unknown strategy {', '.join(unknown)}; choose among {', '.join(STRATEGIES)}.")
     if "sequential" not in strategies:
         strategies.insert(0, "sequential")
     prompts = load_prompts(args.prompts, args.per_category)
@@ -87,69 +92,99 @@ def run_speculative_bench(args) -> dict:
     local = open_client(local_only=True, shards=shards)
     reference = prompt_lookup_reference(shards, prompts, local, args.max_new_tokens)
     print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()}, file=sys.stderr)
+    runs, local_runs = _measure(args, shards, prompts, strategies, rtts, local)
+    divergences = find_divergences(runs, local)
+    device = args.cloud_device or "cpu"
+    report = {
+        "command": "splitinfer bench-spec " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "splitinfer": __version__,
+        "torch": torch.__version__,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "setup": f"client: this process, core 0, 1 thread; cloud server: child process, core 1, 1 thread, {device}; "
+        f"WAN emulator: child process on core 1; {args.wire_dtype} wire; greedy; fresh drafting state per generation "
+        "(the client's measured step costs are shared by its generations); local-only: the whole model in this "
+        "process, core 0, 1 thread, sequential greedy, float32, interleaved with the split runs",
+        "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
+        "wire_dtype": args.wire_dtype,
+        "cloud_device": device,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "strategies": strategies,
+        "rtts_ms": rtts,
+        "prompts": [p["id"] for p in prompts],
+        "prompt_lookup": reference,
+        "summary": summarize(runs, reference, local_runs),
+        "divergences": divergences,
+        "runs": runs,
+        "local_only_runs": local_runs,
+    }
+    (out / "speculative.json").write_text(json.dumps(report, indent=1))
+    (out / "speculative.md").write_text(markdown(report))
+    if args.readme:
+        replace_results(Path(args.readme), report, out / "speculative.md")
+    print(markdown(report))
+    return report
 
+
+def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient):
+    """(split runs, local-only runs): every configuration once per prompt and repetition, interleaved."""
     runs: list[dict] = []
+    local_runs: list[dict] = []
+    extra = ("--device", args.cloud_device) if args.cloud_device else ()
     with ExitStack() as stack:
-        url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
+        url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
         wire = ClientConfig(wire_dtype=args.wire_dtype) if args.wire_dtype else ClientConfig()
         args.wire_dtype = wire.wire_dtype
         clients = {rtt: open_client(shard=shards / "local", server=target, config=wire, allow_public_weights=True)
                    for rtt, target in targets.items()}
         configs = [(s, rtt) for rtt in rtts for s in strategies]
+        local.generate(prompts[0]["prompt"], max_new_tokens=16, strategy="sequential")
         for strategy, rtt in configs:
             clients[rtt].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
         for rep in range(args.repeats):
+            for p in prompts:
+                result = local.generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True),
+                                        strategy="sequential")
+                local_runs.append(_record("local-only", 0.0, rep, p, result))
             for strategy, rtt in configs:
                 for p in prompts:
                     result = clients[rtt].generate(
                         p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True), strategy=strategy
                     )
-                    decode = [s for s in result.steps if s["kind"] == "decode"]
-                    runs.append(
-                        {
-                            "strategy": strategy,
-                            "rtt_ms": rtt,
-                            "repeat": rep,
-                            "prompt_id": p["id"],
-                            "category": p["category"],
-                            "prompt_token_ids": result.prompt_token_ids,
-                            "token_ids": result.token_ids,
-                            "tokens_per_s": result.stats["tokens_per_s"],
-                            "accepted": [s["accepted"] for s in decode],
-                            "rows": [s["rows"] for s in decode],
-                            "bytes": [s["bytes_up"] + s["bytes_down"] for s in decode],
-                            "stats": result.stats,
-                        }
-                    )
-                    print(
-                        f"[{rep}] {strategy:<10} @{rtt:>4g} ms {p['id']:<16} {result.stats['tokens_per_s']:7.2f} tok/s "
-                        f"{result.stats['mean_accepted_per_step']:.2f} acc/step",
-                        file=sys.stderr,
-                    )
-    divergences = find_divergences(runs, local)
-    report = {
-        "command": "splitinfer bench-spec " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-        "splitinfer": __version__,
-        "torch": torch.__version__,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "setup": "client: this process, core 0, 1 thread; cloud server: child process, core 1, 1 thread; "
-        f"WAN emulator: child process on core 1; {args.wire_dtype} wire; greedy; fresh drafting state per generation "
-        "(the client's measured step costs are shared by its generations)",
-        "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
-        "wire_dtype": args.wire_dtype,
-        "max_new_tokens": args.max_new_tokens,
-        "repeats": args.repeats,
-        "prompts": [p["id"] for p in prompts],
-        "prompt_lookup": reference,
-        "summary": summarize(runs, reference),
-        "divergences": divergences,
-        "runs": runs,
+                    runs.append(_record(strategy, rtt, rep, p, result))
+    return runs, local_runs
+
+
+def _record(strategy: str, rtt: float, rep: int, p: dict, result) -> dict:
+    """One generation: its tokens, rate, per-step acceptance, and per-step time split for the bound."""
+    decode = [s for s in result.steps if s["kind"] == "decode"]
+    blocks_ms = sum(s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"] for s in decode)
+    record = {
+        "strategy": strategy,
+        "rtt_ms": rtt,
+        "repeat": rep,
+        "prompt_id": p["id"],
+        "category": p["category"],
+        "prompt_token_ids": result.prompt_token_ids,
+        "token_ids": result.token_ids,
+        "tokens_per_s": result.stats["tokens_per_s"],
+        "accepted": [s["accepted"] for s in decode],
+        "rows": [s["rows"] for s in decode],
+        "bytes": [s["bytes_up"] + s["bytes_down"] for s in decode],
+        # sums over decode steps, ms: what the bound 1000 a / (RTT + local + cloud + drafting) is made of
+        "time_ms": {
+            "local": round(sum(s["local_ms"] + s["serialize_ms"] for s in decode), 3),
+            "cloud": round(sum(s["cloud_compute_ms"] for s in decode), 3),
+            "round_trip": round(sum(s["round_trip_ms"] for s in decode), 3),
+            # decode wall time outside the blocks: drafting, acceptance and bookkeeping between steps
+            "drafting": round(max(result.stats["decode_s"] * 1e3 - blocks_ms, 0.0), 3),
+        },
+        "stats": result.stats,
     }
-    (out / "speculative.json").write_text(json.dumps(report, indent=1))
-    (out / "speculative.md").write_text(markdown(report))
-    print(markdown(report))
-    return report
+    print(f"[{rep}] {strategy:<10} @{rtt:>4g} ms {p['id']:<16} {result.stats['tokens_per_s']:7.2f} tok/s "
+          f"{result.stats['mean_accepted_per_step']:.2f} acc/step", file=sys.stderr)
+    return record
 
 
 def find_divergences(runs: list[dict], local: SplitClient) -> list[dict]:
@@ -180,54 +215,158 @@ def _set_rate(runs: list[dict]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def summarize(runs: list[dict], reference: dict) -> dict:
+def _emitted_per_step(run: dict) -> float:
+    """One generation's emitted tokens per step (runs recorded before steps counted only emitted tokens
+    may carry a last step that accepted past the limit; the generated count never does)."""
+    return max(run["stats"]["generated_tokens"] - 1, 0) / max(len(run["accepted"]), 1)
+
+
+def _pooled(runs: list[dict]) -> float:
+    """Emitted tokens per step over all of `runs`' decode steps (the first token comes from prefill)."""
+    tokens = sum(max(r["stats"]["generated_tokens"] - 1, 0) for r in runs)
+    return tokens / max(sum(len(r["accepted"]) for r in runs), 1)
+
+
+def bound(runs: list[dict], rtt_ms: float) -> dict:
+    """tok/s = 1000 a / (RTT + local + cloud + drafting), each a mean per decode step over `runs`.
+
+    RTT is the added round trip as configured, so the gap to the measured rate is what the bound leaves
+    out: loopback and emulator time, the server's own handling, scheduling on a shared machine.
+    """
+    steps = max(sum(len(r["accepted"]) for r in runs), 1)
+    parts = {k: sum(r["time_ms"][k] for r in runs) / steps for k in ("local", "cloud", "drafting")}
+    a = _pooled(runs)
+    step = rtt_ms + sum(parts.values())
+    return {"a": round(a, 3), "rtt_ms": rtt_ms, **{f"{k}_ms": round(v, 3) for k, v in parts.items()},
+            "tokens_per_s": round(1000 * a / step, 3) if step > 0 else 0.0}
+
+
+def _by_category(runs: list[dict], value) -> dict[str, float]:
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r["category"], []).append(r)
+    return {c: round(value(v), 3) for c, v in sorted(groups.items())}
+
+
+def _config_row(strategy: str, rtt: float, mine: list[dict], sequential_tps: dict, reference_runs: list[dict],
+                local_rate: float, pld_mean: float) -> dict:
+    accepted = [a for r in mine for a in r["accepted"]]
+    first = [r for r in mine if r["repeat"] == 0]
+    per_prompt = [_emitted_per_step(r) for r in first]
+    mean_over_prompts = statistics.mean(per_prompt)
+    ratios = [r["tokens_per_s"] / sequential_tps[(r["prompt_id"], r["rtt_ms"], r["repeat"])] for r in mine]
+    rate = _set_rate(mine)
+    return {
+        "strategy": strategy,
+        "rtt_ms": rtt,
+        "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in mine), 3),
+        "tokens_per_s_whole_set": round(rate, 3),
+        "speedup_vs_sequential_median": round(statistics.median(ratios), 3),
+        "speedup_vs_sequential_min": round(min(ratios), 3),
+        # The whole set as one workload: all tokens over all decode time, against sequential's on the same runs.
+        "speedup_whole_set": round(rate / _set_rate(reference_runs), 3),
+        "vs_local_only_whole_set": round(rate / local_rate, 3) if local_rate else None,
+        "prompt_runs_below_0_95x": sum(x < 0.95 for x in ratios),
+        "mean_accepted_per_step": round(mean_over_prompts, 3),
+        "mean_accepted_pooled": round(_pooled(mine), 3),
+        "vs_prompt_lookup": round(mean_over_prompts / pld_mean, 3),
+        "max_accepted_per_step": max(accepted, default=0),
+        "accepted_histogram": dict(sorted(Counter(accepted).items())),
+        "median_rows_per_step": statistics.median(x for r in mine for x in r["rows"]),
+        "median_bytes_per_step": statistics.median(x for r in mine for x in r["bytes"]),
+        "per_category_accepted": _by_category(
+            first, lambda rs: statistics.mean(_emitted_per_step(r) for r in rs)),
+        "per_category_pooled": _by_category(mine, _pooled),
+        "bound": bound(mine, rtt) if all("time_ms" in r for r in mine) else None,
+    }
+
+
+def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) -> dict:
+    """Per (strategy, round trip): rates, speed-ups against sequential and local-only, acceptance, bound."""
     by_config: dict[tuple[str, float], list[dict]] = {}
     for r in runs:
         by_config.setdefault((r["strategy"], r["rtt_ms"]), []).append(r)
     sequential_tps = {(r["prompt_id"], r["rtt_ms"], r["repeat"]): r["tokens_per_s"] for r in runs if r["strategy"] == "sequential"}
     pld_mean = statistics.mean(v["accepted_per_step"] for v in reference.values())
+    local_rate = _set_rate(list(local_runs)) if local_runs else 0.0
     rows = []
     for (strategy, rtt), mine in by_config.items():
-        accepted = [a for r in mine for a in r["accepted"]]
-        per_prompt = {}
-        for r in mine:
-            if r["repeat"] == 0:
-                per_prompt[r["prompt_id"]] = (r["category"], sum(r["accepted"]) / max(len(r["accepted"]), 1))
-        categories = {}
-        for category, value in per_prompt.values():
-            categories.setdefault(category, []).append(value)
-        mean_over_prompts = statistics.mean(v for _, v in per_prompt.values())
-        ratios = [r["tokens_per_s"] / sequential_tps[(r["prompt_id"], r["rtt_ms"], r["repeat"])] for r in mine]
-        # The whole set as one workload: all tokens over all decode time, against sequential's on the same runs.
         reference_runs = [r for r in runs if r["strategy"] == "sequential" and r["rtt_ms"] == rtt]
-        whole_set = _set_rate(mine) / _set_rate(reference_runs)
-        rows.append(
-            {
-                "strategy": strategy,
-                "rtt_ms": rtt,
-                "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in mine), 3),
-                "speedup_vs_sequential_median": round(statistics.median(ratios), 3),
-                "speedup_vs_sequential_min": round(min(ratios), 3),
-                "speedup_whole_set": round(whole_set, 3),
-                "prompt_runs_below_0_95x": sum(x < 0.95 for x in ratios),
-                "mean_accepted_per_step": round(mean_over_prompts, 3),
-                "mean_accepted_pooled": round(sum(accepted) / max(len(accepted), 1), 3),
-                "vs_prompt_lookup": round(mean_over_prompts / pld_mean, 3),
-                "max_accepted_per_step": max(accepted, default=0),
-                "accepted_histogram": dict(sorted(Counter(accepted).items())),
-                "median_rows_per_step": statistics.median(x for r in mine for x in r["rows"]),
-                "median_bytes_per_step": statistics.median(x for r in mine for x in r["bytes"]),
-                "per_category_accepted": {c: round(statistics.mean(v), 3) for c, v in sorted(categories.items())},
-            }
-        )
+        rows.append(_config_row(strategy, rtt, mine, sequential_tps, reference_runs, local_rate, pld_mean))
     pld_categories: dict[str, list[float]] = {}
     for v in reference.values():
         pld_categories.setdefault(v["category"], []).append(v["accepted_per_step"])
+    local_only = None
+    if local_runs:
+        local_only = {
+            "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in local_runs), 3),
+            "tokens_per_s_whole_set": round(local_rate, 3),
+            "bound": bound(list(local_runs), 0.0),
+            "identical_to_split_sequential": _same_tokens(local_runs, runs),
+        }
     return {
         "rows": rows,
+        "local_only": local_only,
         "prompt_lookup_mean_accepted": round(pld_mean, 3),
         "prompt_lookup_per_category": {c: round(statistics.mean(v), 3) for c, v in sorted(pld_categories.items())},
     }
+
+
+def _same_tokens(local_runs: list[dict], runs: list[dict]) -> dict[str, str]:
+    """Per round trip: how many split sequential generations equal local-only float32's, as 'n of m'."""
+    local = {(r["prompt_id"], r["repeat"]): r["token_ids"] for r in local_runs}
+    out = {}
+    for rtt in dict.fromkeys(r["rtt_ms"] for r in runs):
+        mine = [r for r in runs if r["strategy"] == "sequential" and r["rtt_ms"] == rtt]
+        same = sum(r["token_ids"] == local.get((r["prompt_id"], r["repeat"])) for r in mine)
+        out[f"{rtt:g}"] = f"{same} of {len(mine)}"
+    return out
+
+
+RESULTS_START = "<!-- bench-spec results: generated by `splitinfer bench-spec --readme`; do not edit by hand -->"
+RESULTS_END = "<!-- end of bench-spec results -->"
+
+
+def results_table(report: dict) -> list[str]:
+    """The headline table, one row per mode, every figure from this report's one run."""
+    summary = report["summary"]
+    lines = [
+        "| mode | added RTT ms | tok/s, whole set | x sequential, whole set (median prompt) | x local-only, whole set "
+        "| emitted tokens/step, pooled (mean over prompts) | bound tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    local = summary.get("local_only")
+    if local:
+        lines.append(f"| local-only (whole model, one process) | - | {local['tokens_per_s_whole_set']} | - | 1.0x | 1.0 "
+                     f"| {local['bound']['tokens_per_s']} |")
+    for r in summary["rows"]:
+        vs_local = f"{r['vs_local_only_whole_set']}x" if r.get("vs_local_only_whole_set") else "-"
+        bound_tps = r["bound"]["tokens_per_s"] if r.get("bound") else "-"
+        lines.append(
+            f"| split, {r['strategy']} | {r['rtt_ms']:g} | {r.get('tokens_per_s_whole_set', '-')} | "
+            f"{r['speedup_whole_set']}x ({r['speedup_vs_sequential_median']}x) | {vs_local} | "
+            f"{r['mean_accepted_pooled']} ({r['mean_accepted_per_step']}) | {bound_tps} |"
+        )
+    return lines
+
+
+def replace_results(readme: Path, report: dict, details: Path) -> None:
+    """Put this run's results table between the markers in `readme` (they must be there already)."""
+    text = readme.read_text()
+    if RESULTS_START not in text or RESULTS_END not in text:
+        raise ConfigError(f"{readme} has no results markers; add the lines {RESULTS_START!r} and {RESULTS_END!r} "
+                          "where the table goes.")
+    head, rest = text.split(RESULTS_START, 1)
+    _, tail = rest.split(RESULTS_END, 1)
+    link = os.path.relpath(details, readme.parent)
+    speculative = sum(r["strategy"] != "sequential" for r in report["runs"]) if "runs" in report else None
+    differing = len(report["divergences"])
+    exact = (f"{speculative - differing} of {speculative} speculative generations were token-identical to sequential "
+             "decoding at the same round trip." if speculative is not None else "")
+    body = [f"{report['model']}, {len(report['prompts'])} prompts x {report['max_new_tokens']} new tokens, "
+            f"{report['repeats']} repetitions; {report['setup']}. Command: `{report['command']}`; "
+            f"details: [{link}]({link}).", "", *results_table(report), "", exact]
+    readme.write_text(head + RESULTS_START + "\n" + "\n".join(body) + "\n" + RESULTS_END + tail)
 
 
 def markdown(report: dict) -> str:
@@ -241,6 +380,26 @@ def markdown(report: dict) -> str:
         f"Setup: {report['setup']}. {len(report['prompts'])} prompts, {report['max_new_tokens']} new tokens, "
         f"{report['repeats']} repetitions after one warm-up per configuration. torch {report['torch']}.",
         "",
+        *results_table(report),
+        "",
+        "Bound: 1000 a / (added RTT + local + cloud + drafting), a the pooled emitted tokens per step and the "
+        "rest mean ms per decode step of the same runs:",
+        "",
+        "| mode | added RTT ms | a | local ms | cloud ms | drafting ms | bound tok/s | measured tok/s, whole set |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    local = summary.get("local_only")
+    if local:
+        b = local["bound"]
+        lines.append(f"| local-only | - | {b['a']} | {b['local_ms']} | {b['cloud_ms']} | {b['drafting_ms']} | "
+                     f"{b['tokens_per_s']} | {local['tokens_per_s_whole_set']} |")
+    for r in summary["rows"]:
+        if r.get("bound"):
+            b = r["bound"]
+            lines.append(f"| {r['strategy']} | {r['rtt_ms']:g} | {b['a']} | {b['local_ms']} | {b['cloud_ms']} | "
+                         f"{b['drafting_ms']} | {b['tokens_per_s']} | {r.get('tokens_per_s_whole_set', '-')} |")
+    lines += [
+        "",
         "| strategy | added RTT ms | tok/s (median) | speed-up vs sequential (median, min) | whole set vs sequential "
         "| runs below 0.95x | accepted/step (mean over prompts) | pooled | max | rows/step (median) | bytes/step (median) "
         "| vs prompt lookup |",
@@ -253,24 +412,42 @@ def markdown(report: dict) -> str:
             f"{r['mean_accepted_per_step']} | {r['mean_accepted_pooled']} | {r['max_accepted_per_step']} | "
             f"{r['median_rows_per_step']} | {r['median_bytes_per_step']} | {r['vs_prompt_lookup']}x |"
         )
-    lines += [
+    lines += _category_tables(summary, categories)
+    lines += _divergence_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def _category_tables(summary: dict, categories: list[str]) -> list[str]:
+    header = ["| strategy | added RTT ms | " + " | ".join(categories) + " |", "|---|---:|" + "---:|" * len(categories)]
+    lines = [
         "",
-        f"Accepted tokens per step by category (repetition 0); transformers prompt lookup (local, "
+        f"Accepted tokens per step by category, mean over prompts (repetition 0); transformers prompt lookup (local, "
         f"`prompt_lookup_num_tokens=10`) for reference, mean {summary['prompt_lookup_mean_accepted']}:",
         "",
-        "| strategy | added RTT ms | " + " | ".join(categories) + " |",
-        "|---|---:|" + "---:|" * len(categories),
+        *header,
         "| prompt lookup (local) | - | " + " | ".join(str(summary["prompt_lookup_per_category"].get(c, "")) for c in categories) + " |",
     ]
     for r in summary["rows"]:
         lines.append(
             f"| {r['strategy']} | {r['rtt_ms']:g} | " + " | ".join(str(r["per_category_accepted"].get(c, "")) for c in categories) + " |"
         )
+    lines += ["", "Emitted tokens per step by category, pooled over every step of every repetition:", "", *header]
+    for r in summary["rows"]:
+        pooled = r.get("per_category_pooled", {})
+        lines.append(f"| {r['strategy']} | {r['rtt_ms']:g} | " + " | ".join(str(pooled.get(c, "")) for c in categories) + " |")
     lines += ["", "Distribution of accepted tokens per step (count of steps):", ""]
     for r in summary["rows"]:
         lines.append(f"- {r['strategy']} @ {r['rtt_ms']:g} ms: {r['accepted_histogram']}")
+    return lines
+
+
+def _divergence_lines(report: dict) -> list[str]:
     divergences = report["divergences"]
-    lines += [""]
+    lines = [""]
+    local = report["summary"].get("local_only")
+    if local:
+        same = ", ".join(f"{v} at {k} ms" for k, v in local["identical_to_split_sequential"].items())
+        lines += [f"Split sequential generations token-identical to local-only float32: {same}.", ""]
     if divergences:
         lines.append("Generations whose tokens differ from sequential decoding at the same round trip "
                      f"({report.get('wire_dtype', 'float16')} wire), "
@@ -281,4 +458,4 @@ def markdown(report: dict) -> str:
                          f"{d['first_different_token']}, margin {d['local_float32_margin']}")
     else:
         lines.append("Every generation was token-identical to sequential decoding at the same round trip.")
-    return "\n".join(lines) + "\n"
+    return lines

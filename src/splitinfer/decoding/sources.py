@@ -59,48 +59,62 @@ class SuffixIndex:
     def propose(
         self, context: list[int], trie: TokenTrie, max_depth: int, continue_prob: Callable[[int], float] = prior_continue_prob
     ) -> int:
-        """Add continuations of earlier matches of the context's suffix. Returns the longest match length.
+        """Add continuations of earlier matches of the context's suffix. Returns the longest match length."""
+        return propose_suffix((self,), context, trie, max_depth, continue_prob, self.max_occurrences)
 
-        The longest match counts most, but shorter matches add their (other) occurrences too, with less
-        confidence: a single long match gives one path, and the tree wants alternatives below it.
-        """
-        seen: set[tuple[int, int]] = set()
-        longest = 0
-        for n in range(min(self.max_match, len(context)), 0, -1):
-            occurrences = [
-                (doc, end)
-                for doc, end in self._index.get(tuple(context[-n:]), ())
-                if end < len(self.docs[doc]) and (doc, end) not in seen
-            ][-self.max_occurrences :]
-            if not occurrences:
-                continue
-            longest = longest or n
-            seen.update(occurrences)
-            self._add_continuations(occurrences, trie, max_depth, n, continue_prob)
-            if len(seen) >= self.max_occurrences:
-                break
-        return longest
+    def occurrences(self, ngram: tuple[int, ...]) -> list[tuple[list[int], int]]:
+        """(document, end) of every earlier occurrence of `ngram` that something followed, oldest first."""
+        return [(self.docs[doc], end) for doc, end in self._index.get(ngram, ()) if end < len(self.docs[doc])]
 
-    def _add_continuations(self, occurrences, trie: TokenTrie, max_depth: int, matched: int, continue_prob) -> None:
-        counts: dict[tuple[int, ...], int] = defaultdict(int)
-        for doc, end in occurrences:
-            continuation = self.docs[doc][end : end + max_depth]
-            for d in range(1, len(continuation) + 1):
-                counts[tuple(continuation[:d])] += 1
-        total = len(occurrences)
 
-        def conditional(prefix: tuple[int, ...]) -> float:
-            parent = counts[prefix[:-1]] if len(prefix) > 1 else total
-            return continue_prob(matched + len(prefix) - 1) * counts[prefix] / parent
+def propose_suffix(
+    indexes, context: list[int], trie: TokenTrie, max_depth: int,
+    continue_prob: Callable[[int], float] = prior_continue_prob, max_occurrences: int = 64,
+) -> int:
+    """Continuations of the context's suffix over several indexes at once (this text, earlier outputs).
 
-        internal = {path[:-1] for path in counts}
-        for path in counts:
-            if path not in internal:  # leaves only: their prefixes are inserted along the way
-                depths = range(1, len(path) + 1)
-                trie.add_path(
-                    list(path), [conditional(path[:d]) for d in depths], "suffix",
-                    [("suffix", matched + d - 1) for d in depths],
-                )
+    Occurrences of a match in every index count together, later indexes as the more recent ones. The
+    longest match counts most, but shorter matches add their (other) occurrences too, with less
+    confidence: a single long match gives one path, and the tree wants alternatives below it. Returns the
+    longest match length.
+    """
+    seen: set[tuple[int, int]] = set()
+    longest = 0
+    max_match = max(index.max_match for index in indexes)
+    for n in range(min(max_match, len(context)), 0, -1):
+        key = tuple(context[-n:])
+        found = [(seq, end) for index in indexes for seq, end in index.occurrences(key)]
+        occurrences = [(seq, end) for seq, end in found if (id(seq), end) not in seen][-max_occurrences:]
+        if not occurrences:
+            continue
+        longest = longest or n
+        seen.update((id(seq), end) for seq, end in occurrences)
+        _add_continuations(occurrences, trie, max_depth, n, continue_prob)
+        if len(seen) >= max_occurrences:
+            break
+    return longest
+
+
+def _add_continuations(occurrences, trie: TokenTrie, max_depth: int, matched: int, continue_prob) -> None:
+    counts: dict[tuple[int, ...], int] = defaultdict(int)
+    for seq, end in occurrences:
+        continuation = seq[end : end + max_depth]
+        for d in range(1, len(continuation) + 1):
+            counts[tuple(continuation[:d])] += 1
+    total = len(occurrences)
+
+    def conditional(prefix: tuple[int, ...]) -> float:
+        parent = counts[prefix[:-1]] if len(prefix) > 1 else total
+        return continue_prob(matched + len(prefix) - 1) * counts[prefix] / parent
+
+    internal = {path[:-1] for path in counts}
+    for path in counts:
+        if path not in internal:  # leaves only: their prefixes are inserted along the way
+            depths = range(1, len(path) + 1)
+            trie.add_path(
+                list(path), [conditional(path[:d]) for d in depths], "suffix",
+                [("suffix", matched + d - 1) for d in depths],
+            )
 
 
 class TokenRecycling:
@@ -117,6 +131,10 @@ class TokenRecycling:
         ids, ps = top.indices.tolist(), top.values.tolist()
         for r, token in enumerate(tokens):
             self._next[token] = (ids[r], ps[r])
+
+    def warm(self, successors: dict[int, tuple[list[int], list[float]]]) -> None:
+        """Start from a table built offline (warm.py) instead of empty; what this text shows replaces it."""
+        self._next.update(successors)
 
     def propose(self, root: int, trie: TokenTrie, max_nodes: int, max_depth: int, weight: float = 1.0) -> None:
         """Best-first expansion from the root token through the successor table (a max-heap on path probability).

@@ -5,7 +5,8 @@
     lookahead   the paper's method: n-grams from a single-token-keyed pool, G candidates of N-1 tokens
     tree        the default: a suffix index and Token Recycling merged into one tree, ranked by estimated
                 path probability (calibrated online from what was accepted) and sized each step by the
-                measured cost model (controller.py)
+                measured cost model (controller.py); Token Recycling starts from the table shipped for the
+                model and the suffix lookup also searches a client's earlier outputs, where given (warm.py)
 
 A strategy never checks its own draft; `draft.accept` does, identically for all of them.
 """
@@ -21,7 +22,8 @@ from ..errors import ConfigError
 from .calibration import NodeCalibration
 from .controller import BlockController, ControllerConfig, StepCosts
 from .draft import Draft, SideRows, TokenTrie
-from .sources import NgramPool, SuffixIndex, TokenRecycling
+from .sources import NgramPool, SuffixIndex, TokenRecycling, propose_suffix
+from .warm import RecyclingTable, SuffixMemory
 
 
 class Strategy:
@@ -171,12 +173,18 @@ class Tree(Strategy):
     name = "tree"
 
     def __init__(
-        self, config: TreeConfig = TreeConfig(), earlier: list[list[int]] | None = None, costs: StepCosts | None = None
+        self, config: TreeConfig = TreeConfig(), earlier: list[list[int]] | None = None, costs: StepCosts | None = None,
+        memory: SuffixMemory | None = None, recycling_table: RecyclingTable | None = None,
     ):
-        """`costs`: measured step costs shared with other generations on the same deployment (a client's)."""
+        """`costs`: measured step costs shared with other generations on the same deployment (a client's);
+        `memory`: earlier outputs of the same client, searched with this text (warm.py); `recycling_table`:
+        the successor table to start from (warm.py)."""
         self.config = config
         self.prompt_logits_rows = config.prompt_rows
         self.recycling = TokenRecycling(config.recycling_k)
+        if recycling_table is not None:
+            self.recycling.warm(recycling_table.successors)
+        self.memory = memory
         self.controller = BlockController(config.controller, costs)
         self.calibration = NodeCalibration()  # per-node trust in each source; the controller adds its residual
         self.earlier = earlier if earlier is not None else []
@@ -199,7 +207,9 @@ class Tree(Strategy):
 
     def propose(self, history):
         trie = TokenTrie()
-        self.index.propose(history, trie, self.config.suffix_depth, self.calibration.continue_prob)
+        indexes = (self.index,) if self.memory is None else (self.memory.index, self.index)
+        propose_suffix(indexes, history, trie, self.config.suffix_depth, self.calibration.continue_prob,
+                       self.index.max_occurrences)
         self.recycling.propose(
             history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
             weight=self.calibration.recycling_weight,
@@ -220,8 +230,12 @@ class Tree(Strategy):
 STRATEGIES = {"sequential": Sequential, "jacobi": Jacobi, "lookahead": Lookahead, "tree": Tree}
 
 
-def make_strategy(name: str, costs: StepCosts | None = None) -> Strategy:
-    """A fresh strategy by name; `costs` (a client's measured step costs) goes to those that size blocks."""
+def make_strategy(
+    name: str, costs: StepCosts | None = None, memory: SuffixMemory | None = None,
+    recycling_table: RecyclingTable | None = None,
+) -> Strategy:
+    """A fresh strategy by name; `costs` (a client's measured step costs) goes to those that size blocks,
+    `memory` and `recycling_table` (warm starts, warm.py) to those that draft from them."""
     if name == "tree":
-        return Tree(costs=costs)
+        return Tree(costs=costs, memory=memory, recycling_table=recycling_table)
     return STRATEGIES[name]()

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..decoding.controller import StepCosts
 from ..decoding.sampling import SamplingConfig
 from ..decoding.strategies import Strategy
+from ..decoding.warm import shipped_recycling_table
 from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_local, local_weights_are_public
 from .auth import ClientAuth
@@ -90,6 +91,8 @@ class SplitClient:
         # What a verified block costs on this deployment, measured by every tree generation and shared by
         # the next ones (the cost of a row is a property of the machines and the link, not of the text).
         self.step_costs = StepCosts()
+        # The successor table shipped for this model (decoding/warm.py), or None: every tree starts from it.
+        self.recycling_table = shipped_recycling_table(local.fingerprint)
 
     @classmethod
     def connect(
@@ -136,9 +139,10 @@ class SplitClient:
         return ids
 
     # -- generation --------------------------------------------------------------------------------
-    def conversation(self, strategy: str | Strategy = "tree", metrics=None) -> Conversation:
-        """A conversation over this client: one cloud session kept across turns (use it in a `with`)."""
-        return Conversation(self, strategy, metrics)
+    def conversation(self, strategy: str | Strategy = "tree", metrics=None, memory=None) -> Conversation:
+        """A conversation over this client: one cloud session kept across turns (use it in a `with`);
+        `memory`: a SuffixMemory of earlier outputs to draft from (decoding/warm.py)."""
+        return Conversation(self, strategy, metrics, memory)
 
     def generate(
         self,

@@ -24,6 +24,7 @@ import torch
 from ..decoding.loop import decode
 from ..decoding.sampling import SamplingConfig, make_chooser
 from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
+from ..decoding.warm import SuffixMemory
 from ..errors import ConfigError
 from ..progress import progress, progress_enabled
 from ..telemetry import StepRecord, summarize
@@ -55,19 +56,36 @@ class _Decoded:
     logprobs: list[float]
 
 
+def _count_emitted_only(records: list[StepRecord], unemitted: int) -> None:
+    """Take off the last decode step's count the accepted rows that were never emitted.
+
+    A step accepts a whole path, but decoding stops at the token limit, an end-of-sequence token or a
+    stop string, possibly inside it; those rows were committed and are dropped again (uncommit). Counted,
+    they would claim tokens the user never got (a 127-token reply scored 141 accepted).
+    """
+    decode = [r for r in records if r.kind == "decode"]
+    if unemitted > 0 and decode:
+        decode[-1].accepted = max(decode[-1].accepted - unemitted, 0)
+
+
 class Conversation:
     """Token history plus one cloud session, kept across turns; not thread-safe (one user at a time).
 
     strategy: a name (a fresh strategy every turn, so nothing learned leaks from one turn into the next)
-    or a Strategy instance (kept, with what it learned, across turns).
+    or a Strategy instance (kept, with what it learned, across turns). memory: earlier outputs of this
+    client process that a fresh strategy may draft from (warm.py); each reply is added to it. A memory
+    shared by conversations carries text from one to the next, on the client only: the `api` and `chat`
+    commands share one per process; `SplitClient.generate` and the benchmarks use none.
     """
 
-    def __init__(self, client: SplitClient, strategy: str | Strategy = "tree", metrics=None):
+    def __init__(self, client: SplitClient, strategy: str | Strategy = "tree", metrics=None,
+                 memory: SuffixMemory | None = None):
         if isinstance(strategy, str) and strategy not in STRATEGIES:
             raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
         self.client = client
         self.strategy = strategy
         self.metrics = metrics
+        self.memory = memory
         self.history: list[int] = []  # every token of the conversation; all but the last are in the caches
         self.session: SplitSession | None = None
         self._stale = False  # the caches may hold rows the history lacks; the next turn starts a new session
@@ -121,7 +139,7 @@ class Conversation:
         self.history.extend(new_ids)
         to_prefill = self.history[cached:]
         stops = self.client.stop_ids() if stop_ids is None else stop_ids
-        strategy = make_strategy(self.strategy, costs=self.client.step_costs) if isinstance(self.strategy, str) else self.strategy
+        strategy = self._strategy()
         first_record = len(self.session.records)
         text = TextStream(self.client.local.tokenizer, on_text, stops, stop)
         try:
@@ -132,17 +150,28 @@ class Conversation:
             t2 = time.perf_counter()
             reply = text.finish()
             # Every token but the last emitted one stays cached; that one is prefilled by the next turn.
-            self._stale = not self.session.uncommit(self.session.length - (len(self.history) - 1))
+            unemitted = self.session.length - (len(self.history) - 1)
+            self._stale = not self.session.uncommit(unemitted)
+            _count_emitted_only(self.session.records[first_record:], unemitted)
         except BaseException:
             # The caches' state is unknown after a failure: forget this turn and re-prefill next time.
             self.history = self.history[:before]
             self.close()
             raise
+        if self.memory is not None:
+            self.memory.add(decoded.tokens)
         records = self.session.records[first_record:]
         stats = self._stats(records, decoded, strategy, t2 - t1, t1 - t0, len(to_prefill), cached)
         steps = [r.as_dict() for r in records]
         return Turn(reply, decoded.tokens, decoded.finish, before + len(new_ids), len(to_prefill), stats,
                     decoded.logprobs, steps)
+
+    def _strategy(self) -> Strategy:
+        if not isinstance(self.strategy, str):
+            return self.strategy
+        client = self.client
+        return make_strategy(self.strategy, costs=client.step_costs, memory=self.memory,
+                             recycling_table=client.recycling_table)
 
     def _check(self, new_ids: list[int], max_new_tokens: int) -> None:
         if not new_ids and not self.history:

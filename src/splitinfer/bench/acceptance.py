@@ -1,0 +1,247 @@
+"""Per-token acceptance by draft depth and prompt category, for each draft source, on held-out prompts.
+
+    splitinfer bench-acceptance --shards shards/smollm2 --out docs/bench [--sources suffix,recycling,...]
+
+The whole model runs in this process (local-only, float32, greedy). Each source drafts a tree of a fixed
+size (--nodes, no cost model, so the figures do not depend on how fast this machine is) and the loop
+verifies it. Under greedy decoding every generation is the model's own greedy continuation of the prompt
+(checked against sequential decoding: a mismatch is an error), so each draft is judged against that
+text exactly as teacher forcing on it would judge it; the drafting state a source holds is what it
+learned from the same text up to that point.
+
+For each depth d: tries = steps whose draft had a node at depth d below the accepted path's node at
+depth d - 1 (that node tested), hits = steps that accepted depth d; acceptance = hits / tries. Pooled
+tokens per step = emitted tokens / steps, as bench-spec reports it. The prompts (data/heldout.jsonl) are
+in neither the benchmark set nor the offline data that warm starts are built from.
+
+Sources: the named ones below, and any strategy registered in decoding.strategies by its name (a learned
+draft head joins that way; it then sizes its own trees, which the JSON records as `fixed_nodes: false`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..options import defer
+
+# name -> what it measures; "tree" is the default strategy's merged tree
+SOURCES = {
+    "suffix": "suffix index over the prompt and the output so far",
+    "suffix-memory": "the same, plus a memory of the earlier held-out replies of this run (what `api`/`chat` keep)",
+    "recycling": "Token Recycling from an empty table",
+    "recycling-warm": "Token Recycling from the shipped table (build-recycling)",
+    "tree": "suffix index + Token Recycling from an empty table",
+    "tree-warm": "suffix index + Token Recycling from the shipped table",
+}
+DEFAULT_SOURCES = "suffix,suffix-memory,recycling,recycling-warm,tree,tree-warm"
+MAX_REPORTED_DEPTH = 12
+
+
+def _strategy_factory(name: str, nodes: int, table, memory):
+    """A function making a fresh strategy for one generation of source `name`."""
+    from ..decoding.strategies import STRATEGIES, Tree, TreeConfig, make_strategy
+
+    suffix_only = TreeConfig(fixed_nodes=nodes, recycling_nodes=0)
+    recycling_only = TreeConfig(fixed_nodes=nodes, suffix_depth=0)
+    both = TreeConfig(fixed_nodes=nodes)
+    factories = {
+        "suffix": lambda: Tree(suffix_only),
+        "suffix-memory": lambda: Tree(suffix_only, memory=memory),
+        "recycling": lambda: Tree(recycling_only),
+        "recycling-warm": lambda: Tree(recycling_only, recycling_table=table),
+        "tree": lambda: Tree(both),
+        "tree-warm": lambda: Tree(both, recycling_table=table),
+    }
+    if name in factories:
+        if name.endswith("-warm") and table is None:
+            raise ConfigError(f"source {name!r} needs the shipped recycling table for this model, and none matches "
+                              "its fingerprint; build one with `splitinfer build-recycling` or drop the source.")
+        return factories[name]
+    if name in STRATEGIES:
+        return lambda: make_strategy(name)
+    raise ConfigError(f"unknown source {name!r}; choose among {', '.join([*SOURCES, *STRATEGIES])}.")
+
+
+class DepthRecorder:
+    """Wraps a strategy and records, per verified step, how deep the draft went and how deep it was accepted."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.prompt_logits_rows = inner.prompt_logits_rows
+        self.steps: list[tuple[int, bool]] = []  # (accepted drafts, whether a child of the last accepted node was offered)
+
+    def start(self, prompt, prompt_logits):
+        self.inner.start(prompt, prompt_logits)
+
+    def propose(self, history):
+        return self.inner.propose(history)
+
+    def observe(self, tokens, parents, logits, path, emitted, step_ms):
+        offered_deeper = any(parent == path[-1] for parent in parents[1:])
+        self.steps.append((len(path) - 1, offered_deeper))
+        self.inner.observe(tokens, parents, logits, path, emitted, step_ms)
+
+
+def depth_counts(steps: list[tuple[int, bool]], emitted: int) -> dict:
+    """tries and hits per depth, steps and tokens, from one generation's steps and its emitted tokens
+    after the first (the last step may have accepted past the token limit: only emitted tokens count)."""
+    tries: dict[int, int] = defaultdict(int)
+    hits: dict[int, int] = defaultdict(int)
+    left = emitted
+    for accepted, offered_deeper in steps:
+        cut = accepted > left - 1  # decoding stopped inside this step's path: what followed was never tested
+        accepted = min(accepted, max(left - 1, 0))
+        left -= accepted + 1
+        for d in range(1, accepted + 1):
+            tries[d] += 1
+            hits[d] += 1
+        if offered_deeper and not cut:
+            tries[accepted + 1] += 1
+    return {"steps": len(steps), "tokens": emitted, "tries": dict(tries), "hits": dict(hits)}
+
+
+def _merge(counts: list[dict]) -> dict:
+    total = {"steps": 0, "tokens": 0, "tries": defaultdict(int), "hits": defaultdict(int)}
+    for c in counts:
+        total["steps"] += c["steps"]
+        total["tokens"] += c["tokens"]
+        for key in ("tries", "hits"):
+            for d, n in c[key].items():
+                total[key][int(d)] += n
+    depths = sorted(d for d in total["tries"] if d <= MAX_REPORTED_DEPTH)
+    return {
+        "steps": total["steps"],
+        "tokens": total["tokens"],
+        "tokens_per_step": round(total["tokens"] / max(total["steps"], 1), 3),
+        "acceptance_by_depth": {d: round(total["hits"][d] / total["tries"][d], 3) for d in depths},
+        "tries_by_depth": {d: total["tries"][d] for d in depths},
+    }
+
+
+def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, max_new_tokens: int) -> dict:
+    """Per source: per-generation counts and their summaries per category and over all prompts."""
+    from ..decoding.warm import SuffixMemory
+    from ..inprocess import local_only_client
+
+    client = local_only_client(shards)
+    stop = client.stop_ids() if client.local.tokenizer is not None else set()
+    encoded = {p["id"]: list(p["prompt"]) if isinstance(p["prompt"], list) else client.encode_prompt(p["prompt"], p.get("chat", True))
+               for p in prompts}
+    truth = {pid: client.generate(ids, max_new_tokens=max_new_tokens, strategy="sequential", stop_ids=stop).token_ids
+             for pid, ids in encoded.items()}
+    results = {}
+    for name in sources:
+        make = _strategy_factory(name, nodes, client.recycling_table, SuffixMemory())
+        per_prompt = {}
+        for p in prompts:
+            recorder = DepthRecorder(make())
+            out = client.generate(encoded[p["id"]], max_new_tokens=max_new_tokens, strategy=recorder, stop_ids=stop)
+            if out.token_ids != truth[p["id"]]:
+                raise AssertionError(f"source {name} changed the greedy output of {p['id']}: speculation must not")
+            if name == "suffix-memory":
+                recorder.inner.memory.add(out.token_ids)
+            per_prompt[p["id"]] = {"category": p["category"], **depth_counts(recorder.steps, len(out.token_ids) - 1)}
+            print(f"{name:<15} {p['id']:<18} {per_prompt[p['id']]['tokens'] / max(len(recorder.steps), 1):.2f} tok/step",
+                  file=sys.stderr)
+        categories = sorted({p["category"] for p in prompts})
+        results[name] = {
+            "description": SOURCES.get(name, "registered strategy (sizes its own trees)"),
+            "fixed_nodes": name in SOURCES,
+            "all": _merge(list(per_prompt.values())),
+            "by_category": {c: _merge([v for v in per_prompt.values() if v["category"] == c]) for c in categories},
+            "per_prompt": per_prompt,
+        }
+    return results
+
+
+def markdown(report: dict) -> str:
+    sources = report["sources"]
+    categories = sorted({c for s in sources.values() for c in s["by_category"]})
+    depths = range(1, 9)
+    lines = [
+        f"# Acceptance by draft depth and category: {report['model']}",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"{report['setup']}",
+        "",
+        "Emitted tokens per step, pooled:",
+        "",
+        "| source | all | " + " | ".join(categories) + " |",
+        "|---|---:|" + "---:|" * len(categories),
+    ]
+    for name, s in sources.items():
+        lines.append(f"| {name} | {s['all']['tokens_per_step']} | "
+                     + " | ".join(str(s["by_category"][c]["tokens_per_step"]) for c in categories) + " |")
+    lines += ["", "Per-token acceptance at depth d given depth d - 1 accepted (all prompts; tries in brackets):", "",
+              "| source | " + " | ".join(f"d={d}" for d in depths) + " |", "|---|" + "---:|" * len(depths)]
+    for name, s in sources.items():
+        acc, tries = s["all"]["acceptance_by_depth"], s["all"]["tries_by_depth"]
+        lines.append(f"| {name} | " + " | ".join(f"{acc[d]} ({tries[d]})" if d in acc else "-" for d in depths) + " |")
+    for c in categories:
+        lines += ["", f"{c}: acceptance by depth", "", "| source | " + " | ".join(f"d={d}" for d in depths[:4]) + " |",
+                  "|---|" + "---:|" * 4]
+        for name, s in sources.items():
+            acc = s["by_category"][c]["acceptance_by_depth"]
+            lines.append(f"| {name} | " + " | ".join(str(acc.get(d, "-")) for d in depths[:4]) + " |")
+    lines += ["", "Sources:", ""] + [f"- {name}: {s['description']}" for name, s in sources.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> dict:
+    import torch
+
+    from .runtime import _pin_self, load_prompts
+
+    if args.nodes < 1 or args.max_new_tokens < 2:
+        raise ConfigError("--nodes must be at least 1 and --max-new-tokens at least 2.")
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()]
+    prompt_file = args.prompts or str(Path(__file__).parent.parent / "data" / "heldout.jsonl")
+    prompts = load_prompts(prompt_file, args.per_category)
+    _pin_self(0)
+    shards = Path(args.shards)
+    report = {
+        "command": "splitinfer bench-acceptance " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
+        "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} held-out prompts ({prompt_file}), "
+        f"{args.max_new_tokens} new tokens; drafts of exactly {args.nodes} nodes per step for the named sources. "
+        f"torch {torch.__version__}.",
+        "nodes": args.nodes,
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": [p["id"] for p in prompts],
+        "sources": measure(shards, prompts, sources, args.nodes, args.max_new_tokens),
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "acceptance.json").write_text(json.dumps(report, indent=1))
+    (out / "acceptance.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+def _options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--out", default="bench-out", help="directory for acceptance.json and acceptance.md")
+    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged held-out prompts)")
+    s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
+    s.add_argument("--sources", default=DEFAULT_SOURCES, help="comma-separated sources or strategy names")
+    s.add_argument("--nodes", type=int, default=16, help="draft nodes per step for the named sources")
+    s.add_argument("--max-new-tokens", type=int, default=96)
+
+
+def register(sub) -> None:
+    s = sub.add_parser("bench-acceptance", help="per-token acceptance by draft depth and category, per draft source")
+    defer(s, _options)
+    s.set_defaults(func=cmd_bench_acceptance)
+
+
+def cmd_bench_acceptance(args) -> int:
+    run(args)
+    return 0

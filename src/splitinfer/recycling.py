@@ -1,0 +1,95 @@
+"""`splitinfer build-recycling`: the warm-start successor table, from the model's own greedy generations.
+
+    splitinfer build-recycling --shards shards/smollm2 --out src/splitinfer/data/drafters/smollm2
+
+The whole model runs in this process (local-only). For each offline prompt (offline.py: stdlib
+docstrings and synthetic instructions, never the benchmark or held-out prompts) it generates a greedy
+continuation, runs prompt + continuation through the model once more for every row's logits, and averages
+each token's next-token distribution over its occurrences (warm.aggregate_successors). The table and
+a manifest (model fingerprint, data hash, seed, counts, time) go to --out; a client loads the table for a
+model with the same fingerprint (warm.shipped_recycling_table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .errors import ConfigError
+from .options import defer
+
+
+def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: int, seed: int):
+    """The table and its manifest; deterministic for a seed on one Python and model."""
+    import torch
+
+    from . import __version__
+    from .inprocess import local_only_client
+    from .local.session import SplitSession
+    from .offline import offline_prompts, prompts_hash
+    from .progress import progress
+    from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
+
+    torch.manual_seed(seed)
+    client = local_only_client(shards)
+    chosen = offline_prompts(prompts, seed)
+    rows, generated = [], 0
+    t0 = time.perf_counter()
+    for p in progress(chosen, desc="build-recycling", unit="prompt"):
+        ids = client.encode_prompt(p["prompt"], chat=True)
+        out = client.generate(ids, max_new_tokens=max_new_tokens, strategy="sequential").token_ids
+        generated += len(out)
+        full = ids + out
+        with SplitSession(client.local, client.make_middle(), client.config) as session:
+            rows.append((full, session.prefill(full, logits_rows=len(full))))  # [len(full), vocab]
+    table, seen = aggregate_successors(rows, k)
+    manifest = {
+        "format": FORMAT,
+        "model_id": client.local.manifest.get("model_id"),
+        "model_fingerprint": client.local.fingerprint,
+        "k": k,
+        "seed": seed,
+        "prompts": len(chosen),
+        "prompt_categories": {c: sum(p["category"] == c for p in chosen) for c in sorted({p["category"] for p in chosen})},
+        "data_sha256": prompts_hash(chosen),
+        "python": sys.version.split()[0],
+        "max_new_tokens": max_new_tokens,
+        "generated_tokens": generated,
+        "rows": sum(len(tokens) for tokens, _ in rows),
+        "table_tokens": len(table),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "splitinfer": __version__,
+        "command": "splitinfer build-recycling " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+    }
+    return RecyclingTable(table, manifest)
+
+
+def _options(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--shards", default="shards/smollm2", help="prepared OUT directory (OUT/local + OUT/cloud)")
+    s.add_argument("--out", required=True, help="folder for recycling.safetensors and recycling.json")
+    s.add_argument("--prompts", type=int, default=96, help="offline prompts to generate from")
+    s.add_argument("--max-new-tokens", type=int, default=96, help="greedy tokens generated per prompt")
+    s.add_argument("--k", type=int, default=8, help="successors kept per token")
+    s.add_argument("--seed", type=int, default=0, help="which offline prompts are drawn")
+
+
+def cmd_build_recycling(args) -> int:
+    if args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
+        raise ConfigError("--prompts, --max-new-tokens and --k must be at least 1.")
+    table = build_recycling_table(Path(args.shards), args.prompts, args.max_new_tokens, args.k, args.seed)
+    path = table.save(args.out)
+    m = table.manifest
+    print(f"{path}: {m['table_tokens']} tokens x {m['k']} successors from {m['prompts']} prompts "
+          f"({m['generated_tokens']} generated tokens, {m['wall_s']} s)")
+    return 0
+
+
+def register(sub) -> None:
+    s = sub.add_parser("build-recycling", help="warm-start table for Token Recycling from the model's own generations")
+    defer(s, _options)
+    s.set_defaults(func=cmd_build_recycling)

@@ -1,0 +1,116 @@
+"""Warm starts: the successor table (build, save, load, match by fingerprint), the bounded suffix memory,
+and that both leave greedy output token-identical to sequential while changing what is drafted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from splitinfer.decoding.draft import TokenTrie
+from splitinfer.decoding.sources import SuffixIndex, propose_suffix
+from splitinfer.decoding.strategies import Tree, TreeConfig
+from splitinfer.decoding.warm import (
+    RecyclingTable, SuffixMemory, aggregate_successors, shipped_recycling_table,
+)
+from splitinfer.errors import ConfigError
+from splitinfer.inprocess import local_only_client
+
+from tiny import prepare_tiny
+
+PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71] * 2 + [3, 17]
+
+
+def _paths(trie: TokenTrie) -> dict[tuple[int, ...], float]:
+    out = {}
+    for n in range(1, len(trie.token)):
+        seq, m = [], n
+        while m:
+            seq.append(trie.token[m])
+            m = trie.parent[m]
+        out[tuple(reversed(seq))] = trie.score[n]
+    return out
+
+
+def test_aggregate_averages_each_tokens_distribution_over_its_occurrences():
+    logits = torch.full((3, 6), -30.0)
+    logits[0, 4] = logits[1, 4] = 10.0  # token 1 -> 4, twice
+    logits[2, 5] = 10.0  # token 2 -> 5
+    table, seen = aggregate_successors([([1, 1, 2], logits[:3]), ([1], torch.tensor([[-30.0] * 5 + [10.0]]))], k=2)
+    assert seen == {1: 3, 2: 1}
+    ids, ps = table[1]
+    assert ids[:2] == [4, 5] and ps[0] == pytest.approx(2 / 3, abs=1e-4) and ps[1] == pytest.approx(1 / 3, abs=1e-4)
+    assert table[2][0][0] == 5 and table[2][1][0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_table_round_trips_and_is_found_only_for_its_fingerprint(tmp_path):
+    table = RecyclingTable({7: ([1, 2], [0.75, 0.25]), 9: ([3], [0.5])}, {"format": "splitinfer-recycling",
+                                                                         "model_fingerprint": "abc"})
+    table.save(tmp_path / "m")
+    loaded = RecyclingTable.load(tmp_path / "m")
+    assert loaded.successors == {7: ([1, 2], [0.75, 0.25]), 9: ([3], [0.5])}
+    assert shipped_recycling_table("abc", [tmp_path / "m"]).successors == loaded.successors
+    assert shipped_recycling_table("other", [tmp_path / "m"]) is None
+    (tmp_path / "m" / "recycling.json").write_text(json.dumps({"format": "something else", "model_fingerprint": "abc"}))
+    with pytest.raises(ConfigError, match="rebuild"):
+        shipped_recycling_table("abc", [tmp_path / "m"])
+
+
+def test_suffix_memory_keeps_the_newest_outputs_within_its_bound():
+    memory = SuffixMemory(max_tokens=10)
+    memory.add([1, 2, 3, 4])
+    memory.add([5, 6, 7, 8])
+    assert memory.tokens == 8
+    memory.add([9, 10, 11])  # 11 > 10: the oldest output goes
+    assert memory.index.docs == [[5, 6, 7, 8], [9, 10, 11]]
+    assert memory.index.occurrences((1, 2)) == [] and memory.index.occurrences((6, 7))
+    memory.add(list(range(20, 40)))  # longer than the bound on its own: its last 10 tokens
+    assert memory.index.docs == [list(range(30, 40))]
+    with pytest.raises(ConfigError):
+        SuffixMemory(max_tokens=-1)
+
+
+def test_suffix_proposals_count_occurrences_across_the_text_and_the_memory():
+    text, memory = SuffixIndex(), SuffixIndex()
+    text.add_doc([1, 2, 3, 4])
+    memory.add_doc([1, 2, 3, 5])
+    memory.add_doc([1, 2, 3, 5])
+    trie = TokenTrie()
+    assert propose_suffix((memory, text), [9, 1, 2, 3], trie, max_depth=1) == 3
+    paths = _paths(trie)
+    # Matched 3 tokens (prior 0.6); 5 followed in 2 of 3 occurrences, 4 in 1.
+    assert paths[(5,)] == pytest.approx(0.6 * 2 / 3) and paths[(4,)] == pytest.approx(0.6 * 1 / 3)
+
+
+def test_tree_drafts_from_the_memory_and_the_table_and_stays_exact(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
+    client = local_only_client(shards)
+    longer = client.generate(PROMPT, max_new_tokens=40, stop_ids=set(), strategy="sequential").token_ids
+    expected = longer[:30]
+    cold = client.generate(PROMPT, max_new_tokens=30, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=8)))
+    memory = SuffixMemory()
+    memory.add(PROMPT[-2:] + longer)  # an earlier reply that went the same way, and further
+    warm = client.generate(PROMPT, max_new_tokens=30, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=8), memory=memory))
+    table = RecyclingTable({t: ([(t + 1) % 96], [0.9]) for t in range(96)}, {})  # a table that is always wrong
+    misled = client.generate(PROMPT, max_new_tokens=30, stop_ids=set(),
+                             strategy=Tree(TreeConfig(fixed_nodes=8), memory=memory, recycling_table=table))
+    assert cold.token_ids == warm.token_ids == misled.token_ids == expected
+    assert warm.stats["steps"] < cold.stats["steps"]  # the memory's copy was proposed and accepted
+    # The memory's copy runs past the 30-token cap, so the last step accepted more than the caller got:
+    # only tokens the caller got are counted.
+    decode = [s for s in warm.steps if s["kind"] == "decode"]
+    assert sum(s["accepted"] for s in decode) == len(warm.token_ids) - 1
+    assert decode[-1]["accepted"] < decode[-1]["rows"]
+
+
+def test_a_conversation_adds_each_reply_to_its_memory(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
+    client = local_only_client(shards)
+    memory = SuffixMemory()
+    with client.conversation("tree", memory=memory) as conversation:
+        turn = conversation.send(PROMPT, 12, stop_ids=set())
+    assert memory.index.docs == [turn.token_ids]
+    with client.conversation("tree") as conversation:
+        conversation.send(PROMPT, 12, stop_ids=set())  # no memory given: nothing kept anywhere
+    assert memory.index.docs == [turn.token_ids]
