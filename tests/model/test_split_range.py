@@ -25,7 +25,8 @@ from splitinfer.model.shards import WEIGHTS, Split, fingerprint, load_cloud, loa
 from splitinfer.model.source import SourceModel
 from splitinfer.wire.messages import Hello, Limits, Step, decode_client_message, decode_server_message
 
-from model.test_exactness import PROMPT, min_margin, reference
+from model.test_exactness import PROMPT
+from tiny import hf_greedy as reference, min_margin
 from tiny import prepare_tiny, tiny_model
 
 NEW_TOKENS = 16
