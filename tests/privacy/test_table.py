@@ -26,7 +26,12 @@ def test_table_picks_the_best_attacker_and_the_largest_n(tmp_path):
     audit.write_text(json.dumps({"results": rows}))
     doc = tmp_path / "doc.md"
     doc.write_text(f"intro\n{BEGIN}\nold table\n{END}\nafter\n")
-    text = write_tables([audit], [doc])
+    short = tmp_path / "readme.md"
+    short.write_text(f"{BEGIN}\n{END}\n")
+    text = write_tables([audit], [doc], short_targets=[short])
+    short_lines = [line for line in short.read_text().splitlines() if line.startswith("| ")]
+    assert all(line.count(" | ") == 3 for line in short_lines), short_lines  # four columns
+    assert "**100.0%** (A4; prior 10.0%)" in short.read_text() and "(T0)" not in short.read_text()
     lines = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     written = doc.read_text()
     assert written.startswith("intro\n") and written.endswith("after\n") and "old table" not in written

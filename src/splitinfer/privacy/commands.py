@@ -184,7 +184,8 @@ def cmd_basis_check(args) -> int:
 def cmd_privacy_table(args) -> int:
     from .table import write_tables
 
-    print(write_tables([Path(a) for a in args.audit], [Path(t) for t in args.write], args.depth))
+    print(write_tables([Path(a) for a in args.audit], [Path(t) for t in args.write], args.depth,
+                       [Path(t) for t in args.write_short]))
     return 0
 
 
@@ -218,6 +219,7 @@ def register(subparsers) -> None:
     s = subparsers.add_parser("privacy-table", help="write the threat-model table from audit.json files into docs")
     s.add_argument("--audit", nargs="+", required=True, help="audit.json files; a row found in several comes from the first")
     s.add_argument("--write", nargs="*", default=[], help="Markdown files with threat-table markers to update")
+    s.add_argument("--write-short", nargs="*", default=[], help="files to get the short table (no has/data columns)")
     s.add_argument("--depth", type=int, default=2, help="the split depth k = m the table reports")
     s.set_defaults(func=cmd_privacy_table)
 
