@@ -61,19 +61,17 @@ class AuditConfig:
 
 
 def quick_config(shards: str) -> AuditConfig:
-    """Within 15 minutes on two CPU cores: fewer depths, documents, epochs and A4 chunks; T3-T5 at k = 2."""
+    """Within 15 minutes on two loaded CPU cores: T0 and the secret basis's T3-T5 at k = m = 2 only, fewer
+    documents, epochs and A4 chunks; no noise and no private weights (T1/T2: the full audit)."""
     return AuditConfig(
         shards=shards,
-        depths=(1, 2),
-        tail_depths=(1, 2),
+        depths=(2,),
+        tail_depths=(2,),
         corpus=CorpusConfig(max_documents=30, max_chunks_per_document=1),
         train=attackers.TrainConfig(epochs=4, max_seconds=15),
         a4_chunks=2,
-        noise_sigmas=(0.3,),
-        privatize=PrivatizeConfig(steps=40, batch_chunks=2, seq_len=64, pool_windows=16),
-        t2_tokens=(1_000, 10_000),
-        t2_output_tokens=2_000,
-        t2_train=attackers.TrainConfig(epochs=4, max_seconds=30),
+        noise_sigmas=(),
+        privatize=None,
         utility_chunks=4,
         n_boot=500,
     )

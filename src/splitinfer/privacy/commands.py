@@ -181,6 +181,14 @@ def cmd_basis_check(args) -> int:
     return 0
 
 
+def cmd_privacy_table(args) -> int:
+    from .table import write_tables
+
+    print(write_tables([Path(a) for a in args.audit], [Path(t) for t in args.write], args.depth,
+                       [Path(t) for t in args.write_short]))
+    return 0
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("audit", help="measure what the cloud can recover from the hidden states it sees")
     s.add_argument("--shards", default="shards/smollm2", help="a prepared OUT directory (OUT/local + OUT/cloud)")
@@ -207,6 +215,13 @@ def register(subparsers) -> None:
     s.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_basis_check)
+
+    s = subparsers.add_parser("privacy-table", help="write the threat-model table from audit.json files into docs")
+    s.add_argument("--audit", nargs="+", required=True, help="audit.json files; a row found in several comes from the first")
+    s.add_argument("--write", nargs="*", default=[], help="Markdown files with threat-table markers to update")
+    s.add_argument("--write-short", nargs="*", default=[], help="files to get the short table (no has/data columns)")
+    s.add_argument("--depth", type=int, default=2, help="the split depth k = m the table reports")
+    s.set_defaults(func=cmd_privacy_table)
 
     s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation, or --basis)")
     s.add_argument("--shards", required=True, help="a prepared OUT directory with stock weights")

@@ -37,6 +37,25 @@ def row_line(r: dict) -> str:
     )
 
 
+KEYED = ("T3", "T4", "T5")
+
+
+def _keyed_section(result: dict) -> list[str]:
+    """T3-T5: the secret residual basis against an observer, the host, and known plaintext."""
+    rows = [r for r in result["results"] if r["threat"] in KEYED]
+    if not rows:
+        return []
+    info = result.get("secret_basis", {})
+    t4 = info.get("t4") or {}
+    lines = ["## Secret residual basis (T3 observer without the cloud shard, T4 host, T5 known plaintext)", "",
+             f"Sessions start with the chat template's {info.get('template_tokens', '?')} opening tokens; rows are "
+             "scored on the text after them. T4 weight matching (A5): "
+             f"{t4.get('seconds', '?')} s, basis error {t4.get('rotation_error', '?')}, "
+             f"permutation recovered {_pct(t4.get('permutation_recovered'))}%. Moment alignment (A8) basis error: "
+             f"{info.get('alignment_error')}.", "", HEADER, *[row_line(r) for r in rows], ""]
+    return lines
+
+
 def markdown(result: dict) -> str:
     rows = result["results"]
     corpus = result["corpus"]
@@ -59,8 +78,10 @@ def markdown(result: dict) -> str:
         "## Defences (noise on the sent activations; private local weights under T1 and T2)",
         "",
         HEADER,
-        *[row_line(r) for r in rows if not (r["threat"] == "T0" and r["defence"] == "none")],
+        *[row_line(r) for r in rows if not (r["threat"] == "T0" and r["defence"] == "none")
+          and r["threat"] not in KEYED],
         "",
+        *_keyed_section(result),
         "## Utility and throughput cost of the defences",
         "",
         "| defence | side | depth | perplexity (original) | greedy agreement % | added local ms / token | tokens |",
