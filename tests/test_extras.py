@@ -20,10 +20,10 @@ import pytest
 
 from splitinfer.cli import main
 from splitinfer.errors import ConfigError
-from splitinfer.extras import API, AUDIT, BENCH, GGUF, GPU, require_extra
+from splitinfer.extras import API, AUDIT, BENCH, GGUF, GPU, RAY, require_extra
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRA_MODULES = sorted(set(API + AUDIT + BENCH + GGUF + GPU))
+EXTRA_MODULES = sorted(set(API + AUDIT + BENCH + GGUF + GPU + RAY))
 
 
 def test_require_extra_names_the_missing_modules_and_the_extra():
@@ -40,9 +40,9 @@ def test_the_checked_modules_are_the_extras_packages_and_dev_has_them_all():
     def names(requirements):
         return {re.match(r"[A-Za-z0-9_.-]+", r).group().lower().replace("-", "_") for r in requirements}
 
-    for extra, modules in (("api", API), ("audit", AUDIT), ("bench", BENCH), ("gguf", GGUF), ("gpu", GPU)):
+    for extra, modules in (("api", API), ("audit", AUDIT), ("bench", BENCH), ("gguf", GGUF), ("gpu", GPU), ("ray", RAY)):
         assert names(extras[extra]) == set(modules), extra
-        if extra != "gpu":
+        if extra not in ("gpu", "ray"):
             assert set(extras[extra]) <= set(extras["dev"]), f"dev lacks part of the {extra} extra"
 
 
@@ -63,6 +63,7 @@ def _commands(tmp: Path) -> list[tuple[list[str], str, str]]:
         (["prepare", "--out", none, "--model", str(tmp / "m.gguf")],
          "splitinfer prepare (reading a GGUF model; the default is one)", "gguf"),
         (["serve", "--shard", none, "--devices", "cuda:0,cuda:1"], "splitinfer serve --devices", "gpu"),
+        (["serve", "--shard", none, "--ray"], "splitinfer serve --ray", "ray"),
     ]
 
 
@@ -84,3 +85,12 @@ def test_a_plain_install_names_the_extra_each_command_needs(tmp_path):
         expected = rf"splitinfer: error: {re.escape(what)} needs the {extra} extra \(.+ not installed\): " \
                    rf"pip install 'splitinfer\[{extra}\]'\n"
         assert run.returncode == 2 and re.fullmatch(expected, run.stderr), (argv, run.returncode, run.stderr)
+
+
+def test_serve_ray_without_ray_names_the_extra(monkeypatch, capsys, tmp_path):
+    import splitinfer.extras as extras
+
+    monkeypatch.setattr(extras, "_installed", lambda module: module not in RAY)
+    assert main(["serve", "--shard", str(tmp_path / "none"), "--ray"]) == 2
+    assert capsys.readouterr().err == ("splitinfer: error: splitinfer serve --ray needs the ray extra (ray is not "
+                                       "installed): pip install 'splitinfer[ray]'\n")

@@ -25,7 +25,7 @@ from .options import add_options, config_from_args, defer
 def open_client(
     *,
     shard: str | Path | None = None,
-    server: str | None = None,
+    server: str | list[str] | None = None,
     local_only: bool = False,
     shards: str | Path | None = None,
     model: str | None = None,
@@ -35,7 +35,7 @@ def open_client(
     allow_public_weights: bool = False,
     handshake: bool = False,
 ):
-    """A SplitClient: split (`shard` + `server`) or `local_only` (`shards`, else `model` prepared into a
+    """A SplitClient: split (`shard` + `server`, one URL or a list) or `local_only` (`shards`, else `model` prepared into a
     temporary directory). `handshake` opens one cloud session now, so a wrong shard or refused credentials
     fail at start-up rather than at the first request."""
     from .local.session import ClientConfig

@@ -11,7 +11,8 @@ Precedence, highest first:
 The file is the one named by `--config PATH` (before the command), else $SPLITINFER_CONFIG, else
 ./splitinfer.toml, else ~/.config/splitinfer/config.toml; none is needed. Keys are option names with
 dashes or underscores (`max-new-tokens` or `max_new_tokens`); unknown keys are errors, so typos do not
-pass silently. This works generically over the argparse subcommands, so commands added later are covered
+pass silently. An option that may be repeated (`Repeated`, e.g. `--server`) takes a TOML list in the file
+and a comma-separated list in the environment; given on the command line, it replaces them. This works generically over the argparse subcommands, so commands added later are covered
 without any change here. `splitinfer config show` prints the effective values and where each came from,
 with secrets masked.
 """
@@ -41,6 +42,19 @@ DEFAULTS_TABLE = "defaults"
 SECRET = re.compile(r"(^|_)(token|secret|password|passphrase|api_?key)$")
 SECRET_ENV = ("SPLITINFER_TOKEN", "SPLITINFER_SERVER_TOKENS")  # credentials read from the environment by auth code
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+class Repeated(argparse.Action):
+    """An option that may be given several times, collected into a list (`--server A --server B`).
+
+    Unlike argparse's "append", the first use on the command line replaces the default, so a list from
+    the configuration file or the environment is overridden by the command line, not extended by it.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is None or current is self.default else list(current)
+        setattr(namespace, self.dest, items + [values])
 
 
 @dataclass(frozen=True)
@@ -144,7 +158,8 @@ def _convert_one(action: argparse.Action, value, origin: str):
 
 
 def convert(action: argparse.Action, value, origin: str):
-    if action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0):
+    many = action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 0)
+    if many or isinstance(action, Repeated):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list):
             raise ConfigError(f"{origin} must be a list.")

@@ -37,6 +37,7 @@ AUDIT = ("scipy", "matplotlib")
 BENCH = ("matplotlib",)
 GGUF = ("gguf", "accelerate")
 GPU = ("accelerate",)
+RAY = ("ray",)
 
 
 def is_gguf_source(model: str | None) -> bool:

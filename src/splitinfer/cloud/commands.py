@@ -42,6 +42,7 @@ BATCH_OPTIONS = (
 
 
 def _serve_options(s: argparse.ArgumentParser) -> None:
+    from .rayserve import RayConfig as RAY_DEFAULTS
     from .scheduler import BatchConfig
     from .server import ServerConfig
     from .sessions import SessionConfig
@@ -57,6 +58,12 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--token-file", help="accepted bearer tokens, one per line (or set SPLITINFER_SERVER_TOKENS)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics")
     s.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (default loopback)")
+    s.add_argument("--ray", action="store_true",
+                   help="run the cloud half as Ray Serve replicas, each on its own port from --port on (the ray extra)")
+    s.add_argument("--replicas", type=int, default=RAY_DEFAULTS.replicas, help="with --ray: replicas to run")
+    s.add_argument("--max-replicas", type=int,
+                   help="with --ray: autoscale up to this many replicas on KV bytes reserved and capacity refusals")
+    s.add_argument("--address", help="with --ray: an existing Ray cluster (default: start a local one)")
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
 
@@ -95,7 +102,35 @@ def _server_config(args):
     return config_from_args(ServerConfig, args, SERVER_OPTIONS, sessions=sessions, batching=batching, tokens=tokens)
 
 
+def _serve_ray(args, config) -> int:
+    """`serve --ray`: the replicas run until Ctrl-C; prints the URLs to give clients (repeat --server)."""
+    import signal
+    import threading
+
+    from .rayserve import RayConfig, deploy, shutdown
+
+    try:
+        ray_config = RayConfig(replicas=args.replicas, max_replicas=args.max_replicas, address=args.address)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} Fix --replicas / --max-replicas.") from exc
+    urls = deploy(args.shard, config, ray_config, device=args.device, dtype=args.dtype, threads=args.threads)
+    print("replicas:", " ".join(f"--server {url}" for url in urls), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    shutdown()
+    return 0
+
+
 def cmd_serve(args) -> int:
+    if args.ray:
+        from ..extras import RAY, require_extra
+
+        require_extra("ray", RAY, "splitinfer serve --ray")
+        if args.devices or args.metrics_port is not None:
+            raise ConfigError("--ray runs each replica on its own device; leave out --devices and --metrics-port.")
+        return _serve_ray(args, _server_config(args))
     if args.devices:
         from ..extras import GPU, require_extra
 

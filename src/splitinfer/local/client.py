@@ -9,12 +9,14 @@ it at the end, freeing the server's cache. `client.conversation()` keeps one ses
 With a randomised split (`prepare --split-range`) each session (each `make_middle()`) draws its head
 depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_seed` only for tests).
 The whole model in this process (the middle run here, no server) is `inprocess.local_only_client`.
+Given several servers (`connect(shard, [url, ...])`), each session picks its server by rendezvous hashing
+and moves to the next one when its server is gone (failover.py).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_local, local_weights_are_public
 from .auth import ClientAuth
 from .conversation import Conversation
+from .failover import FailoverMiddle, server_list
 from .middle import RemoteMiddle
 from .session import ClientConfig
 from .text import chat_prompt_ids
@@ -98,7 +101,7 @@ class SplitClient:
     def connect(
         cls,
         local_shard: str | Path,
-        url: str,
+        url: str | Sequence[str],
         config: ClientConfig = ClientConfig(),
         device: str = "cpu",
         auth: ClientAuth = ClientAuth(),
@@ -108,12 +111,19 @@ class SplitClient:
         check_local_weights(local.manifest, allow_public_weights)
         split = local.manifest["split"]
         draw = head_depth_drawer(local, config.split_seed)
+        urls = server_list(url)
+
+        def remote(server: str, head_layers: int | None) -> RemoteMiddle:
+            return RemoteMiddle(
+                server, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, config.wire_dtype,
+                auth=auth, head_layers=head_layers,
+            )
 
         def make_middle():
-            return RemoteMiddle(
-                url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, config.wire_dtype,
-                auth=auth, head_layers=draw(),
-            )
+            k = draw()
+            if len(urls) == 1:
+                return remote(urls[0], k)
+            return FailoverMiddle(urls, lambda server: remote(server, k), head_layers=k)
 
         return cls(local, make_middle, config)
 

@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..configfile import Repeated
+from ..errors import ConfigError, TransportError
 from ..options import Opt, add_options, config_from_args
 from ..wire.dtypes import DTYPE_NAMES
 from .auth import ClientAuth, add_client_auth_args
@@ -45,8 +46,9 @@ def add_client_options(s: argparse.ArgumentParser) -> None:
     from .session import ClientConfig
 
     s.add_argument("--shard", help="the local shard directory (OUT/local)")
-    s.add_argument("--server", help="ws://HOST:PORT (or wss://) of `splitinfer serve`, or of a `splitinfer wan` "
-                   "in front of it")
+    s.add_argument("--server", action=Repeated, help="ws://HOST:PORT (or wss://) of `splitinfer serve`, or of a "
+                   "`splitinfer wan` in front of it; repeat it for several servers (each session picks one by "
+                   "rendezvous hashing and moves to the next when its server is gone)")
     s.add_argument("--local-only", action="store_true", help="run the whole model here, for comparison")
     s.add_argument("--shards", help="with --local-only: a prepared OUT directory")
     s.add_argument("--model", help="with --local-only: a HF directory or .gguf file (default: the embedded model)")
@@ -83,23 +85,23 @@ def public_weights_gate(local_dir: str | Path, allow: bool) -> None:
 
 def connect_client(
     shard: str | Path | None,
-    server: str | None,
+    server: str | list[str] | None,
     config=None,
     device: str = "cpu",
     auth: ClientAuth = ClientAuth(),
     allow_public_weights: bool = False,
     handshake: bool = False,
 ):
-    """A SplitClient over a cloud server (`shard` + `server`), after the cheap checks that end in one clear
-    line. `handshake` opens one cloud session now, so a wrong shard or refused credentials fail at start-up
-    rather than at the first request."""
+    """A SplitClient over cloud servers (`shard` + `server`, one URL or a list), after the cheap checks that
+    end in one clear line. `handshake` opens one cloud session now, so a wrong shard or refused credentials
+    fail at start-up rather than at the first request."""
     from ..preflight import check_handshake, check_local_memory, check_reachable
     from .client import SplitClient
     from .session import ClientConfig
 
     if not shard or not server:
         raise ConfigError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
-    check_reachable(server)  # one clear line now rather than a failed connect after loading the model
+    _check_servers(server, check_reachable)  # one clear line now rather than a failed connect after loading
     check_local_memory(shard)
     public_weights_gate(shard, allow_public_weights)
     client = SplitClient.connect(shard, server, config or ClientConfig(), device=device, auth=auth,
@@ -107,6 +109,22 @@ def connect_client(
     if handshake:
         check_handshake(client)
     return client
+
+
+def _check_servers(servers: str | list[str], check_reachable) -> None:
+    """Every URL well formed, and at least one server reachable: the others may be down for now, since
+    sessions move past a server that is gone."""
+    from .failover import server_list
+
+    unreachable: list[TransportError] = []
+    urls = server_list(servers)
+    for url in urls:
+        try:
+            check_reachable(url)
+        except TransportError as exc:
+            unreachable.append(exc)
+    if len(unreachable) == len(urls):
+        raise unreachable[0]
 
 
 def stats_table(stats: dict) -> str:
