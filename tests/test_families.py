@@ -15,24 +15,11 @@ from splitinfer.local.session import ClientConfig
 from splitinfer.masks import attention_mask, tree_allowed, tree_depths
 from splitinfer.model.shards import load_cloud, load_local
 
-from tiny import GEMMA3_LAYER_TYPES, GEMMA3_WINDOW, prepare_tiny
+from tiny import GEMMA3_LAYER_TYPES, GEMMA3_WINDOW, assert_local_only_matches_hf, hf_greedy, min_margin, prepare_tiny
 
 # Four times Gemma's tiny window, with a repeat so the tree strategies find drafts.
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71] * 2
 NEW_TOKENS = 24
-
-
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
-
-
-def min_margin(model, prompt, tokens):
-    """Smallest top-1 minus top-2 logit gap along the reference continuation."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    top = logits.topk(2, dim=-1).values
-    return float((top[:, 0] - top[:, 1]).min())
 
 
 class WrongFirst(Strategy):
@@ -63,16 +50,13 @@ GEMMA3_SPLITS = [(1, 1), (2, 1), (3, 2), (1, 3), (4, 1)]
 @pytest.mark.parametrize("head,tail", GEMMA3_SPLITS)
 def test_gemma3_local_only_matches_hf_generate(tmp_path, head, tail):
     model, shards = prepare_tiny(tmp_path, "gemma3", head, tail)
-    expected = reference(model, PROMPT, NEW_TOKENS)
-    assert min_margin(model, PROMPT, expected) > 1e-3  # the comparison is meaningful, not a tie
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
-    assert got.token_ids == expected
+    assert_local_only_matches_hf(model, shards, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "llama3"])
 def test_split_over_websocket_matches_hf_generate(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 2, 2)
-    expected = reference(model, PROMPT, NEW_TOKENS)
+    expected = hf_greedy(model, PROMPT, NEW_TOKENS)
     assert min_margin(model, PROMPT, expected) > 1e-3
     # Prefill chunks shorter than the prompt but longer than Gemma's window: a chunk's sliding layers see
     # keys of the chunk before, and not those further back.
@@ -94,10 +78,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
 @pytest.mark.parametrize("head,tail", [(1, 1), (3, 2)])
 def test_local_only_matches_hf_generate(tmp_path, family, head, tail):
     model, shards = prepare_tiny(tmp_path, family, head, tail)
-    expected = reference(model, PROMPT, NEW_TOKENS)
-    assert min_margin(model, PROMPT, expected) > 1e-3
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
-    assert got.token_ids == expected
+    assert_local_only_matches_hf(model, shards, PROMPT, NEW_TOKENS)
 
 
 def test_gemma3_tree_block_rows_match_monolithic_paths(tmp_path):

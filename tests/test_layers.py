@@ -2,7 +2,9 @@
 
 The core (wire/, kv.py, masks.py, model/, decoding/) is what both sides of the split build on, so it
 imports nothing from the programs built on it (local/, cloud/, api/, bench/); the two sides of the split
-never import each other, so anything they share lives below them.
+never import each other, so anything they share lives below them. Both rules hold for what a module
+reaches through others too: local/ importing a top-level module that imports cloud/ breaks them as
+surely as a direct import (what composes the two, such as inprocess.py, sits above both).
 """
 
 from __future__ import annotations
@@ -76,9 +78,47 @@ def violations() -> list[str]:
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules its import statements load, their parent packages included."""
+    modules = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+    def loaded(target: str) -> set[str]:
+        while target and target not in modules:  # `from m import name`: the module m, unless name is one
+            target = target.rpartition(".")[0]
+        parts = target.split(".") if target else []
+        return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & modules.keys()
+
+    return {name: {m for _, _, targets in imports_of(path) for t in targets for m in loaded(t)} - {name}
+            for name, path in modules.items()}
+
+
+def reach_violations() -> list[str]:
+    """Every rule broken through a chain of imports, with a shortest chain that breaks it."""
+    graph, found = import_graph(), []
+    for start in sorted(graph):
+        via, queue = {start: None}, [start]
+        for module in queue:
+            for target in sorted(graph[module] - via.keys()):
+                via[target] = module
+                queue.append(target)
+        broken = [t for t in via if RULES.get((part_of(start), part_of(t)))]
+        # A package reached only as the parent of a module reached too says nothing more: name the module.
+        for target in [t for t in broken if not any(o.startswith(t + ".") for o in broken)]:
+            chain = [target]
+            while via[chain[-1]] is not None:
+                chain.append(via[chain[-1]])
+            found.append(f"{' -> '.join(reversed(chain))} breaks the rule: {RULES[(part_of(start), part_of(target))]}")
+    return found
+
+
 def test_import_direction():
     found = violations()
     assert not found, "imports against the package's direction:\n" + "\n".join(found)
+
+
+def test_import_direction_through_other_modules():
+    found = reach_violations()
+    assert not found, "modules reaching against the package's direction through others:\n" + "\n".join(found)
 
 
 def test_the_checker_sees_relative_and_function_level_imports(tmp_path, monkeypatch):
@@ -96,4 +136,22 @@ def test_the_checker_sees_relative_and_function_level_imports(tmp_path, monkeypa
         f"{PACKAGE.name}.cloud.bad line 1: `import {PACKAGE.name}.local.auth` breaks the rule: {RULES[('cloud', 'local')]}",
         f"{PACKAGE.name}.decoding.bad line 2: `from {PACKAGE.name}.local import session` breaks the rule: "
         f"{RULES[('decoding', 'local')]}",
+    ]
+
+
+def test_the_checker_follows_chains_of_imports(tmp_path, monkeypatch):
+    # local/ -> a top-level module -> cloud/: no single import breaks a rule, the chain does.
+    package = tmp_path / PACKAGE.name
+    for sub in ("local", "cloud"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "local" / "client.py").write_text("from ..glue import make\n")
+    (package / "glue.py").write_text("def make():\n    from .cloud.sessions import SessionTable\n")
+    (package / "cloud" / "sessions.py").write_text("SessionTable = object\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
+    assert violations() == []
+    name = PACKAGE.name
+    assert reach_violations() == [
+        f"{name}.local.client -> {name}.glue -> {name}.cloud.sessions breaks the rule: {RULES[('local', 'cloud')]}",
     ]

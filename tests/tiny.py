@@ -1,4 +1,5 @@
-"""Tiny random models of several families, built from configs with a fixed seed (nothing downloaded)."""
+"""Tiny random models of several families, built from configs with a fixed seed (nothing downloaded), and the
+comparison every exactness test makes: split greedy decoding against HF greedy on the whole model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from splitinfer.inprocess import local_only_client
 from splitinfer.model.shards import prepare
 from splitinfer.model.source import SourceModel
 
@@ -83,3 +85,25 @@ def prepare_tiny(tmp_path: Path, family: str, head: int, tail: int, seed: int = 
     out = tmp_path / f"{family}-{head}-{tail}"
     prepare(SourceModel(f"tiny-{family}", model.config, model, None), out, head, tail, "float32")
     return model, out
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The whole HF model's own greedy `generate`: n new tokens, no stop token."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def min_margin(model, prompt: list[int], tokens: list[int]) -> float:
+    """Smallest top-1 minus top-2 logit gap along the continuation `tokens`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    top = logits.topk(2, dim=-1).values
+    return float((top[:, 0] - top[:, 1]).min())
+
+
+def assert_local_only_matches_hf(model, shards: Path, prompt: list[int], n: int) -> None:
+    """Split greedy decoding in one process (shards prepared from `model`) equals HF greedy, token for token."""
+    expected = hf_greedy(model, prompt, n)
+    assert min_margin(model, prompt, expected) > 1e-3  # the comparison is meaningful, not a tie
+    got = local_only_client(shards).generate(prompt, max_new_tokens=n, stop_ids=set())
+    assert got.token_ids == expected

@@ -32,7 +32,7 @@ from .options import CommandParser
 COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.model.commands",  # prepare
     "splitinfer.cloud.commands",  # serve
-    "splitinfer.local.commands",  # generate
+    "splitinfer.clients",  # generate
     "splitinfer.netem.commands",  # wan
     "splitinfer.launch",  # demo
     "splitinfer.api.commands",  # api, chat
@@ -42,7 +42,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.bench.acceptance",  # bench-acceptance
     "splitinfer.bench.loadtest",  # load-test
     "splitinfer.privacy.commands",  # audit, privatize
-    "splitinfer.decoding.recycling",  # build-recycling
+    "splitinfer.recycling",  # build-recycling
 )
 # Commands whose progress is their output, so they log at INFO without -v.
 LOUD_COMMANDS = ("serve", "wan")

@@ -2,16 +2,22 @@
 
 `InProcessMiddle` implements wire/transport.py's `Middle` over a cloud SessionTable, the same one the
 server uses (same validation, same cache), and hands tensors over directly, so no wire rounding happens.
-It composes a cloud piece with the local client, so it lives above both local/ and cloud/, which never
-import each other.
+`local_only_client` builds a SplitClient on it from a prepared OUT directory; `open_local_only` is the
+`--local-only` path of the client loader (clients.py). It composes a cloud piece with the local client,
+so it lives above both local/ and cloud/, which never import each other.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 from .cloud.sessions import CloudSession, SessionConfig, SessionTable
-from .model.shards import CloudHalf
+from .errors import ConfigError
+from .local.client import SplitClient, head_depth_drawer
+from .local.session import ClientConfig
+from .model.shards import CloudHalf, load_cloud, load_local
 from .wire.messages import Hello, Result, Step, Welcome
 from .wire.transport import StepIO
 
@@ -47,3 +53,38 @@ class InProcessMiddle:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def local_only_client(shards: str | Path, device: str = "cpu", split_seed: int | None = None) -> SplitClient:
+    """The whole model in this process from a prepared OUT directory (OUT/local + OUT/cloud)."""
+    shards = Path(shards)
+    local = load_local(shards / "local", device=device)
+    cloud = load_cloud(shards / "cloud", device=device)
+    if cloud.fingerprint != local.fingerprint:
+        raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
+    draw = head_depth_drawer(local, split_seed)
+    config = ClientConfig(wire_dtype="float32", split_seed=split_seed)
+    client = SplitClient(local, lambda: InProcessMiddle(cloud, draw()), config)
+    client.mode = "local-only"
+    return client
+
+
+def open_local_only(
+    shards: str | Path | None, model: str | None, device: str = "cpu", split_seed: int | None = None
+) -> SplitClient:
+    """`--local-only`: `shards` (a prepared OUT directory), else `model` prepared into a temporary directory
+    (the embedded model when None), after the local memory check."""
+    from .preflight import check_local_memory
+
+    if shards is None or model is not None:
+        from .extras import GGUF, is_gguf_source, require_extra
+
+        if is_gguf_source(model):
+            require_extra("gguf", GGUF, "--local-only (reading a GGUF model; the default is one)")
+        from .model.shards import prepare
+        from .model.source import load_source
+
+        shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
+        prepare(load_source(model), shards, 1, 1, "float32")
+    check_local_memory(Path(shards) / "local")
+    return local_only_client(shards, device=device, split_seed=split_seed)

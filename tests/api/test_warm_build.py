@@ -3,9 +3,9 @@ that names the model and the data, and found again by the model's fingerprint.""
 
 from __future__ import annotations
 
-from splitinfer.decoding.recycling import build_recycling_table
+from splitinfer.recycling import build_recycling_table
 from splitinfer.decoding.warm import RecyclingTable, shipped_recycling_table, shipped_table_dirs
-from splitinfer.local.client import SplitClient
+from splitinfer.inprocess import local_only_client
 
 
 def test_build_is_deterministic_and_the_table_loads_for_its_model_only(chat_shards, tmp_path):
@@ -18,7 +18,7 @@ def test_build_is_deterministic_and_the_table_loads_for_its_model_only(chat_shar
     assert m["prompts"] == 3 and m["seed"] == 5 and m["k"] == 4 and m["table_tokens"] == len(first.successors)
     assert all(len(ids) <= 4 for ids, _ in first.successors.values())
     first.save(tmp_path / "tiny")
-    fingerprint = SplitClient.local_only(chat_shards).local.fingerprint
+    fingerprint = local_only_client(chat_shards).local.fingerprint
     assert m["model_fingerprint"] == fingerprint
     found = shipped_recycling_table(fingerprint, [tmp_path / "tiny"])
     assert found.successors.keys() == first.successors.keys()

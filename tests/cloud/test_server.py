@@ -14,6 +14,7 @@ from splitinfer.cloud.sessions import SessionConfig
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.strategies import Sequential
 from splitinfer.errors import CapacityError, ShardMismatch
+from splitinfer.inprocess import local_only_client
 from splitinfer.launch import free_port
 from splitinfer.local.client import SplitClient
 from splitinfer.local.middle import RemoteMiddle
@@ -198,7 +199,7 @@ def test_long_prompt_is_chunked_under_the_default_message_limit(tiny):
     shards, _ = tiny
     torch.manual_seed(0)
     prompt = torch.randint(0, 96, (16_384,)).tolist()
-    reference = SplitClient.local_only(shards).generate(prompt, max_new_tokens=4, stop_ids=set())
+    reference = local_only_client(shards).generate(prompt, max_new_tokens=4, stop_ids=set())
     with ServerThread(load_cloud(shards / "cloud")) as server:
         client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
         got = client.generate(prompt, max_new_tokens=4, stop_ids=set())

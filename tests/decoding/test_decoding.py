@@ -8,6 +8,7 @@ import torch
 from splitinfer.cloud.server import ServerThread
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.strategies import STRATEGIES, Lookahead, LookaheadConfig, Strategy, Tree, TreeConfig
+from splitinfer.inprocess import local_only_client
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
@@ -49,7 +50,7 @@ class Oracle(Strategy):
 def test_all_strategies_match_hf_greedy(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 2, 1)
     expected = reference(model, PROMPT, NEW)
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     for name in STRATEGIES:
         got = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=name)
         assert got.token_ids == expected, name
@@ -58,7 +59,7 @@ def test_all_strategies_match_hf_greedy(tmp_path, family):
 def test_strategies_over_the_wire_with_rejections_and_compaction(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
     expected = reference(model, PROMPT, NEW)
-    sequential = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="sequential")
+    sequential = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="sequential")
     with ServerThread(load_cloud(shards / "cloud")) as server:
         client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
         oracle = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Oracle(expected))
@@ -85,7 +86,7 @@ def test_long_context_tree_matches_sequential(tmp_path):
     _, shards = prepare_tiny(tmp_path, "qwen2", 2, 2)
     torch.manual_seed(1)
     prompt = torch.randint(0, 96, (4_500,)).tolist()
-    local = SplitClient.local_only(shards)
+    local = local_only_client(shards)
     expected = local.generate(prompt, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
     with ServerThread(load_cloud(shards / "cloud")) as server:
         client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)

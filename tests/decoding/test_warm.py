@@ -15,7 +15,7 @@ from splitinfer.decoding.warm import (
     RecyclingTable, SuffixMemory, aggregate_successors, shipped_recycling_table,
 )
 from splitinfer.errors import ConfigError
-from splitinfer.local.client import SplitClient
+from splitinfer.inprocess import local_only_client
 
 from tiny import prepare_tiny
 
@@ -85,7 +85,7 @@ def test_suffix_proposals_count_occurrences_across_the_text_and_the_memory():
 
 def test_tree_drafts_from_the_memory_and_the_table_and_stays_exact(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     longer = client.generate(PROMPT, max_new_tokens=40, stop_ids=set(), strategy="sequential").token_ids
     expected = longer[:30]
     cold = client.generate(PROMPT, max_new_tokens=30, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=8)))
@@ -106,7 +106,7 @@ def test_tree_drafts_from_the_memory_and_the_table_and_stays_exact(tmp_path):
 
 def test_a_conversation_adds_each_reply_to_its_memory(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     memory = SuffixMemory()
     with client.conversation("tree", memory=memory) as conversation:
         turn = conversation.send(PROMPT, 12, stop_ids=set())

@@ -6,44 +6,28 @@ import pytest
 import torch
 
 from splitinfer.cloud.server import ServerThread
+from splitinfer.inprocess import local_only_client
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
 
-from tiny import prepare_tiny
+from tiny import assert_local_only_matches_hf, hf_greedy, prepare_tiny
 
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
 NEW_TOKENS = 24
-
-
-def reference(model, prompt, n):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
-
-
-def min_margin(model, prompt, tokens):
-    """Smallest top-1 minus top-2 logit gap along the reference continuation."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    top = logits.topk(2, dim=-1).values
-    return float((top[:, 0] - top[:, 1]).min())
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("head,tail", [(1, 1), (2, 2), (4, 1), (1, 4)])
 def test_local_only_matches_hf_generate(tmp_path, family, head, tail):
     model, shards = prepare_tiny(tmp_path, family, head, tail)
-    expected = reference(model, PROMPT, NEW_TOKENS)
-    assert min_margin(model, PROMPT, expected) > 1e-3  # the comparison is meaningful, not a tie
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
-    assert got.token_ids == expected
+    assert_local_only_matches_hf(model, shards, PROMPT, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_split_over_websocket_matches_hf_generate(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 2, 1)
-    expected = reference(model, PROMPT, NEW_TOKENS)
+    expected = hf_greedy(model, PROMPT, NEW_TOKENS)
     # A prefill chunk smaller than the prompt exercises chunking and the lazy commit of every chunk.
     config = ClientConfig(wire_dtype="float32", prefill_chunk=5)
     with ServerThread(load_cloud(shards / "cloud")) as server:
@@ -56,7 +40,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
 
 def test_split_logprobs_match_monolithic(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=8, stop_ids=set())
+    got = local_only_client(shards).generate(PROMPT, max_new_tokens=8, stop_ids=set())
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + got.token_ids[:-1]])).logits[0, len(PROMPT) - 1 :]
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
@@ -66,7 +50,7 @@ def test_split_logprobs_match_monolithic(tmp_path):
 def test_float16_wire_stays_close(tmp_path):
     """float16 on the wire moves logits a little; on a tiny peaked model the tokens stay the same."""
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    expected = reference(model, PROMPT, NEW_TOKENS)
+    expected = hf_greedy(model, PROMPT, NEW_TOKENS)
     with ServerThread(load_cloud(shards / "cloud")) as server:
         got = SplitClient.connect(shards / "local", server.url, allow_public_weights=True).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
     assert got.token_ids == expected
@@ -75,8 +59,8 @@ def test_float16_wire_stays_close(tmp_path):
 
 def test_stop_token_ends_generation(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    expected = reference(model, PROMPT, NEW_TOKENS)
+    expected = hf_greedy(model, PROMPT, NEW_TOKENS)
     stop = expected[5]
-    got = SplitClient.local_only(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids={stop})
+    got = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids={stop})
     assert got.finish_reason == "stop"
     assert got.token_ids == expected[: expected.index(stop) + 1]

@@ -17,7 +17,7 @@ from splitinfer.cloud.server import ServerThread
 from splitinfer.cloud.sessions import SessionConfig, SessionTable
 from splitinfer.errors import ModelError, ProtocolError, SplitInferError, VersionMismatch
 from splitinfer.local.client import SplitClient
-from splitinfer.inprocess import InProcessMiddle
+from splitinfer.inprocess import InProcessMiddle, local_only_client
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
 from splitinfer.masks import BlockStructure
@@ -116,7 +116,7 @@ def test_in_process_exact_for_every_depth_and_caches_hold_only_their_layers(rang
 
 def test_client_draws_every_depth_of_the_range(ranged):
     _, out, expected = ranged
-    client = SplitClient.local_only(out, split_seed=7)
+    client = local_only_client(out, split_seed=7)
     seen = set()
     for _ in range(12):
         got = client.generate(PROMPT, max_new_tokens=4, stop_ids=set(), strategy="sequential")

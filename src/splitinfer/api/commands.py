@@ -11,7 +11,8 @@ import sys
 
 from ..errors import ConfigError
 from ..tokens import read_token_file
-from ..local.commands import add_client_options, add_sampling_options, load_client, sampling_from_args
+from ..clients import load_client
+from ..local.commands import add_client_options, add_sampling_options, sampling_from_args
 from ..options import defer
 
 log = logging.getLogger("splitinfer.api")

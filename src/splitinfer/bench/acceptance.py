@@ -131,9 +131,9 @@ def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, m
 
     table_dir: the recycling table the -warm sources start from (default: the one shipped for the model)."""
     from ..decoding.warm import RecyclingTable, SuffixMemory
-    from ..local.client import SplitClient
+    from ..inprocess import local_only_client
 
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     table = RecyclingTable.load(table_dir) if table_dir is not None else client.recycling_table
     stop = client.stop_ids() if client.local.tokenizer is not None else set()
     encoded = {p["id"]: list(p["prompt"]) if isinstance(p["prompt"], list) else client.encode_prompt(p["prompt"], p.get("chat", True))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..launch import cloud_server, wan_proxy
+from ..inprocess import local_only_client
 from ..local.client import SplitClient
 from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
@@ -156,7 +157,7 @@ def probe_rtt(url: str, count: int, size: int = 1300) -> list[float]:
 def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print) -> dict:
     """Every configuration, interleaved per repetition; returns raw per-generation runs and probe RTTs."""
     _pin_self(0)
-    local_only = SplitClient.local_only(shards)
+    local_only = local_only_client(shards)
     pld = PromptLookupRunner(shards, local_only, config.pld_tokens) if "local-only-pld" in config.modes else None
     runs: list[dict] = []
     probes: dict[str, list[float]] = {}

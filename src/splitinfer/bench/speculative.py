@@ -29,7 +29,7 @@ import torch
 from .. import __version__
 from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
-from ..local.commands import open_client
+from ..clients import open_client
 from ..local.session import ClientConfig, SplitSession
 from ..decoding.strategies import STRATEGIES
 from ..errors import ConfigError

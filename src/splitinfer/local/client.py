@@ -8,6 +8,7 @@ The client owns the tokenizer and chat template; only hidden states leave the pr
 it at the end, freeing the server's cache. `client.conversation()` keeps one session across turns.
 With a randomised split (`prepare --split-range`) each session (each `make_middle()`) draws its head
 depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_seed` only for tests).
+The whole model in this process (the middle run here, no server) is `inprocess.local_only_client`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.strategies import Strategy
 from ..decoding.warm import shipped_recycling_table
 from ..errors import ConfigError
-from ..model.shards import LocalHalf, load_cloud, load_local, local_weights_are_public
+from ..model.shards import LocalHalf, load_local, local_weights_are_public
 from .auth import ClientAuth
 from .conversation import Conversation
-from ..inprocess import InProcessMiddle
 from .middle import RemoteMiddle
 from .session import ClientConfig
 from .text import chat_prompt_ids
@@ -116,20 +116,6 @@ class SplitClient:
             )
 
         return cls(local, make_middle, config)
-
-    @classmethod
-    def local_only(cls, shards: str | Path, device: str = "cpu", split_seed: int | None = None) -> "SplitClient":
-        """The whole model in this process from a prepared OUT directory (OUT/local + OUT/cloud)."""
-        shards = Path(shards)
-        local = load_local(shards / "local", device=device)
-        cloud = load_cloud(shards / "cloud", device=device)
-        if cloud.fingerprint != local.fingerprint:
-            raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
-        draw = head_depth_drawer(local, split_seed)
-        config = ClientConfig(wire_dtype="float32", split_seed=split_seed)
-        client = cls(local, lambda: InProcessMiddle(cloud, draw()), config)
-        client.mode = "local-only"
-        return client
 
     # -- prompts and text --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:

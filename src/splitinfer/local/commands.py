@@ -1,24 +1,22 @@
-"""`splitinfer generate`, and what every client command shares: its options and the one client loader.
+"""What every client command shares: its options, the public-weights gate, the split-path loader, the stats table.
 
 `add_client_options` gives generate, chat and api the same way to name a model (a local shard and a
-server, or --local-only), and `load_client` turns those options into a SplitClient after the cheap
-checks that end in one clear line. `open_client` is the same loader for Python callers (benchmarks).
-Options that mirror ClientConfig, SamplingConfig and LookaheadConfig are derived from them (options.py).
-Nothing heavy is imported at module level.
+server, or --local-only); `connect_client` opens the split path after the cheap checks that end in one
+clear line. Choosing between that and the local-only path (whose middle runs a cloud piece in this
+process) is clients.py's job, above local/ and cloud/. Options that mirror ClientConfig, SamplingConfig
+and LookaheadConfig are derived from them (options.py). Nothing heavy is imported at module level.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, add_options, config_from_args, defer
+from ..options import Opt, add_options, config_from_args
 from ..wire.dtypes import DTYPE_NAMES
-from .auth import ClientAuth, add_client_auth_args, client_auth_from_args
+from .auth import ClientAuth, add_client_auth_args
 
 CLIENT_OPTIONS = (
     Opt("wire_dtype", choices=DTYPE_NAMES, help="dtype of the hidden states on the wire"),
@@ -83,65 +81,32 @@ def public_weights_gate(local_dir: str | Path, allow: bool) -> None:
         print(PUBLIC_WEIGHTS_WARNING, file=sys.stderr)
 
 
-def open_client(
-    *,
-    shard: str | Path | None = None,
-    server: str | None = None,
-    local_only: bool = False,
-    shards: str | Path | None = None,
-    model: str | None = None,
+def connect_client(
+    shard: str | Path | None,
+    server: str | None,
     config=None,
     device: str = "cpu",
     auth: ClientAuth = ClientAuth(),
     allow_public_weights: bool = False,
     handshake: bool = False,
 ):
-    """A SplitClient: split (`shard` + `server`) or `local_only` (`shards`, else `model` prepared into a
-    temporary directory). `handshake` opens one cloud session now, so a wrong shard or refused credentials
-    fail at start-up rather than at the first request."""
+    """A SplitClient over a cloud server (`shard` + `server`), after the cheap checks that end in one clear
+    line. `handshake` opens one cloud session now, so a wrong shard or refused credentials fail at start-up
+    rather than at the first request."""
     from ..preflight import check_handshake, check_local_memory, check_reachable
     from .client import SplitClient
     from .session import ClientConfig
 
-    config = config or ClientConfig()
-    if local_only:
-        if shards is None or model is not None:
-            from ..extras import GGUF, is_gguf_source, require_extra
-
-            if is_gguf_source(model):
-                require_extra("gguf", GGUF, "--local-only (reading a GGUF model; the default is one)")
-            from ..model.shards import prepare
-            from ..model.source import load_source
-
-            shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
-            prepare(load_source(model), shards, 1, 1, "float32")
-        check_local_memory(Path(shards) / "local")
-        return SplitClient.local_only(shards, device=device, split_seed=config.split_seed)
     if not shard or not server:
         raise ConfigError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
     check_reachable(server)  # one clear line now rather than a failed connect after loading the model
     check_local_memory(shard)
     public_weights_gate(shard, allow_public_weights)
-    client = SplitClient.connect(shard, server, config, device=device, auth=auth,
+    client = SplitClient.connect(shard, server, config or ClientConfig(), device=device, auth=auth,
                                  allow_public_weights=allow_public_weights)
     if handshake:
         check_handshake(client)
     return client
-
-
-def load_client(args: argparse.Namespace, handshake: bool = False):
-    """The SplitClient that the options of `add_client_options` describe."""
-    from .session import ClientConfig
-
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    return open_client(
-        shard=args.shard, server=args.server, local_only=args.local_only, shards=args.shards, model=args.model,
-        config=config_from_args(ClientConfig, args, CLIENT_OPTIONS), device=args.device,
-        auth=client_auth_from_args(args), allow_public_weights=args.allow_public_weights, handshake=handshake,
-    )
 
 
 def stats_table(stats: dict) -> str:
@@ -162,47 +127,3 @@ def stats_table(stats: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
-
-
-def cmd_generate(args) -> int:
-    sampling = sampling_from_args(args)  # option mistakes end here, before the model loads
-    strategy = args.strategy
-    if strategy == "lookahead":
-        from ..decoding.strategies import Lookahead, LookaheadConfig
-
-        strategy = Lookahead(config_from_args(LookaheadConfig, args, LOOKAHEAD_OPTIONS))
-    client = load_client(args)
-    stream = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    result = client.generate(
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        chat=not args.no_chat,
-        strategy=strategy,
-        on_text=stream,
-        sampling=sampling,
-    )
-    if args.json:
-        print(json.dumps(result.as_dict(with_steps=args.steps)))
-    else:
-        print(f"\n\n[{result.finish_reason}] {client.mode}, {result.stats['strategy']}")
-        print(stats_table(result.stats))
-    return 0
-
-
-def _generate_options(s: argparse.ArgumentParser) -> None:
-    from ..decoding.strategies import LookaheadConfig
-
-    add_client_options(s)
-    add_options(s, LookaheadConfig, LOOKAHEAD_OPTIONS)
-    add_sampling_options(s)
-    s.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    s.add_argument("--steps", action="store_true", help="with --json, include per-step telemetry")
-
-
-def register(subparsers) -> None:
-    s = subparsers.add_parser("generate", help="generate text; tokens never leave this machine")
-    s.add_argument("--prompt", required=True)
-    s.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    defer(s, _generate_options)
-    s.set_defaults(func=cmd_generate)

@@ -2,7 +2,9 @@
 
 Threats: T0 the local layers are the public weights; T1 they are private (`privatize`) and the attacker
 holds the public ones; T2 as T1 plus a chosen-plaintext attacker that pushed N tokens of its own text
-through the deployment's real local layers and trained on what came out. Defences: split depth, private
+through the deployment's real local layers and trained on what came out; T3-T5 the model runs in a
+secret residual basis (`privatize --basis`) and the attacker is an observer without the cloud shard (T3),
+the host with it (T4), or holds known (text, activation) pairs (T5); see keyed.py. Defences: split depth, private
 local weights, Gaussian noise on the sent activations (sigma times each row's RMS). Every row carries its
 frequency-prior baseline, its ceiling, a bootstrap interval over documents and its per-token outcomes.
 This module orchestrates; the attackers, statistics and report live in their own modules.
@@ -23,6 +25,7 @@ from . import attackers, exact, stats
 from .collect import collect
 from .corpus import CorpusConfig, build_corpus
 from .exact import ExactConfig
+from .keyed import KeyedConfig
 from .privatize import PrivatizeConfig, privatize_model, utility
 
 log = logging.getLogger("splitinfer.privacy")
@@ -51,16 +54,18 @@ class AuditConfig:
     t2_output_tokens: int = 10_000
     t2_train: attackers.TrainConfig = attackers.TrainConfig(epochs=5, max_seconds=90)
     utility_chunks: int = 6  # test chunks for perplexity / greedy agreement
+    # T3-T5: a secret residual basis (privatize --basis) against an observer, the host, known plaintext.
+    basis: KeyedConfig | None = KeyedConfig()
     n_boot: int = 1000
     seed: int = 0
 
 
 def quick_config(shards: str) -> AuditConfig:
-    """About ten minutes on two quiet CPU cores: fewer depths, documents, epochs and A4 chunks."""
+    """Within 15 minutes on two CPU cores: fewer depths, documents, epochs and A4 chunks; T3-T5 at k = 2."""
     return AuditConfig(
         shards=shards,
-        depths=(1, 2, 4),
-        tail_depths=(1, 2, 4),
+        depths=(1, 2),
+        tail_depths=(1, 2),
         corpus=CorpusConfig(max_documents=30, max_chunks_per_document=1),
         train=attackers.TrainConfig(epochs=4, max_seconds=15),
         a4_chunks=2,
@@ -214,6 +219,12 @@ class Audit:
         if len(cfg.depths) > 1:
             self.extra["depth_identification"] = depth_identification(self)
         noise_defence(self)
+        if cfg.basis is not None:
+            from .keyed import basis_threats
+
+            t0 = time.perf_counter()
+            basis_threats(self, cfg.basis)
+            self.timings["basis_threats_s"] = time.perf_counter() - t0
         if cfg.privatize is not None:
             private_defence(self)
         return self.result()

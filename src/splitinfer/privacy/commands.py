@@ -61,6 +61,10 @@ def cmd_audit(args) -> int:
         changes["seq_attacker"] = False
     if args.no_privatize:
         changes["privatize"] = None
+    if args.no_basis:
+        changes["basis"] = None
+    elif args.t5_pairs:
+        changes["basis"] = replace(config.basis, t5_pairs=_ints(args.t5_pairs))
     if args.noise is not None:
         try:
             changes["noise_sigmas"] = tuple(float(v) for v in args.noise.split(",") if v.strip())
@@ -87,6 +91,32 @@ def _read_texts(paths: list[str]) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
+def _basis(shards: Path, out: Path, seed: int | None) -> int:
+    """`privatize --basis`: both shards rewritten in a secret residual basis (privacy/basis.py)."""
+    import time
+
+    import torch
+
+    from ..model.shards import load_whole_hf
+    from .basis import BasisConfig, apply_basis, write_basis_shards
+
+    started = time.perf_counter()
+    model = load_whole_hf(shards)
+    keyed, _secret, record = apply_basis(model, BasisConfig(seed=seed))
+    # A self-check on 64 arbitrary tokens: the keyed model must compute the public model's logits.
+    ids = torch.arange(64)[None] * 7919 % model.config.vocab_size
+    with torch.inference_mode():
+        gap = (model(ids).logits - keyed(ids).logits).abs().max().item()
+    record["self_check_max_logit_difference"] = gap
+    write_basis_shards(keyed, shards, out, record)
+    print(
+        f"wrote {out} (local and cloud shards in a secret residual basis, {time.perf_counter() - started:.1f} s; "
+        f"max |logit difference| to the public model {gap:.2e} on 64 tokens)\n"
+        "serve OUT/cloud to this deployment only: its host can recover the basis from it (docs/privacy.md, T4)."
+    )
+    return 0
+
+
 def cmd_privatize(args) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -99,6 +129,12 @@ def cmd_privatize(args) -> int:
     shards, out = Path(args.shards), Path(args.out)
     if out.exists():
         raise ConfigError(f"{out} exists; choose a new --out directory.")
+    if args.basis:
+        if args.text:
+            raise ConfigError("--basis needs no --text and does not combine with the distilled private weights; pass one or the other.")
+        return _basis(shards, out, args.seed)
+    if not args.text:
+        raise ConfigError("pass the organisation's own text with --text (or --basis for a secret residual basis).")
     texts = _read_texts(args.text)
     if len(texts) < 2:
         raise ConfigError("pass at least two documents of the organisation's own text with --text (one is held out).")
@@ -129,6 +165,22 @@ def cmd_privatize(args) -> int:
     return 0
 
 
+def cmd_basis_check(args) -> int:
+    from .basis_check import compare
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = compare(Path(args.public), Path(args.keyed), args.tokens)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    same = sum(r["float32_identical"] for r in result["prompts"])
+    p = result["perplexity"]
+    print(f"float32 greedy identical on {same}/{len(result['prompts'])} prompts; perplexity {p['perplexity']:.3f} "
+          f"(public {p['reference_perplexity']:.3f}); decode tok/s {result['decode_tok_s_median']}; wrote {args.out}")
+    return 0
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("audit", help="measure what the cloud can recover from the hidden states it sees")
     s.add_argument("--shards", default="shards/smollm2", help="a prepared OUT directory (OUT/local + OUT/cloud)")
@@ -142,14 +194,26 @@ def register(subparsers) -> None:
     s.add_argument("--t2-tokens", help="chosen-plaintext attacker's own tokens (T2 learning curve), e.g. 1000,10000,100000")
     s.add_argument("--no-seq", action="store_true", help="skip A3, the sequence-aware attacker")
     s.add_argument("--no-privatize", action="store_true", help="skip the private-weights defence (T1, T2)")
+    s.add_argument("--no-basis", action="store_true", help="skip the secret residual basis (threats T3, T4, T5)")
+    s.add_argument("--t5-pairs", help="known (text, activation) pairs for T5's least squares, e.g. 100,1000,10000")
     s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
 
-    s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation)")
+    s = subparsers.add_parser("basis-check", help="compare a `privatize --basis` copy with its public shards")
+    s.add_argument("--public", required=True, help="the public OUT directory")
+    s.add_argument("--keyed", required=True, help="its `privatize --basis` copy")
+    s.add_argument("--out", required=True, help="JSON file for the comparison")
+    s.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    s.set_defaults(func=cmd_basis_check)
+
+    s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation, or --basis)")
     s.add_argument("--shards", required=True, help="a prepared OUT directory with stock weights")
     s.add_argument("--out", required=True, help="new OUT directory: private OUT/local, unchanged OUT/cloud")
-    s.add_argument("--text", nargs="+", required=True, help="the organisation's own text: files or directories")
+    s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")
+    s.add_argument("--basis", action="store_true",
+                   help="instead: rewrite both shards in a secret residual basis (same outputs; new cloud shard)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)

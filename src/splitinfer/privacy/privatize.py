@@ -161,65 +161,11 @@ def privatize_model(model: nn.Module, train_chunks: list[list[int]], config: Pri
     layers = private.model.layers
     per_layer = {i: [d for parent, _, d in installed if parent in (layers[i].self_attn, layers[i].mlp)] for i in indices}
     started = time.perf_counter()
-    from .collect import layer_outputs
-
-    ref_probe, ref_tail_in = [], []  # per pool window: [1, L, d] reference states at the probe / entering the tail
-    for w in pool:
-        _, hidden = layer_outputs(reference, torch.tensor([w]))
-        ref_probe.append(hidden[probe - 1][None].clone())
-        ref_tail_in.append(hidden[n - m - 1][None].clone())
-
-    def batches():
-        for _ in range(config.steps):
-            idx = rng.choice(len(pool), size=min(config.batch_chunks, len(pool)), replace=False)
-            yield idx, min(len(pool[i]) for i in idx)
-
-    def train(params, loss_of) -> list[float]:
-        opt, losses = torch.optim.Adam(params, lr=config.lr), []
-        private.train()
-        for idx, length in batches():
-            loss = loss_of(idx, length)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        private.eval()
-        return losses
-
-    def head_loss(idx, length):
-        ids = torch.tensor([pool[i][:length] for i in idx])
-        target = torch.cat([ref_probe[i][:, :length] for i in idx])
-        got = _last_output(private, ids)
-        return (((got - target) ** 2).sum(-1) / (target**2).sum(-1).clamp_min(1e-6)).mean()
-
-    head_losses, tail_losses = [], []
-    if k:
-        with _only_layers(private, list(range(probe))):
-            head_losses = train([p for i in range(k) for d in per_layer[i] for p in (d.a, d.b)], head_loss)
-    if m:
-        with torch.no_grad():
-            tail_in = [layer_outputs(private, torch.tensor([w]))[1][n - m - 1][None].clone() for w in pool]
-        tail = list(range(n - m, n))
-
-        def tail_loss(idx, length):
-            h_ref = torch.cat([ref_tail_in[i][:, :length] for i in idx])
-            h = torch.cat([tail_in[i][:, :length] for i in idx])
-            with torch.no_grad():
-                target = nn.functional.log_softmax(reference(inputs_embeds=h_ref, use_cache=False).logits.float(), -1)
-            logp = nn.functional.log_softmax(private(inputs_embeds=h, use_cache=False).logits.float(), -1)
-            return nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean") / length
-
-        with _only_layers(private, tail), _only_layers(reference, tail):
-            tail_losses = train([p for i in tail for d in per_layer[i] for p in (d.a, d.b)], tail_loss)
-    with torch.no_grad():
-        shift = []
-        for parent, name, delta in installed:
-            merged = nn.Linear(delta.base.in_features, delta.base.out_features, bias=delta.base.bias is not None)
-            merged.weight.copy_(delta.merged())
-            if delta.base.bias is not None:
-                merged.bias.copy_(delta.base.bias)
-            shift.append((delta.merged() - delta.base.weight).norm().item() / delta.base.weight.norm().item())
-            setattr(parent, name, merged.requires_grad_(False))
+    ref_probe, ref_tail_in = _reference_states(reference, pool, probe, n - m)
+    stage = _Stage(private, pool, rng, config)
+    head_losses = stage.train_head(ref_probe, [d for i in range(k) for d in per_layer[i]], probe) if k else []
+    tail_losses = stage.train_tail(reference, ref_tail_in, [d for i in range(n - m, n) for d in per_layer[i]], n - m) if m else []
+    shift = _merge(installed)
     last = tail_losses or head_losses or [float("nan")]
     record = {
         "layers": indices,
@@ -236,6 +182,88 @@ def privatize_model(model: nn.Module, train_chunks: list[list[int]], config: Pri
         "seconds": time.perf_counter() - started,
     }
     return private.eval(), record
+
+
+def _reference_states(reference: nn.Module, pool: list[list[int]], probe: int, tail_start: int) -> tuple[list, list]:
+    """Per pool window, the original model's [1, L, d] states after `probe` layers and entering the tail."""
+    from .collect import layer_outputs
+
+    ref_probe, ref_tail_in = [], []
+    for w in pool:
+        _, hidden = layer_outputs(reference, torch.tensor([w]))
+        ref_probe.append(hidden[probe - 1][None].clone())
+        ref_tail_in.append(hidden[tail_start - 1][None].clone())
+    return ref_probe, ref_tail_in
+
+
+class _Stage:
+    """One distillation stage's loop: batches of pool windows drawn from the secret-seeded `rng`, Adam on the deltas."""
+
+    def __init__(self, private: nn.Module, pool: list[list[int]], rng: np.random.Generator, config: PrivatizeConfig):
+        self.private, self.pool, self.rng, self.config = private, pool, rng, config
+
+    def _batches(self):
+        for _ in range(self.config.steps):
+            idx = self.rng.choice(len(self.pool), size=min(self.config.batch_chunks, len(self.pool)), replace=False)
+            yield idx, min(len(self.pool[i]) for i in idx)
+
+    def _train(self, deltas: list[_Delta], loss_of) -> list[float]:
+        opt, losses = torch.optim.Adam([p for d in deltas for p in (d.a, d.b)], lr=self.config.lr), []
+        self.private.train()
+        for idx, length in self._batches():
+            loss = loss_of(idx, length)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        self.private.eval()
+        return losses
+
+    def train_head(self, ref_probe: list, deltas: list[_Delta], probe: int) -> list[float]:
+        """Train the head's deltas so the state after `probe` layers matches the original's (relative squared error)."""
+
+        def head_loss(idx, length):
+            ids = torch.tensor([self.pool[i][:length] for i in idx])
+            target = torch.cat([ref_probe[i][:, :length] for i in idx])
+            got = _last_output(self.private, ids)
+            return (((got - target) ** 2).sum(-1) / (target**2).sum(-1).clamp_min(1e-6)).mean()
+
+        with _only_layers(self.private, list(range(probe))):
+            return self._train(deltas, head_loss)
+
+    def train_tail(self, reference: nn.Module, ref_tail_in: list, deltas: list[_Delta], tail_start: int) -> list[float]:
+        """Train the tail's deltas so the next-token distribution from the trained head's state matches the original's (KL)."""
+        from .collect import layer_outputs
+
+        private = self.private
+        with torch.no_grad():
+            tail_in = [layer_outputs(private, torch.tensor([w]))[1][tail_start - 1][None].clone() for w in self.pool]
+        tail = list(range(tail_start, len(private.model.layers)))
+
+        def tail_loss(idx, length):
+            h_ref = torch.cat([ref_tail_in[i][:, :length] for i in idx])
+            h = torch.cat([tail_in[i][:, :length] for i in idx])
+            with torch.no_grad():
+                target = nn.functional.log_softmax(reference(inputs_embeds=h_ref, use_cache=False).logits.float(), -1)
+            logp = nn.functional.log_softmax(private(inputs_embeds=h, use_cache=False).logits.float(), -1)
+            return nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean") / length
+
+        with _only_layers(private, tail), _only_layers(reference, tail):
+            return self._train(deltas, tail_loss)
+
+
+@torch.no_grad()
+def _merge(installed: list[tuple[nn.Module, str, _Delta]]) -> list[float]:
+    """Replace every delta by one plain Linear holding W + B A; returns each weight's relative change."""
+    shift = []
+    for parent, name, delta in installed:
+        merged = nn.Linear(delta.base.in_features, delta.base.out_features, bias=delta.base.bias is not None)
+        merged.weight.copy_(delta.merged())
+        if delta.base.bias is not None:
+            merged.bias.copy_(delta.base.bias)
+        shift.append((delta.merged() - delta.base.weight).norm().item() / delta.base.weight.norm().item())
+        setattr(parent, name, merged.requires_grad_(False))
+    return shift
 
 
 def write_private_shard(private: nn.Module, shards: Path, out: Path, record: dict) -> Path:

@@ -19,23 +19,23 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..options import defer
+from .errors import ConfigError
+from .options import defer
 
 
 def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: int, seed: int):
     """The table and its manifest; deterministic for a seed on one Python and model."""
     import torch
 
-    from .. import __version__
-    from ..local.client import SplitClient
-    from ..local.session import SplitSession
-    from ..offline import offline_prompts, prompts_hash
-    from ..progress import progress
-    from .warm import FORMAT, RecyclingTable, aggregate_successors
+    from . import __version__
+    from .inprocess import local_only_client
+    from .local.session import SplitSession
+    from .offline import offline_prompts, prompts_hash
+    from .progress import progress
+    from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
 
     torch.manual_seed(seed)
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     chosen = offline_prompts(prompts, seed)
     rows, generated = [], 0
     t0 = time.perf_counter()

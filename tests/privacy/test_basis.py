@@ -1,0 +1,85 @@
+"""The secret residual basis computes the public model's function in other coordinates (privacy/basis.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import prepare_tiny, tiny_model
+
+from splitinfer.cli import main
+from splitinfer.errors import ConfigError
+from splitinfer.inprocess import local_only_client
+from splitinfer.model.shards import load_cloud, read_manifest
+from splitinfer.privacy.basis import BasisConfig, apply_basis, write_basis_shards
+
+PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
+
+
+def greedy(model, prompt, n=24):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_keyed_model_is_the_public_function_in_a_rotated_basis(family):
+    model = tiny_model(family)
+    keyed, secret, record = apply_basis(model, BasisConfig(seed=3))
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        public = model(ids, output_hidden_states=True)
+        rotated = keyed(ids, output_hidden_states=True)
+    assert torch.allclose(public.logits, rotated.logits, atol=1e-4)
+    assert greedy(model, PROMPT) == greedy(keyed, PROMPT)
+    for h, h_keyed in zip(public.hidden_states[1:-1], rotated.hidden_states[1:-1]):
+        # What crosses the wire is h Q: not h itself, and Q is orthogonal.
+        assert torch.allclose((h.double() @ secret.q).float(), h_keyed, atol=1e-4)
+        assert (h - h_keyed).abs().max() > 0.1
+    assert torch.allclose(secret.q @ secret.q.T, torch.eye(64, dtype=torch.float64), atol=1e-10)
+    # Every stream norm's gain was folded away; the heads and neurons were shuffled.
+    assert all(bool((layer.input_layernorm.weight == 1).all()) for layer in keyed.model.layers)
+    assert bool((keyed.model.norm.weight == 1).all()) and not keyed.config.tie_word_embeddings
+    assert any(not torch.equal(p, torch.arange(len(p))) for p in secret.neuron_perms)
+    assert any(not torch.equal(p, torch.arange(len(p))) for p in secret.head_perms)
+    assert model.config.tie_word_embeddings == (family == "qwen2")  # the public model is left as it was
+    assert record["permute_heads"] and record["permute_neurons"]
+
+
+def test_two_deployments_get_different_bases():
+    model = tiny_model("llama")
+    a, _, _ = apply_basis(model, BasisConfig(seed=1))
+    b, _, _ = apply_basis(model, BasisConfig(seed=2))
+    assert not torch.allclose(a.model.layers[3].mlp.up_proj.weight, b.model.layers[3].mlp.up_proj.weight)
+
+
+def test_unsupported_family_is_refused():
+    with pytest.raises(ConfigError, match="residual basis"):
+        apply_basis(tiny_model("gemma3"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_basis_shards_generate_the_public_tokens(tmp_path, family):
+    model, shards = prepare_tiny(tmp_path, family, 2, 2)
+    keyed, _, record = apply_basis(model, BasisConfig(seed=5))
+    out = write_basis_shards(keyed, shards, tmp_path / "keyed", record)
+    local, public = read_manifest(out / "local", "local"), read_manifest(shards / "local", "local")
+    assert local["residual_basis"]["method"].startswith("orthogonal")
+    assert local["split"] == public["split"]
+    assert load_cloud(out / "cloud").fingerprint != public["cloud_fingerprint"]  # a cloud shard per deployment
+    got = local_only_client(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
+    assert got.token_ids == greedy(model, PROMPT)
+
+
+def test_privatize_basis_cli(tmp_path, capsys):
+    _, shards = prepare_tiny(tmp_path, "mistral", 1, 2)
+    out = tmp_path / "keyed"
+    assert main(["privatize", "--shards", str(shards), "--out", str(out), "--basis", "--seed", "9"]) == 0
+    assert "secret residual basis" in capsys.readouterr().out
+    manifest = json.loads((out / "local" / "manifest.json").read_text())
+    assert manifest["residual_basis"]["self_check_max_logit_difference"] < 1e-3
+    # The CLI turns a ConfigError into one line on stderr and a non-zero exit.
+    assert main(["privatize", "--shards", str(shards), "--out", str(tmp_path / "x"), "--basis", "--text", str(shards)]) != 0
+    assert "--basis needs no --text" in capsys.readouterr().err
+    assert main(["privatize", "--shards", str(shards), "--out", str(tmp_path / "y")]) != 0
+    assert "pass the organisation's own text with --text" in capsys.readouterr().err
