@@ -6,7 +6,9 @@ WebSocket connection and cloud session, local/conversation.py), closed when the 
 is closed at once; the exception reaches the caller.
 
 Requests share one memory of earlier replies (decoding/warm.py) that the tree drafts from: a client that
-asks similar things again gets the shared wording proposed. It stays in this process.
+asks similar things again gets the shared wording proposed. It stays in this process. Replies stay
+exact whatever it holds, but how fast a request runs depends on it: where users of one API server must
+not learn even that much about each other's replies, run it with --memory-tokens 0.
 
 It knows nothing about HTTP; text streams out through the `on_text` callback.
 """

@@ -125,12 +125,16 @@ def _merge(counts: list[dict]) -> dict:
     }
 
 
-def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, max_new_tokens: int) -> dict:
-    """Per source: per-generation counts and their summaries per category and over all prompts."""
-    from ..decoding.warm import SuffixMemory
+def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, max_new_tokens: int,
+            table_dir: Path | None = None) -> dict:
+    """Per source: per-generation counts and their summaries per category and over all prompts.
+
+    table_dir: the recycling table the -warm sources start from (default: the one shipped for the model)."""
+    from ..decoding.warm import RecyclingTable, SuffixMemory
     from ..inprocess import local_only_client
 
     client = local_only_client(shards)
+    table = RecyclingTable.load(table_dir) if table_dir is not None else client.recycling_table
     stop = client.stop_ids() if client.local.tokenizer is not None else set()
     encoded = {p["id"]: list(p["prompt"]) if isinstance(p["prompt"], list) else client.encode_prompt(p["prompt"], p.get("chat", True))
                for p in prompts}
@@ -138,7 +142,7 @@ def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, m
              for pid, ids in encoded.items()}
     results = {}
     for name in sources:
-        make = _strategy_factory(name, nodes, client.recycling_table, SuffixMemory())
+        make = _strategy_factory(name, nodes, table, SuffixMemory())
         per_prompt = {}
         for p in prompts:
             recorder = DepthRecorder(make())
@@ -216,7 +220,9 @@ def run(args) -> dict:
         "nodes": args.nodes,
         "max_new_tokens": args.max_new_tokens,
         "prompts": [p["id"] for p in prompts],
-        "sources": measure(shards, prompts, sources, args.nodes, args.max_new_tokens),
+        "recycling_table": args.recycling_table or "shipped",
+        "sources": measure(shards, prompts, sources, args.nodes, args.max_new_tokens,
+                           Path(args.recycling_table) if args.recycling_table else None),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,6 +240,7 @@ def _options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--sources", default=DEFAULT_SOURCES, help="comma-separated sources or strategy names")
     s.add_argument("--nodes", type=int, default=16, help="draft nodes per step for the named sources")
     s.add_argument("--max-new-tokens", type=int, default=96)
+    s.add_argument("--recycling-table", help="folder of a recycling table for the -warm sources (default: the shipped one)")
 
 
 def register(sub) -> None:

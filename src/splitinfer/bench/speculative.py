@@ -95,6 +95,9 @@ def run_speculative_bench(args) -> dict:
     runs, local_runs = _measure(args, shards, prompts, strategies, rtts, local)
     divergences = find_divergences(runs, local)
     device = args.cloud_device or "cpu"
+    table = local.recycling_table
+    warm = (f"tree's Token Recycling starts from the shipped table ({table.manifest.get('table_tokens')} tokens, data "
+            f"{str(table.manifest.get('data_sha256'))[:12]})" if table is not None else "no recycling table for this model")
     report = {
         "command": "splitinfer bench-spec " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "splitinfer": __version__,
@@ -103,10 +106,11 @@ def run_speculative_bench(args) -> dict:
         "setup": f"client: this process, core 0, 1 thread; cloud server: child process, core 1, 1 thread, {device}; "
         f"WAN emulator: child process on core 1; {args.wire_dtype} wire; greedy; fresh drafting state per generation "
         "(the client's measured step costs are shared by its generations); local-only: the whole model in this "
-        "process, core 0, 1 thread, sequential greedy, float32, interleaved with the split runs",
+        f"process, core 0, 1 thread, sequential greedy, float32, interleaved with the split runs; {warm}",
         "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
         "wire_dtype": args.wire_dtype,
         "cloud_device": device,
+        "recycling_table": table.manifest if table is not None else None,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "strategies": strategies,
