@@ -214,7 +214,8 @@ def run(args) -> dict:
     report = {
         "command": "splitinfer bench-acceptance " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
-        "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} held-out prompts ({prompt_file}), "
+        "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} held-out prompts "
+        f"({args.prompts or 'the packaged data/heldout.jsonl'}), "
         f"{args.max_new_tokens} new tokens; drafts of exactly {args.nodes} nodes per step for the named sources. "
         f"torch {torch.__version__}.",
         "nodes": args.nodes,
