@@ -75,8 +75,8 @@ def threat_table(sources: list[tuple[str, dict]], depth: int = 2, short: bool = 
     for t in THREATS:
         cells, labels = [], []
         for side in ("input", "output"):
-            found = next(((lab, row) for lab, result in sources
-                          if (row := _best(result["results"], t.threat, t.defence, side, depth)) is not None), (None, None))
+            hits = ((lab, _best(result["results"], t.threat, t.defence, side, depth)) for lab, result in sources)
+            found = next(((lab, row) for lab, row in hits if row is not None), (None, None))
             cells.append(found[1])
             if found[0] and found[0] not in labels:
                 labels.append(found[0])
@@ -84,8 +84,8 @@ def threat_table(sources: list[tuple[str, dict]], depth: int = 2, short: bool = 
         lines.append(f"| {t.who} | {t.sees} | {_cell(cells[0])} | {_cell(cells[1])} | "
                      f"{INSTEAD if everything else '-'} | {', '.join(labels) or '-'} ({t.threat}) |")
     if short:
-        lines = ["| " + " | ".join(cell for i, cell in enumerate(line.strip("|").split(" | ")) if i not in (1, 5)).strip()
-                 + " |" for line in lines]
+        cells = [line.strip("|").split(" | ") for line in lines]
+        lines = ["| " + " | ".join(c for i, c in enumerate(row) if i not in (1, 5)).strip() + " |" for row in cells]
         lines[1] = "|---|---|---|---|"
     lines.append("")
     lines.append("Top-1 token recovery of the best measured attacker; prior = the frequency-prior baseline (guessing "
