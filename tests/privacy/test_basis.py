@@ -79,7 +79,8 @@ def test_privatize_basis_cli(tmp_path, capsys):
     manifest = json.loads((out / "local" / "manifest.json").read_text())
     assert manifest["residual_basis"]["self_check_max_logit_difference"] < 1e-3
     # The CLI turns a ConfigError into one line on stderr and a non-zero exit.
-    assert main(["privatize", "--shards", str(shards), "--out", str(tmp_path / "x"), "--basis", "--text", str(shards)]) != 0
+    both = ["privatize", "--shards", str(shards), "--out", str(tmp_path / "x"), "--basis", "--text", str(shards)]
+    assert main(both) != 0
     assert "--basis needs no --text" in capsys.readouterr().err
     assert main(["privatize", "--shards", str(shards), "--out", str(tmp_path / "y")]) != 0
     assert "pass the organisation's own text with --text" in capsys.readouterr().err

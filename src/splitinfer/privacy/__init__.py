@@ -6,5 +6,8 @@ attackers A1 nearest embedding / logit lens, A2 single-activation MLP, A3 sequen
 exact     A4 known-weights exact matching
 stats     bootstrap intervals over documents, exact McNemar tests, frequency buckets
 privatize private local weights from a secret seed, with their utility cost
+basis     a secret residual basis per deployment (privatize --basis); basis_check its cost
+keyed     threats T3-T5 against the basis: observer without the cloud shard, host, known plaintext
+table     the threat-model table of the docs, written from audit.json
 audit     the runs and audit.json; report: Markdown and plots; commands: the CLI
 """

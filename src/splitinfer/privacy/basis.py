@@ -96,7 +96,8 @@ def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None = No
         linear.bias.data = bias.to(linear.bias.dtype).contiguous()
 
 
-def _fold_attention(attn: nn.Module, gain: torch.Tensor, q: torch.Tensor, config, perm: torch.Tensor | None, generator) -> None:
+def _fold_attention(attn: nn.Module, gain: torch.Tensor, q: torch.Tensor, config, perm: torch.Tensor | None,
+                    generator: torch.Generator) -> None:
     """W_{q,k,v} <- W diag(g) Q (rows permuted by head), W_o <- Q^T W_o (columns permuted), bias_o <- b Q."""
     hd, group = _head_dim(config), config.num_attention_heads // config.num_key_value_heads
     kv_rows = q_rows = None

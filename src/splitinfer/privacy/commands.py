@@ -131,7 +131,8 @@ def cmd_privatize(args) -> int:
         raise ConfigError(f"{out} exists; choose a new --out directory.")
     if args.basis:
         if args.text:
-            raise ConfigError("--basis needs no --text and does not combine with the distilled private weights; pass one or the other.")
+            raise ConfigError("--basis needs no --text and does not combine with the distilled private weights; "
+                              "pass one or the other.")
         return _basis(shards, out, args.seed)
     if not args.text:
         raise ConfigError("pass the organisation's own text with --text (or --basis for a secret residual basis).")
@@ -217,13 +218,15 @@ def register(subparsers) -> None:
     s.set_defaults(func=cmd_basis_check)
 
     s = subparsers.add_parser("privacy-table", help="write the threat-model table from audit.json files into docs")
-    s.add_argument("--audit", nargs="+", required=True, help="audit.json files; a row found in several comes from the first")
+    s.add_argument("--audit", nargs="+", required=True,
+                   help="audit.json files; a row found in several comes from the first")
     s.add_argument("--write", nargs="*", default=[], help="Markdown files with threat-table markers to update")
     s.add_argument("--write-short", nargs="*", default=[], help="files to get the short table (no has/data columns)")
     s.add_argument("--depth", type=int, default=2, help="the split depth k = m the table reports")
     s.set_defaults(func=cmd_privacy_table)
 
-    s = subparsers.add_parser("privatize", help="make the local layers private (secret seed + distillation, or --basis)")
+    s = subparsers.add_parser("privatize",
+                              help="make the local layers private (secret seed + distillation, or --basis)")
     s.add_argument("--shards", required=True, help="a prepared OUT directory with stock weights")
     s.add_argument("--out", required=True, help="new OUT directory: private OUT/local, unchanged OUT/cloud")
     s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")

@@ -67,7 +67,8 @@ def _body(full: Collected, chunks: list[Chunk], p: int) -> Collected:
     )
 
 
-def _pred_a4_input(audit, stack, rows: np.ndarray, full: Collected, p: int, guesses: np.ndarray, config) -> tuple[np.ndarray, dict]:
+def _pred_a4_input(audit, stack, rows: np.ndarray, full: Collected, p: int, guesses: np.ndarray,
+                   config) -> tuple[np.ndarray, dict]:
     """A4 on the a4 chunks' whole sequences (template included, as a session is); body predictions only.
     rows: [T_full, d] (already mapped to the public basis by the attacker); guesses: [T_body, g]."""
     model = audit.model
@@ -146,7 +147,8 @@ def weight_matching(public_layer, keyed_layer) -> tuple[np.ndarray, dict, np.nda
     def invariants(gate, up, down):
         return torch.stack([gate.norm(dim=1), up.norm(dim=1), down.norm(dim=0), (gate * up).sum(1)], 1).numpy()
 
-    a, b = invariants(pub_gate, pub_up, pub["down_proj"]), invariants(key["gate_proj"], key["up_proj"], key["down_proj"])
+    a = invariants(pub_gate, pub_up, pub["down_proj"])
+    b = invariants(key["gate_proj"], key["up_proj"], key["down_proj"])
     scale = a.std(0) + 1e-12
     from scipy.spatial import cKDTree
 
@@ -261,8 +263,10 @@ def _t4(audit, side, k, keyed, obs_full, p, state) -> None:
         body = _body(replace(obs_full, inputs={k: derotated.astype(np.float16)}), audit.corpus.test, p)
         a2 = state[(side, "A2")]
         guesses = attackers.predict(a2, body.inputs[k], audit.test.chunk_bounds())
-        pred, info = _pred_a4_input(audit, stack, derotated, obs_full, p, guesses, cfg.exact if exact_ok else cfg.inexact)
-        audit._row((side, k, "T4", "A5 weight matching + A4", DEFENCE), pred, _a4_mask(audit), y, {**info, "a5": record})
+        search = cfg.exact if exact_ok else cfg.inexact
+        pred, info = _pred_a4_input(audit, stack, derotated, obs_full, p, guesses, search)
+        key = (side, k, "T4", "A5 weight matching + A4", DEFENCE)
+        audit._row(key, pred, _a4_mask(audit), y, {**info, "a5": record})
     else:
         audit._row((side, k, "T4", "A5 weight matching + A4", DEFENCE), _pred_a4_output(audit, derotated, obs_full, p),
                    np.ones(len(audit.test), bool), y, {"a5": record})
@@ -279,7 +283,7 @@ def _t5(audit, k, keyed, prefix, config: KeyedConfig, state) -> None:
     pub = _body(collect(audit.model, _prefixed(chunks, prefix), (k,)), chunks, p).inputs[k].astype(np.float64)
     obs = _body(collect(keyed, _prefixed(chunks, prefix), (k,)), chunks, p).inputs[k].astype(np.float64)
     audit.timings["T5_collect_s"] = time.perf_counter() - started
-    x_obs, y = audit.test.inputs[k].astype(np.float64), state[("input", "A2")]
+    x_obs, a2 = audit.test.inputs[k].astype(np.float64), state[("input", "A2")]
     train_targets = state["train_targets"]
     stack = exact.head_stack(audit.model, k)
     obs_full = state["obs_full"]
@@ -287,12 +291,15 @@ def _t5(audit, k, keyed, prefix, config: KeyedConfig, state) -> None:
         t0 = time.perf_counter()
         r, *_ = np.linalg.lstsq(obs[:n], pub[:n], rcond=None)  # minimum norm below d pairs
         fit_s = time.perf_counter() - t0
-        info = {"known_pairs": int(n), "fit_seconds": round(fit_s, 3), "rotation_error": _rotation_error(r, audit, state)}
+        info = {"known_pairs": int(n), "fit_seconds": round(fit_s, 3),
+                "rotation_error": _rotation_error(r, audit, state)}
         test = (x_obs @ r).astype(np.float16)
-        pred = attackers.predict(y, test, audit.test.chunk_bounds())
-        audit._row(("input", k, "T5", f"A7 N={n} + A2", DEFENCE), pred, np.ones(len(audit.test), bool), train_targets, info)
+        pred = attackers.predict(a2, test, audit.test.chunk_bounds())
+        everything = np.ones(len(audit.test), bool)
+        audit._row(("input", k, "T5", f"A7 N={n} + A2", DEFENCE), pred, everything, train_targets, info)
         rows = (obs_full.inputs[k].astype(np.float64) @ r).astype(np.float32)
         a4, a4_info = _pred_a4_input(audit, stack, rows, obs_full, p, pred, cfg.inexact)
-        audit._row(("input", k, "T5", f"A7 N={n} + A4", DEFENCE), a4, _a4_mask(audit), train_targets, {**info, **a4_info})
+        key = ("input", k, "T5", f"A7 N={n} + A4", DEFENCE)
+        audit._row(key, a4, _a4_mask(audit), train_targets, {**info, **a4_info})
         audit.timings[f"T5_N{n}_s"] = time.perf_counter() - t0
-    audit.extra.setdefault("secret_basis_t5", {"pairs_available": int(len(pub)), "documents": len({c.doc_id for c in chunks})})
+    audit.extra["secret_basis_t5"] = {"pairs_available": int(len(pub)), "documents": len({c.doc_id for c in chunks})}

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 BEGIN, END = "<!-- threat-table:begin -->", "<!-- threat-table:end -->"
+# Shown where the best attacker reads 90% or more: the split gives no confidentiality there.
 INSTEAD = "a confidential-computing GPU for the cloud half, or a model you do not run on someone else's machine"
 
 
@@ -25,18 +26,17 @@ class Threat:
     sees: str  # what it has
     threat: str  # audit row key
     defence: str  # audit row key
-    instead: str = ""  # what to use where it recovers everything
 
 
 THREATS = (
     Threat("anyone who reads logs, dumps or a tap behind TLS, without the cloud shard", "activations; public weights",
-           "T0", "none", INSTEAD),
+           "T0", "none"),
     Threat("the same reader, deployment in a secret basis (`privatize --basis`)",
            "activations in the secret basis; public weights; its own text", "T3", "secret basis"),
-    Threat("the cloud host", "activations and the cloud layers (= public weights)", "T0", "none", INSTEAD),
-    Threat("the cloud host, secret basis", "activations and this deployment's cloud shard", "T4", "secret basis", INSTEAD),
+    Threat("the cloud host", "activations and the cloud layers (= public weights)", "T0", "none"),
+    Threat("the cloud host, secret basis", "activations and this deployment's cloud shard", "T4", "secret basis"),
     Threat("the cloud host, private local weights (`privatize --text`), pushing its own text through them",
-           "activations; 10^5 chosen-plaintext tokens", "T2", "private weights", INSTEAD),
+           "activations; 10^5 chosen-plaintext tokens", "T2", "private weights"),
     Threat("the host or a log reader holding known (text, activation) pairs, secret basis",
            "N pairs (largest N measured)", "T5",
            "secret basis"),
@@ -75,17 +75,17 @@ def threat_table(sources: list[tuple[str, dict]], depth: int = 2, short: bool = 
     for t in THREATS:
         cells, labels = [], []
         for side in ("input", "output"):
-            found = next(((lab, row) for lab, result in sources
-                          if (row := _best(result["results"], t.threat, t.defence, side, depth)) is not None), (None, None))
+            hits = ((lab, _best(result["results"], t.threat, t.defence, side, depth)) for lab, result in sources)
+            found = next(((lab, row) for lab, row in hits if row is not None), (None, None))
             cells.append(found[1])
             if found[0] and found[0] not in labels:
                 labels.append(found[0])
         everything = max((r["top1"] for r in cells if r is not None), default=0) >= 0.9
         lines.append(f"| {t.who} | {t.sees} | {_cell(cells[0])} | {_cell(cells[1])} | "
-                     f"{t.instead if everything else '-'} | {', '.join(labels) or '-'} ({t.threat}) |")
+                     f"{INSTEAD if everything else '-'} | {', '.join(labels) or '-'} ({t.threat}) |")
     if short:
-        lines = ["| " + " | ".join(cell for i, cell in enumerate(line.strip("|").split(" | ")) if i not in (1, 5)).strip()
-                 + " |" for line in lines]
+        cells = [line.strip("|").split(" | ") for line in lines]
+        lines = ["| " + " | ".join(c for i, c in enumerate(row) if i not in (1, 5)).strip() + " |" for row in cells]
         lines[1] = "|---|---|---|---|"
     lines.append("")
     lines.append("Top-1 token recovery of the best measured attacker; prior = the frequency-prior baseline (guessing "
