@@ -83,3 +83,15 @@ def prepare_tiny(tmp_path: Path, family: str, head: int, tail: int, seed: int = 
     out = tmp_path / f"{family}-{head}-{tail}"
     prepare(SourceModel(f"tiny-{family}", model.config, model, None), out, head, tail, "float32")
     return model, out
+
+
+def random_head(local, seed: int = 0, vocab: int | None = None):
+    """A randomly initialised draft head over a LocalHalf's own embedding, final norm and LM head; its draft
+    vocabulary is the first `vocab` ids (all by default)."""
+    from splitinfer.model.drafthead import DraftHead, DraftHeadConfig
+
+    torch.manual_seed(seed)
+    size = vocab or local.config.vocab_size
+    config = DraftHeadConfig.for_model(local.config, size, intermediate_size=32)
+    head = DraftHead(config, local.embed, local.norm, local.lm_head, torch.arange(size))
+    return head.eval().requires_grad_(False)

@@ -39,6 +39,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.bench.batching",  # bench-batch
     "splitinfer.bench.loadtest",  # load-test
     "splitinfer.privacy.commands",  # audit, privatize
+    "splitinfer.drafter.commands",  # train-drafter
 )
 # Commands whose progress is their output, so they log at INFO without -v.
 LOUD_COMMANDS = ("serve", "wan")

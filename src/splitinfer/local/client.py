@@ -12,6 +12,7 @@ depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_se
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,13 +22,16 @@ from ..decoding.controller import StepCosts
 from ..decoding.sampling import SamplingConfig
 from ..decoding.strategies import Strategy
 from ..errors import ConfigError
-from ..model.shards import LocalHalf, load_cloud, load_local, local_weights_are_public
+from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_head, read_head_info
+from ..model.shards import LocalHalf, load_cloud, load_local, local_weights_are_public, model_identity
 from .auth import ClientAuth
 from .conversation import Conversation
 from ..inprocess import InProcessMiddle
 from .middle import RemoteMiddle
 from .session import ClientConfig
 from .text import chat_prompt_ids
+
+log = logging.getLogger("splitinfer.local")
 
 PUBLIC_WEIGHTS_WARNING = (
     "warning: the local layers are the stock public weights, so the cloud can run them itself and recover "
@@ -81,6 +85,20 @@ def head_depth_drawer(local: LocalHalf, seed: int | None) -> Callable[[], int | 
     return lambda: None if low == high else rng.randint(low, high)
 
 
+def load_draft_head(local: LocalHalf, local_dir: str | Path, mode: str, device: str = "cpu"):
+    """The draft head in `local_dir`/drafter (installed by `prepare`), or None: with mode "off", when there
+    is none, or when it was trained for another model (a warning says so)."""
+    directory = Path(local_dir) / DRAFTER_DIR
+    if mode == "off" or not (directory / HEAD_CONFIG).is_file():
+        return None
+    made_for = read_head_info(directory).get("model_fingerprint")
+    if made_for != model_identity(local.manifest):
+        log.warning("ignoring the draft head in %s: it was trained for another model", directory)
+        return None
+    softcap = getattr(local.config, "final_logit_softcapping", None)
+    return load_head(directory, local.embed, local.norm, local.lm_head, softcap, device)
+
+
 class SplitClient:
     def __init__(self, local: LocalHalf, make_middle: Callable[[], object], config: ClientConfig = ClientConfig()):
         self.local = local
@@ -90,6 +108,7 @@ class SplitClient:
         # What a verified block costs on this deployment, measured by every tree generation and shared by
         # the next ones (the cost of a row is a property of the machines and the link, not of the text).
         self.step_costs = StepCosts()
+        self.draft_head = None  # a learned draft head (model/drafthead.py), see `load_draft_head`
 
     @classmethod
     def connect(
@@ -112,10 +131,13 @@ class SplitClient:
                 auth=auth, head_layers=draw(),
             )
 
-        return cls(local, make_middle, config)
+        client = cls(local, make_middle, config)
+        client.draft_head = load_draft_head(local, local_shard, config.drafter, device)
+        return client
 
     @classmethod
-    def local_only(cls, shards: str | Path, device: str = "cpu", split_seed: int | None = None) -> "SplitClient":
+    def local_only(cls, shards: str | Path, device: str = "cpu", split_seed: int | None = None,
+                   drafter: str = "auto") -> "SplitClient":
         """The whole model in this process from a prepared OUT directory (OUT/local + OUT/cloud)."""
         shards = Path(shards)
         local = load_local(shards / "local", device=device)
@@ -123,8 +145,9 @@ class SplitClient:
         if cloud.fingerprint != local.fingerprint:
             raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
         draw = head_depth_drawer(local, split_seed)
-        config = ClientConfig(wire_dtype="float32", split_seed=split_seed)
+        config = ClientConfig(wire_dtype="float32", split_seed=split_seed, drafter=drafter)
         client = cls(local, lambda: InProcessMiddle(cloud, draw()), config)
+        client.draft_head = load_draft_head(local, shards / "local", drafter, device)
         client.mode = "local-only"
         return client
 

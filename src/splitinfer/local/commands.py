@@ -25,6 +25,8 @@ CLIENT_OPTIONS = (
     Opt("prefill_chunk", help="prompt rows per message"),
     Opt("split_seed", help="with a --split-range shard: seed the per-session split draw (tests/benchmarks only; "
                            "default: the OS's secret RNG)"),
+    Opt("drafter", choices=("auto", "off"), help="the learned draft head in the local shard's drafter/ directory: "
+                                                 "auto uses it when present and made for this model"),
 )
 # 0 (greedy) is the command line's default temperature; SamplingConfig is only built when sampling.
 SAMPLING_OPTIONS = (
@@ -116,7 +118,7 @@ def open_client(
             shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
             prepare(load_source(model), shards, 1, 1, "float32")
         check_local_memory(Path(shards) / "local")
-        return SplitClient.local_only(shards, device=device, split_seed=config.split_seed)
+        return SplitClient.local_only(shards, device=device, split_seed=config.split_seed, drafter=config.drafter)
     if not shard or not server:
         raise ConfigError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
     check_reachable(server)  # one clear line now rather than a failed connect after loading the model

@@ -121,7 +121,7 @@ class Conversation:
         self.history.extend(new_ids)
         to_prefill = self.history[cached:]
         stops = self.client.stop_ids() if stop_ids is None else stop_ids
-        strategy = make_strategy(self.strategy, costs=self.client.step_costs) if isinstance(self.strategy, str) else self.strategy
+        strategy = make_strategy(self.strategy, costs=self.client.step_costs, head=self.client.draft_head) if isinstance(self.strategy, str) else self.strategy
         first_record = len(self.session.records)
         text = TextStream(self.client.local.tokenizer, on_text, stops, stop)
         try:
