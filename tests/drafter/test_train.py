@@ -54,3 +54,26 @@ def test_train_drafter_resumes_to_the_same_head_and_writes_a_manifest(smollm2_sh
     assert json.loads((interrupted / "manifest.json").read_text())["losses"] == straight["losses"]
     with pytest.raises(ConfigError):  # the data was made with other options
         train.run_training(smollm2_shards, interrupted, replace(TOY, seed=1))
+
+
+def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_only_a_match(smollm2_shards, tmp_path):
+    from splitinfer.local.client import load_draft_head
+    from splitinfer.model.commands import install_shipped_drafter
+    from splitinfer.model.drafthead import DRAFTER_DIR
+    from splitinfer.model.shards import load_local, model_identity, read_manifest
+
+    from tiny import prepare_tiny
+
+    local = tmp_path / "local"
+    local.mkdir()
+    for name in ("manifest.json", "config.json"):  # what install reads: the model's identity
+        (local / name).write_text((smollm2_shards / "local" / name).read_text())
+    assert "installed" in install_shipped_drafter(local)
+    shipped = json.loads((local / DRAFTER_DIR / "manifest.json").read_text())
+    assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
+    assert shipped["seed"] == train.TrainConfig().seed and shipped["steps"] == train.TrainConfig().steps
+    head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")
+    assert head is not None and head.config.draft_vocab_size == train.TrainConfig().draft_vocab_size
+    _, tiny = prepare_tiny(tmp_path, "llama", 1, 1)
+    assert "no shipped draft head matches" in install_shipped_drafter(tiny / "local")
+    assert not (tiny / "local" / DRAFTER_DIR).exists()

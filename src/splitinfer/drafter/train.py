@@ -41,7 +41,7 @@ MANIFEST = "manifest.json"
 @dataclass(frozen=True)
 class TrainConfig:
     tokens: int = 8_000  # generated tokens (continuations) to train on
-    steps: int = 1_000
+    steps: int = 300
     seed: int = 0
     device: str = "cpu"
     max_new_tokens: int = 128  # per continuation
@@ -226,7 +226,7 @@ def _loss_summary(losses: list, points: int = 12) -> dict:
         return round(sum(r[k] for r in rows) / max(1, len(rows)), 5)
 
     stride = max(1, len(losses) // points)
-    curve = [{"step": i + stride, "feature": mean(losses[i : i + stride], 0), "ce": mean(losses[i : i + stride], 1)}
+    curve = [{"step": min(i + stride, len(losses)), "feature": mean(losses[i : i + stride], 0), "ce": mean(losses[i : i + stride], 1)}
              for i in range(0, len(losses), stride)]
     return {"first": curve[0] if curve else None, "last": curve[-1] if curve else None, "curve": curve}
 
