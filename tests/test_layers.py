@@ -17,11 +17,11 @@ import splitinfer
 
 PACKAGE = Path(splitinfer.__file__).parent
 CORE = ("wire", "kv", "masks", "model", "decoding")
-APPLICATIONS = ("local", "cloud", "api", "bench")
+APPLICATIONS = ("local", "cloud", "api", "bench", "drafter")
 
 # (importer's top-level part, imported top-level part) -> the rule that forbids it
 RULES = {
-    **{(core, app): "the core (wire/, kv.py, masks.py, model/, decoding/) imports nothing from local/, cloud/, api/ or bench/"
+    **{(core, app): "the core (wire/, kv.py, masks.py, model/, decoding/) imports nothing from local/, cloud/, api/, bench/ or drafter/"
        for core in CORE for app in APPLICATIONS},
     ("local", "cloud"): "local/ and cloud/ never import each other; move what they share below both",
     ("cloud", "local"): "local/ and cloud/ never import each other; move what they share below both",

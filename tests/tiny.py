@@ -107,3 +107,15 @@ def assert_local_only_matches_hf(model, shards: Path, prompt: list[int], n: int)
     assert min_margin(model, prompt, expected) > 1e-3  # the comparison is meaningful, not a tie
     got = local_only_client(shards).generate(prompt, max_new_tokens=n, stop_ids=set())
     assert got.token_ids == expected
+
+
+def random_head(local, seed: int = 0, vocab: int | None = None):
+    """A randomly initialised draft head over a LocalHalf's own embedding, final norm and LM head; its draft
+    vocabulary is the first `vocab` ids (all by default)."""
+    from splitinfer.model.drafthead import DraftHead, DraftHeadConfig
+
+    torch.manual_seed(seed)
+    size = vocab or local.config.vocab_size
+    config = DraftHeadConfig.for_model(local.config, size, intermediate_size=32)
+    head = DraftHead(config, local.embed, local.norm, local.lm_head, torch.arange(size))
+    return head.eval().requires_grad_(False)

@@ -43,6 +43,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.bench.loadtest",  # load-test
     "splitinfer.privacy.commands",  # audit, privatize
     "splitinfer.recycling",  # build-recycling
+    "splitinfer.drafter.commands",  # train-drafter
 )
 # Commands whose progress is their output, so they log at INFO without -v.
 LOUD_COMMANDS = ("serve", "wan")

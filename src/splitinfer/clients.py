@@ -44,7 +44,7 @@ def open_client(
     if local_only:
         from .inprocess import open_local_only
 
-        return open_local_only(shards, model, device=device, split_seed=config.split_seed)
+        return open_local_only(shards, model, device=device, split_seed=config.split_seed, drafter=config.drafter)
     return connect_client(shard, server, config, device=device, auth=auth, allow_public_weights=allow_public_weights,
                           handshake=handshake)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .cloud.sessions import CloudSession, SessionConfig, SessionTable
 from .errors import ConfigError
-from .local.client import SplitClient, head_depth_drawer
+from .local.client import SplitClient, head_depth_drawer, load_draft_head
 from .local.session import ClientConfig
 from .model.shards import CloudHalf, load_cloud, load_local
 from .wire.messages import Hello, Result, Step, Welcome
@@ -55,7 +55,9 @@ class InProcessMiddle:
         self.close()
 
 
-def local_only_client(shards: str | Path, device: str = "cpu", split_seed: int | None = None) -> SplitClient:
+def local_only_client(
+    shards: str | Path, device: str = "cpu", split_seed: int | None = None, drafter: str = "auto"
+) -> SplitClient:
     """The whole model in this process from a prepared OUT directory (OUT/local + OUT/cloud)."""
     shards = Path(shards)
     local = load_local(shards / "local", device=device)
@@ -63,14 +65,16 @@ def local_only_client(shards: str | Path, device: str = "cpu", split_seed: int |
     if cloud.fingerprint != local.fingerprint:
         raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
     draw = head_depth_drawer(local, split_seed)
-    config = ClientConfig(wire_dtype="float32", split_seed=split_seed)
+    config = ClientConfig(wire_dtype="float32", split_seed=split_seed, drafter=drafter)
     client = SplitClient(local, lambda: InProcessMiddle(cloud, draw()), config)
+    client.draft_head = load_draft_head(local, shards / "local", drafter, device)
     client.mode = "local-only"
     return client
 
 
 def open_local_only(
-    shards: str | Path | None, model: str | None, device: str = "cpu", split_seed: int | None = None
+    shards: str | Path | None, model: str | None, device: str = "cpu", split_seed: int | None = None,
+    drafter: str = "auto",
 ) -> SplitClient:
     """`--local-only`: `shards` (a prepared OUT directory), else `model` prepared into a temporary directory
     (the embedded model when None), after the local memory check."""
@@ -87,4 +91,4 @@ def open_local_only(
         shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
         prepare(load_source(model), shards, 1, 1, "float32")
     check_local_memory(Path(shards) / "local")
-    return local_only_client(shards, device=device, split_seed=split_seed)
+    return local_only_client(shards, device=device, split_seed=split_seed, drafter=drafter)

@@ -18,6 +18,8 @@ from splitinfer.inprocess import local_only_client
 from splitinfer.model.shards import prepare
 from splitinfer.model.source import SourceModel
 
+from tiny import random_head
+
 VOCAB = 12
 PROMPT = [1, 5, 7, 2]
 RUNS = 1200
@@ -87,14 +89,22 @@ def wrong_accept(tokens, parents, logits, choose):
         row = child
 
 
-def test_speculative_sampling_matches_sequential_and_the_test_catches_a_wrong_rule(spread_model, monkeypatch):
+def head_tree(client):
+    """The tree strategy with a (random) learned draft head as one more source, always sending its nodes."""
+    head = random_head(client.local, seed=5)
+    return lambda: Tree(TreeConfig(fixed_nodes=12), head=head)
+
+
+@pytest.mark.parametrize("drafter", ["full-tree", "head"])
+def test_speculative_sampling_matches_sequential_and_the_test_catches_a_wrong_rule(spread_model, monkeypatch, drafter):
+    draft = FullTree if drafter == "full-tree" else head_tree(spread_model)
     sequential = second_and_third(spread_model, Sequential, range(RUNS))
-    speculative = second_and_third(spread_model, FullTree, range(RUNS, 2 * RUNS))
+    speculative = second_and_third(spread_model, draft, range(RUNS, 2 * RUNS))
     p_same = homogeneity_p(sequential, speculative)
     print(f"\nhomogeneity p-values: speculative {p_same:.3g}", end="")
     assert p_same > 0.01, p_same
     monkeypatch.setattr(loop, "accept", wrong_accept)
-    biased = second_and_third(spread_model, FullTree, range(2 * RUNS, 3 * RUNS))
+    biased = second_and_third(spread_model, draft, range(2 * RUNS, 3 * RUNS))
     p_wrong = homogeneity_p(sequential, biased)
     print(f", wrong rule {p_wrong:.3g}")
     assert p_wrong < 1e-4, p_wrong  # the negative control: the same test rejects a wrong acceptance rule

@@ -135,10 +135,12 @@ class BlockController:
         times = [t for q, t in self.costs.samples() if q == 1]
         return statistics.median(times) if times else None
 
-    def choose(self, scores: list[float]) -> int:
-        """How many of the (descending) draft scores to send this step."""
+    def choose(self, scores: list[float], draft_ms_per_node: float = 0.0) -> int:
+        """How many of the (descending) draft scores to send this step. `draft_ms_per_node`: what drafting
+        cost per node this step (a learned head's time), priced with each row of the block."""
         calibrated = [min(s * self.calibration, 1.0) for s in scores[: self.config.max_nodes]]
         fixed, per_row = self.cost()
+        per_row += draft_ms_per_node
         single = self.single_step()
         n = best_size(calibrated, fixed, per_row, single)
         # Small blocks alone cannot tell what a row costs (their noise is divided by one or two rows),

@@ -45,6 +45,8 @@ def decode(
     prompt_logits: [r, vocab] logits of the prompt's last r rows (r >= 1; the strategy asked for r).
     """
     strategy.start(prompt, prompt_logits)
+    if strategy.uses_features:
+        strategy.see_features(verifier.features())
     first_logits = prompt_logits[-1]
     history = list(prompt)
     produced = 0
@@ -70,6 +72,8 @@ def decode(
         tokens, parents = block.tree_tokens, block.parents
         path, root = accept(tokens, parents, logits[: len(tokens)], choose)
         verifier.commit(path)
+        if strategy.uses_features:
+            strategy.see_features(verifier.features())
         emitted = [tokens[r] for r in path[1:]] + [root]
         # A token is predicted by its parent's row: path[i] by path[i-1], the next root by path[-1].
         finish = emit_all(emitted, [logits[r] for r in path])

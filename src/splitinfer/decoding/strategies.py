@@ -3,10 +3,11 @@
     sequential  no draft: one token per round trip (the reference)
     jacobi      a chain of guesses refined by iteration (the paper's negative result, kept for comparison)
     lookahead   the paper's method: n-grams from a single-token-keyed pool, G candidates of N-1 tokens
-    tree        the default: a suffix index and Token Recycling merged into one tree, ranked by estimated
-                path probability (calibrated online from what was accepted) and sized each step by the
-                measured cost model (controller.py); Token Recycling starts from the table shipped for the
-                model and the suffix lookup also searches a client's earlier outputs, where given (warm.py)
+    tree        the default: a suffix index, Token Recycling and (where the client has one) a learned draft
+                head merged into one tree, ranked by estimated path probability (calibrated online from
+                what was accepted) and sized each step by the measured cost model (controller.py); Token
+                Recycling starts from the table shipped for the model and the suffix lookup also searches a
+                client's earlier outputs, where given (warm.py); tree-nohead is the same without the head
 
 A strategy never checks its own draft; `draft.accept` does, identically for all of them.
 """
@@ -22,6 +23,7 @@ from ..errors import ConfigError
 from .calibration import NodeCalibration
 from .controller import BlockController, ControllerConfig, StepCosts
 from .draft import Draft, SideRows, TokenTrie
+from .headsource import HeadDraftConfig, HeadDrafter
 from .sources import NgramPool, SuffixIndex, TokenRecycling, propose_suffix
 from .warm import RecyclingTable, SuffixMemory
 
@@ -29,6 +31,11 @@ from .warm import RecyclingTable, SuffixMemory
 class Strategy:
     name = "base"
     prompt_logits_rows = 1  # logits rows of the prompt's end the strategy wants at start (the LM head costs)
+    uses_features = False  # True: the loop hands it the final features of the prefill and of every block
+
+    def see_features(self, features: torch.Tensor) -> None:
+        """[q, d] final features (before the final norm) of the prefill, after `start`, and of each block,
+        before `observe`; only for strategies with `uses_features`."""
 
     def start(self, prompt: list[int], prompt_logits: torch.Tensor) -> None:
         """Called once per generation with the prompt ids and the logits of its last rows [r, vocab]."""
@@ -165,21 +172,27 @@ class TreeConfig:
     fixed_nodes: int | None = None  # verify exactly this many nodes per step (no cost model): for studies
     memory_tokens: int = 65_536  # earlier generations' text kept searchable when one Tree serves several
     controller: ControllerConfig = ControllerConfig()
+    head: HeadDraftConfig = HeadDraftConfig()  # the learned draft head's tree, when a head is given
 
 
 class Tree(Strategy):
-    """Suffix index + Token Recycling, merged into one tree and sized by the measured cost model."""
+    """Suffix index + Token Recycling (+ a learned draft head when given), merged into one tree and sized by
+    the measured cost model."""
 
     name = "tree"
 
     def __init__(
         self, config: TreeConfig = TreeConfig(), earlier: list[list[int]] | None = None, costs: StepCosts | None = None,
-        memory: SuffixMemory | None = None, recycling_table: RecyclingTable | None = None,
+        memory: SuffixMemory | None = None, recycling_table: RecyclingTable | None = None, head=None,
     ):
         """`costs`: measured step costs shared with other generations on the same deployment (a client's);
         `memory`: earlier outputs of the same client, searched with this text (warm.py); `recycling_table`:
-        the successor table to start from (warm.py)."""
+        the successor table to start from (warm.py); `head`: a DraftHead (model/drafthead.py) over this
+        model, drafting from the final features."""
         self.config = config
+        self.drafter = HeadDrafter(head, config.head) if head is not None else None
+        self.uses_features = self.drafter is not None
+        self._features: torch.Tensor | None = None
         self.prompt_logits_rows = config.prompt_rows
         self.recycling = TokenRecycling(config.recycling_k)
         if recycling_table is not None:
@@ -190,6 +203,8 @@ class Tree(Strategy):
         self.earlier = earlier if earlier is not None else []
         self.last_draft = Draft()
         self.index: SuffixIndex | None = None
+        self._prompt: list[int] | None = None
+        self._draft_ms = 0.0
 
     def start(self, prompt, prompt_logits):
         # A Tree kept across generations (a chat, an API server) keeps what it learned: the successor
@@ -204,9 +219,21 @@ class Tree(Strategy):
         self.doc = self.index.add_doc(prompt)
         # Row r of prompt_logits predicts what follows the r-th of the prompt's last rows.
         self.recycling.observe(prompt[len(prompt) - prompt_logits.shape[0] :], prompt_logits)
+        self._prompt = prompt
+
+    def see_features(self, features):
+        if self._prompt is not None:  # the prefill's rows
+            self.drafter.start(self._prompt, features)
+            self._prompt = None
+        else:
+            self._features = features
 
     def propose(self, history):
         trie = TokenTrie()
+        draft_ms = 0.0
+        if self.drafter is not None:
+            self.drafter.propose(history[-1], trie)
+            draft_ms = self.drafter.draft_ms
         indexes = (self.index,) if self.memory is None else (self.memory.index, self.index)
         propose_suffix(indexes, history, trie, self.config.suffix_depth, self.calibration.continue_prob,
                        self.index.max_occurrences)
@@ -215,11 +242,17 @@ class Tree(Strategy):
             weight=self.calibration.recycling_weight,
         )
         scores = sorted(trie.score[1:], reverse=True)
-        n = self.config.fixed_nodes if self.config.fixed_nodes is not None else self.controller.choose(scores)
+        per_node = draft_ms / max(1, self.drafter.drafted) if self.drafter is not None else 0.0
+        n = self.config.fixed_nodes if self.config.fixed_nodes is not None else self.controller.choose(scores, per_node)
         self.last_draft = trie.best(n)
+        self._draft_ms = draft_ms
         return self.last_draft
 
     def observe(self, tokens, parents, logits, path, emitted, step_ms):
+        if self.drafter is not None:
+            self.drafter.observe(self._features[path], emitted)
+            # The fit prices verification; drafting is priced per node in `choose`.
+            step_ms = max(step_ms - self._draft_ms, 0.0)
         self.recycling.observe(tokens, logits)
         self.index.extend(self.doc, emitted)
         draft = self.last_draft
@@ -227,15 +260,18 @@ class Tree(Strategy):
         self.controller.observe(len(tokens), step_ms, sum(draft.scores), len(path) - 1)
 
 
-STRATEGIES = {"sequential": Sequential, "jacobi": Jacobi, "lookahead": Lookahead, "tree": Tree}
+# "tree-nohead": the tree without the learned draft head even where the client has one (for comparisons).
+STRATEGIES = {"sequential": Sequential, "jacobi": Jacobi, "lookahead": Lookahead, "tree": Tree, "tree-nohead": Tree}
 
 
 def make_strategy(
     name: str, costs: StepCosts | None = None, memory: SuffixMemory | None = None,
-    recycling_table: RecyclingTable | None = None,
+    recycling_table: RecyclingTable | None = None, head=None,
 ) -> Strategy:
     """A fresh strategy by name; `costs` (a client's measured step costs) goes to those that size blocks,
-    `memory` and `recycling_table` (warm starts, warm.py) to those that draft from them."""
-    if name == "tree":
-        return Tree(costs=costs, memory=memory, recycling_table=recycling_table)
+    `memory` and `recycling_table` (warm starts, warm.py) and `head` (a learned draft head, when the client
+    has one) to those that draft from them."""
+    if name in ("tree", "tree-nohead"):
+        return Tree(costs=costs, memory=memory, recycling_table=recycling_table,
+                    head=head if name == "tree" else None)
     return STRATEGIES[name]()

@@ -34,3 +34,9 @@ class Verifier(Protocol):
     def commit(self, rows: list[int]) -> None:
         """Accept `rows` of the pending block (a contiguous path from its first row); drop the rest."""
         ...
+
+    def features(self) -> torch.Tensor:
+        """[q, d] final hidden states, before the final norm, of every row of the last `run_block` (of
+        every chunk of the last prefill): what a draft head on the trusted side reads. Strategies that
+        set `uses_features` get them from the loop; others never ask."""
+        ...

@@ -15,6 +15,7 @@ and moves to the next one when its server is gone (failover.py).
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,13 +26,16 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.strategies import Strategy
 from ..decoding.warm import shipped_recycling_table
 from ..errors import ConfigError
-from ..model.shards import LocalHalf, load_local, local_weights_are_public
+from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_head, read_head_info
+from ..model.shards import LocalHalf, load_local, local_weights_are_public, model_identity
 from .auth import ClientAuth
 from .conversation import Conversation
 from .failover import FailoverMiddle, server_list
 from .middle import RemoteMiddle
 from .session import ClientConfig
 from .text import chat_prompt_ids
+
+log = logging.getLogger("splitinfer.local")
 
 PUBLIC_WEIGHTS_WARNING = (
     "warning: the local layers are the stock public weights, so the cloud can run them itself and recover "
@@ -85,6 +89,20 @@ def head_depth_drawer(local: LocalHalf, seed: int | None) -> Callable[[], int | 
     return lambda: None if low == high else rng.randint(low, high)
 
 
+def load_draft_head(local: LocalHalf, local_dir: str | Path, mode: str, device: str = "cpu"):
+    """The draft head in `local_dir`/drafter (installed by `prepare`), or None: with mode "off", when there
+    is none, or when it was trained for another model (a warning says so)."""
+    directory = Path(local_dir) / DRAFTER_DIR
+    if mode == "off" or not (directory / HEAD_CONFIG).is_file():
+        return None
+    made_for = read_head_info(directory).get("model_fingerprint")
+    if made_for != model_identity(local.manifest):
+        log.warning("ignoring the draft head in %s: it was trained for another model", directory)
+        return None
+    softcap = getattr(local.config, "final_logit_softcapping", None)
+    return load_head(directory, local.embed, local.norm, local.lm_head, softcap, device)
+
+
 class SplitClient:
     def __init__(self, local: LocalHalf, make_middle: Callable[[], object], config: ClientConfig = ClientConfig()):
         self.local = local
@@ -96,6 +114,7 @@ class SplitClient:
         self.step_costs = StepCosts()
         # The successor table shipped for this model (decoding/warm.py), or None: every tree starts from it.
         self.recycling_table = shipped_recycling_table(local.fingerprint)
+        self.draft_head = None  # a learned draft head (model/drafthead.py), see `load_draft_head`
 
     @classmethod
     def connect(
@@ -125,7 +144,9 @@ class SplitClient:
                 return remote(urls[0], k)
             return FailoverMiddle(urls, lambda server: remote(server, k), head_layers=k)
 
-        return cls(local, make_middle, config)
+        client = cls(local, make_middle, config)
+        client.draft_head = load_draft_head(local, local_shard, config.drafter, device)
+        return client
 
     # -- prompts and text --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:

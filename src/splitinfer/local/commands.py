@@ -24,6 +24,8 @@ CLIENT_OPTIONS = (
     Opt("prefill_chunk", help="prompt rows per message"),
     Opt("split_seed", help="with a --split-range shard: seed the per-session split draw (tests/benchmarks only; "
                            "default: the OS's secret RNG)"),
+    Opt("drafter", choices=("auto", "off"), help="the learned draft head in the local shard's drafter/ directory: "
+                                                 "auto uses it when present and made for this model"),
 )
 # 0 (greedy) is the command line's default temperature; SamplingConfig is only built when sampling.
 SAMPLING_OPTIONS = (

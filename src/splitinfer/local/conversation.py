@@ -171,7 +171,7 @@ class Conversation:
             return self.strategy
         client = self.client
         return make_strategy(self.strategy, costs=client.step_costs, memory=self.memory,
-                             recycling_table=client.recycling_table)
+                             recycling_table=client.recycling_table, head=client.draft_head)
 
     def _check(self, new_ids: list[int], max_new_tokens: int) -> None:
         if not new_ids and not self.history:

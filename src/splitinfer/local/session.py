@@ -32,6 +32,7 @@ from ..wire.messages import Close
 from ..wire.transport import Middle
 
 log = logging.getLogger("splitinfer.local")
+DRAFTER_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,13 @@ class ClientConfig:
     # Split-point randomisation: seeds the per-session draw of the head depth. None (the default) draws
     # from the OS's secret RNG; a seed is for tests and benchmarks only (it makes the depth predictable).
     split_seed: int | None = None
+    # The learned draft head in the local shard's drafter/ directory: "auto" uses it when present and made
+    # for this model, "off" never loads it.
+    drafter: str = "auto"
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTER_MODES:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTER_MODES)}, not {self.drafter!r}")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -67,6 +75,7 @@ class SplitSession:
         self.records: list[StepRecord] = []
         self._device = next(local.embed.parameters()).device
         self._pending_q = 0
+        self._features: torch.Tensor | None = None  # [q, d] tail output of the last block, before the final norm
 
     @property
     def length(self) -> int:
@@ -111,11 +120,18 @@ class SplitSession:
         with torch.inference_mode():
             out = self.local.tail(returned.to(self._device, hidden.dtype)[None], pos, allowed, self.tail_cache)
             logits = self.local.logits(out[:, logits_from:])
+        self._features = out[0]
         t3 = time.perf_counter()
         record.local_ms = ((t1 - t0) + (t3 - t2)) * 1e3
         self.records.append(record)
         self._pending_q = q
         return logits
+
+    def features(self) -> torch.Tensor:
+        """[q, d] final features before the final norm of the last block's rows (all rows of the last
+        prefill): a draft head's input, kept on the trusted side."""
+        assert self._features is not None, "no block has run yet"
+        return self._features
 
     def commit(self, rows: list[int]) -> None:
         """Accept `rows` of the pending block (a contiguous path from its first row)."""
@@ -149,7 +165,7 @@ class SplitSession:
         """Run and commit `tokens` in chunks; returns logits [min(logits_rows, len), vocab] of the last rows."""
         first_wanted = len(tokens) - max(1, min(logits_rows, len(tokens)))
         chunk = self.link.max_rows(self.config.prefill_chunk, self.local.config.hidden_size * 4)  # worst case: float32
-        parts = []
+        parts, features = [], []
         for start in range(0, len(tokens), chunk):
             part = tokens[start : start + chunk]
             logits_from = min(max(first_wanted - start, 0), len(part))
@@ -157,6 +173,8 @@ class SplitSession:
             if logits.shape[0]:
                 parts.append(logits)
             self.commit(list(range(len(part))))
+            features.append(self._features)
+        self._features = torch.cat(features)
         return torch.cat(parts)
 
     # -- the link's messages over the middle, with reconnects ------------------------------------------

@@ -6,6 +6,8 @@ Parsing and reporting only; nothing heavy is imported until the command runs.
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 from ..errors import ConfigError
 from ..wire.dtypes import DTYPE_NAMES
@@ -17,6 +19,27 @@ def parse_split_range(text: str) -> tuple[int, int]:
     if not sep or not low.strip().isdigit() or not high.strip().isdigit() or not 1 <= int(low) < int(high):
         raise ConfigError(f"--split-range must be K1-K2 with 1 <= K1 < K2, e.g. 2-4 (got {text!r}).")
     return int(low), int(high)
+
+
+def install_shipped_drafter(local_dir: Path) -> str:
+    """Copy the shipped draft head made for this model (package data/drafters/<name>/) into
+    `local_dir`/drafter; a sentence saying what happened."""
+    from importlib import resources
+
+    from .drafthead import DRAFTER_DIR, HEAD_CONFIG, read_head_info
+    from .shards import model_identity, read_manifest
+
+    identity = model_identity(read_manifest(local_dir, "local"))
+    shipped = resources.files("splitinfer.data").joinpath("drafters")
+    candidates = sorted(d.name for d in shipped.iterdir() if d.joinpath(HEAD_CONFIG).is_file()) if shipped.is_dir() else []
+    for name in candidates:
+        with resources.as_file(shipped.joinpath(name)) as source:
+            if read_head_info(source).get("model_fingerprint") == identity:
+                shutil.copytree(source, local_dir / DRAFTER_DIR, dirs_exist_ok=True)
+                return f"installed the shipped draft head {name!r} in {local_dir / DRAFTER_DIR}"
+    shipped_names = ", ".join(candidates) or "none"
+    return (f"no shipped draft head matches this model (shipped: {shipped_names}); the tree drafts without one. "
+            "Train one with `splitinfer train-drafter` and copy it to LOCAL_SHARD/drafter.")
 
 
 def cmd_prepare(args) -> int:
@@ -44,6 +67,7 @@ def cmd_prepare(args) -> int:
         f"[{split['cloud_layers'][1]}, {split['num_layers']}), cloud layers [{split['cloud_layers'][0]}, "
         f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
     )
+    print(install_shipped_drafter(out / "local"))
     return 0
 
 

@@ -196,6 +196,12 @@ def read_manifest(directory: Path, role: str) -> dict:
     return manifest
 
 
+def model_identity(manifest: dict) -> str:
+    """What a draft head is trained for: the model (its id and config), whatever its split or shard dtype,
+    since the final features it reads do not depend on where the model is cut."""
+    return hashlib.sha256(f"{manifest['model_id']}\n{manifest['files']['config.json']}".encode()).hexdigest()
+
+
 def local_weights_are_public(manifest: dict) -> bool:
     """True unless the local manifest says its weights were privatized and pins hashes that differ from the
     public ones it was made from (`splitinfer privatize`). Public local weights let the cloud invert what

@@ -1,0 +1,161 @@
+"""Draft tokens from a learned draft head (model/drafthead.py), one more source of the token trie.
+
+The head reads pairs (feature f_t, token x_{t+1}) and predicts f_{t+1}. `HeadDrafter` keeps the head's
+KV cache in step with the committed context: the prompt's pairs after prefill, then after each step the
+pairs of the accepted path (root, accepted drafts, each with the token that followed it). Rejected rows
+never enter the cache, so nothing has to be undone. The newest pair's prediction (the "tip") is the
+model's next feature as the head sees it; `propose` grows a tree below the root from it, EAGLE-2 style:
+every depth expands the `beam` nodes of highest path probability into their `top_k` children, for at
+most `max_depth` levels and `max_nodes` nodes, and adds each node with its conditional probability.
+
+Only the trusted side runs this: the head's input features come from its own tail layers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..model.drafthead import DraftHead, HeadCache
+from .draft import TokenTrie
+
+
+@dataclass(frozen=True)
+class HeadDraftConfig:
+    top_k: int = 4  # children per expanded node
+    beam: int = 4  # nodes expanded per depth
+    max_depth: int = 6
+    max_nodes: int = 24
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index of the parent node, -1 below the tip
+    depth: int  # 1 for the root's children
+    prob: float  # conditional probability given the parent
+    path_prob: float
+
+
+class HeadDrafter:
+    def __init__(self, head: DraftHead, config: HeadDraftConfig = HeadDraftConfig()):
+        self.head = head
+        self.config = config
+        self.draft_ms = 0.0  # wall time of the last `propose`
+        self.drafted = 0  # nodes it added
+        self._reset(0)
+
+    def _reset(self, position: int) -> None:
+        self.cache = HeadCache()
+        self.position = position  # the position of the next pair
+        self.pending: torch.Tensor | None = None  # the newest committed row's feature, awaiting its next token
+        self.tip: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def start(self, prompt: list[int], features: torch.Tensor) -> None:
+        """features: [m, d] of the prompt's last m rows (m <= len(prompt)); earlier rows stay unseen."""
+        m = min(features.shape[0], len(prompt))
+        self._reset(len(prompt) - m)
+        self._extend(features[-m:-1], prompt[len(prompt) - m + 1 :])
+        self.pending = features[-1]
+
+    @torch.inference_mode()
+    def observe(self, features: torch.Tensor, emitted: list[int]) -> None:
+        """features: [k + 1, d] of the accepted path's rows (root first); emitted: the k accepted drafts and
+        the next root, the token that followed each of those rows."""
+        self.pending = None
+        self._extend(features, emitted)
+
+    def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+        n = len(next_tokens)
+        if n == 0:
+            return
+        past = self.cache.length
+        allowed = torch.ones(n, past + n, dtype=torch.bool)
+        allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
+        positions = torch.arange(self.position, self.position + n)
+        tokens = torch.tensor([next_tokens])
+        predicted, keys, values = self.head(features[None].float(), tokens, positions, allowed, self.cache)
+        self.cache.extend(keys, values)
+        self.position += n
+        self.tip = predicted[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, root: int, trie: TokenTrie) -> int:
+        """Add a tree below `root` (the last emitted token) to `trie`; returns the nodes added."""
+        t0 = time.perf_counter()
+        self._predicted: dict[int, torch.Tensor] = {}
+        if self.pending is not None:
+            self._extend(self.pending[None], [root])
+            self.pending = None
+        if self.tip is None:
+            return 0
+        nodes: list[_Node] = []
+        level = self._children(self.tip[None], [-1], nodes)
+        tree_keys = tree_values = None
+        rows: dict[int, int] = {}  # expanded node -> its row among the tree's keys
+        while level and len(nodes) < self.config.max_nodes and nodes[level[0]].depth < self.config.max_depth:
+            expand = sorted(level, key=lambda i: -nodes[i].path_prob)[: self.config.beam]
+            predicted, keys, values = self._run(nodes, expand, rows, tree_keys, tree_values)
+            for i in expand:
+                rows[i] = len(rows)
+            tree_keys = keys if tree_keys is None else torch.cat([tree_keys, keys], 2)
+            tree_values = values if tree_values is None else torch.cat([tree_values, values], 2)
+            level = self._children(predicted, expand, nodes)
+        # A child is never likelier than its parent, so the best nodes include their ancestors.
+        best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].path_prob, i))[: self.config.max_nodes]
+        for i in best:
+            tokens, probs = self._path(nodes, i)
+            trie.add_path(tokens, probs, "head")
+        self.drafted = len(best)
+        self.draft_ms = (time.perf_counter() - t0) * 1e3
+        return self.drafted
+
+    def _children(self, predicted: torch.Tensor, parents: list[int], nodes: list[_Node]) -> list[int]:
+        """Add the top-k children of each of `parents` (their predicted features [n, d]); their indices."""
+        probs = torch.softmax(self.head.logits(predicted), dim=-1)
+        top = probs.topk(min(self.config.top_k, probs.shape[-1]), dim=-1)
+        ids = self.head.draft_vocab[top.indices].tolist()
+        added = []
+        for parent, row_ids, row_ps in zip(parents, ids, top.values.tolist()):
+            depth = 1 if parent < 0 else nodes[parent].depth + 1
+            base = 1.0 if parent < 0 else nodes[parent].path_prob
+            for token, p in zip(row_ids, row_ps):
+                added.append(len(nodes))
+                nodes.append(_Node(token, parent, depth, p, base * p))
+        return added
+
+    def _run(self, nodes, expand, rows, tree_keys, tree_values):
+        """One head pass over the pairs (parent's predicted feature, node token) of the nodes in `expand`."""
+        past, done, n = self.cache.length, len(rows), len(expand)
+        allowed = torch.zeros(n, past + done + n, dtype=torch.bool)
+        allowed[:, :past] = True
+        features = []
+        for j, i in enumerate(expand):
+            allowed[j, past + done + j] = True
+            ancestor = nodes[i].parent
+            while ancestor >= 0:
+                allowed[j, past + rows[ancestor]] = True
+                ancestor = nodes[ancestor].parent
+            parent = nodes[i].parent
+            features.append(self.tip if parent < 0 else self._predicted[parent])
+        cache = self.cache
+        if tree_keys is not None:
+            cache = HeadCache(torch.cat([self.cache.keys, tree_keys], 2), torch.cat([self.cache.values, tree_values], 2))
+        positions = torch.tensor([self.position + nodes[i].depth - 1 for i in expand])
+        tokens = torch.tensor([[nodes[i].token for i in expand]])
+        predicted, keys, values = self.head(torch.stack(features)[None], tokens, positions, allowed, cache)
+        for j, i in enumerate(expand):
+            self._predicted[i] = predicted[0, j]
+        return predicted[0], keys, values
+
+    @staticmethod
+    def _path(nodes: list[_Node], i: int) -> tuple[list[int], list[float]]:
+        tokens, probs = [], []
+        while i >= 0:
+            tokens.append(nodes[i].token)
+            probs.append(nodes[i].prob)
+            i = nodes[i].parent
+        return tokens[::-1], probs[::-1]

@@ -1,0 +1,49 @@
+"""CLI: `splitinfer train-drafter` (a thin wrapper over drafter.train.run_training).
+
+No torch import at module level: the CLI parses arguments before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..options import Opt, add_options, config_from_args, defer
+
+TRAIN_OPTIONS = (
+    Opt("device", help="where to generate and train (cpu or cuda)", choices=("cpu", "cuda")),
+    Opt("tokens", help="generated tokens to train on"),
+    Opt("seed", help="seed of the prompts, the sampling and the training"),
+    Opt("steps", help="training steps"),
+    Opt("batch", help="windows per training step"),
+    Opt("window", help="rows per window"),
+    Opt("draft_vocab_size", help="token ids the head can draft (the most frequent ones)"),
+    Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),
+)
+
+
+def cmd_train_drafter(args) -> int:
+    import torch
+
+    from .train import TrainConfig, run_training
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    manifest = run_training(args.shards, args.out, config_from_args(TrainConfig, args, TRAIN_OPTIONS))
+    summary = {k: manifest[k] for k in ("generated_tokens", "steps", "generate_wall_s", "train_wall_s", "data_sha256")}
+    print(json.dumps(summary | {"last_losses": manifest["losses"]["last"]}, indent=2))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train-drafter", help="train the draft head for prepared shards (resumable)")
+    p.add_argument("--shards", required=True, help="a prepared OUT directory (OUT/local + OUT/cloud)")
+    p.add_argument("--out", required=True, help="where the head, its manifest and checkpoints go")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+
+    def add(parser):
+        from .train import TrainConfig
+
+        add_options(parser, TrainConfig, TRAIN_OPTIONS)
+
+    defer(p, add)
+    p.set_defaults(func=cmd_train_drafter)

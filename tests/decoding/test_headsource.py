@@ -1,0 +1,80 @@
+"""The learned draft head as a tree source: greedy output stays sequential's, and its cache follows the context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitinfer.decoding.draft import TokenTrie
+from splitinfer.decoding.headsource import HeadDraftConfig, HeadDrafter
+from splitinfer.decoding.strategies import Tree, TreeConfig
+from splitinfer.local.client import SplitClient, load_draft_head
+from splitinfer.model.drafthead import DRAFTER_DIR, load_head
+from splitinfer.model.shards import model_identity
+
+from tiny import prepare_tiny, random_head
+
+PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_tree_with_a_random_head_is_token_identical_to_sequential(tmp_path, family):
+    _, shards = prepare_tiny(tmp_path, family, 1, 1)
+    client = SplitClient.local_only(shards)
+    expected = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
+    tree = Tree(TreeConfig(fixed_nodes=12), head=random_head(client.local, vocab=64))
+    got = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=tree)
+    assert got.token_ids == expected
+    assert tree.drafter.drafted > 0
+    # The head's cache holds one pair per committed row it has seen, up to the last root.
+    assert tree.drafter.cache.length == tree.drafter.position
+
+
+def test_incremental_cache_equals_one_pass(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = SplitClient.local_only(shards).local
+    head = random_head(local)
+    d = local.config.hidden_size
+    tokens = [5, 9, 1, 44, 7, 3, 80, 12, 6, 30]
+    features = torch.randn(len(tokens), d)
+    stepwise = HeadDrafter(head, HeadDraftConfig(max_nodes=8))
+    stepwise.start(tokens[:4], features[:4])
+    stepwise.propose(tokens[4], TokenTrie())  # the root's pair joins the cache
+    stepwise.observe(features[4:7], tokens[5:8])  # root + 2 accepted drafts, then the next root
+    whole = HeadDrafter(head)
+    whole.start(tokens[:8], features[:8])
+    whole.propose(tokens[8], TokenTrie())
+    assert stepwise.cache.length == whole.cache.length - 1 == 7
+    torch.testing.assert_close(stepwise.cache.keys, whole.cache.keys[:, :, :7], rtol=1e-4, atol=1e-5)
+
+
+def test_propose_builds_a_bounded_tree_with_conditional_probabilities(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = SplitClient.local_only(shards).local
+    drafter = HeadDrafter(random_head(local), HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=10))
+    drafter.start(PROMPT, torch.randn(len(PROMPT), local.config.hidden_size))
+    trie = TokenTrie()
+    assert drafter.propose(4, trie) == 10 == len(trie)
+    depth = [0] * len(trie.token)
+    for n in range(1, len(trie.token)):
+        depth[n] = depth[trie.parent[n]] + 1
+        assert trie.source[n] == "head" and 0 < trie.score[n] <= trie.score[trie.parent[n]]
+    assert 1 < max(depth) <= 4
+
+
+def test_head_saves_loads_and_installs_for_its_model_only(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    client = SplitClient.local_only(shards)
+    head = random_head(client.local, vocab=50)
+    directory = shards / "local" / DRAFTER_DIR
+    head.save(directory, extra={"model_fingerprint": model_identity(client.local.manifest)})
+    loaded = load_head(directory, client.local.embed, client.local.norm, client.local.lm_head)
+    x, tokens = torch.randn(1, 3, client.local.config.hidden_size), torch.tensor([[4, 5, 6]])
+    allowed = torch.ones(3, 3, dtype=torch.bool).tril()
+    expected = head.logits(head(x, tokens, torch.arange(3), allowed)[0])
+    torch.testing.assert_close(loaded.logits(loaded(x, tokens, torch.arange(3), allowed)[0]), expected, rtol=0.05, atol=0.05)
+    assert torch.equal(loaded.draft_vocab, torch.arange(50))
+    assert SplitClient.local_only(shards).draft_head is not None
+    assert SplitClient.local_only(shards, drafter="off").draft_head is None
+    head.save(directory, extra={"model_fingerprint": "another model"})
+    assert load_draft_head(client.local, shards / "local", "auto") is None

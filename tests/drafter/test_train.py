@@ -1,0 +1,79 @@
+"""`train-drafter` on the shipped model at a toy size: it trains, resumes to the same head, and records itself."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from splitinfer.drafter import train
+from splitinfer.drafter.corpus import benchmark_prompts, build_prompts, check_no_overlap
+from splitinfer.errors import ConfigError
+from splitinfer.model.drafthead import HEAD_WEIGHTS
+
+TOY = train.TrainConfig(tokens=24, steps=4, max_new_tokens=6, generate_batch=4, batch=2, window=16,
+                        draft_vocab_size=256, intermediate_size=64, checkpoint_every=2)
+
+
+def test_prompts_never_contain_benchmark_prompts():
+    prompts = build_prompts(40, seed=0)
+    assert len(prompts) == 40 and len(set(prompts)) > 20
+    check_no_overlap(prompts, benchmark_prompts())
+    with pytest.raises(ConfigError):
+        check_no_overlap(prompts + ["Please: " + benchmark_prompts()[0]], benchmark_prompts())
+
+
+def test_train_drafter_resumes_to_the_same_head_and_writes_a_manifest(smollm2_shards, tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    straight = train.run_training(smollm2_shards, tmp_path / "straight", TOY)
+    for field in ("model_fingerprint", "data_sha256", "generated_tokens", "seed", "steps", "train_wall_s", "losses"):
+        assert field in straight, field
+    assert straight["steps"] == 4 and straight["generated_tokens"] >= 24 and len(straight["losses"]["curve"]) == 4
+
+    interrupted = tmp_path / "interrupted"
+    real_step = train._step_loss
+    calls = {"n": 0}
+
+    def failing_step(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # stopped after the checkpoint at step 2
+        return real_step(*args)
+
+    monkeypatch.setattr(train, "_step_loss", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        train.run_training(smollm2_shards, interrupted, TOY)
+    monkeypatch.setattr(train, "_step_loss", real_step)
+    resumed = train.run_training(smollm2_shards, interrupted, TOY)
+    assert resumed["data_sha256"] == straight["data_sha256"]
+    a, b = load_file(str(tmp_path / "straight" / HEAD_WEIGHTS)), load_file(str(interrupted / HEAD_WEIGHTS))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((interrupted / "manifest.json").read_text())["losses"] == straight["losses"]
+    with pytest.raises(ConfigError):  # the data was made with other options
+        train.run_training(smollm2_shards, interrupted, replace(TOY, seed=1))
+
+
+def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_only_a_match(smollm2_shards, tmp_path):
+    from splitinfer.local.client import load_draft_head
+    from splitinfer.model.commands import install_shipped_drafter
+    from splitinfer.model.drafthead import DRAFTER_DIR
+    from splitinfer.model.shards import load_local, model_identity, read_manifest
+
+    from tiny import prepare_tiny
+
+    local = tmp_path / "local"
+    local.mkdir()
+    for name in ("manifest.json", "config.json"):  # what install reads: the model's identity
+        (local / name).write_text((smollm2_shards / "local" / name).read_text())
+    assert "installed" in install_shipped_drafter(local)
+    shipped = json.loads((local / DRAFTER_DIR / "manifest.json").read_text())
+    assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
+    assert shipped["seed"] == train.TrainConfig().seed and shipped["steps"] == train.TrainConfig().steps
+    head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")
+    assert head is not None and head.config.draft_vocab_size == train.TrainConfig().draft_vocab_size
+    _, tiny = prepare_tiny(tmp_path, "llama", 1, 1)
+    assert "no shipped draft head matches" in install_shipped_drafter(tiny / "local")
+    assert not (tiny / "local" / DRAFTER_DIR).exists()
