@@ -8,7 +8,8 @@ import torch
 from splitinfer.decoding.draft import TokenTrie
 from splitinfer.decoding.headsource import HeadDraftConfig, HeadDrafter
 from splitinfer.decoding.strategies import Tree, TreeConfig
-from splitinfer.local.client import SplitClient, load_draft_head
+from splitinfer.inprocess import local_only_client
+from splitinfer.local.client import load_draft_head
 from splitinfer.model.drafthead import DRAFTER_DIR, load_head
 from splitinfer.model.shards import model_identity
 
@@ -20,7 +21,7 @@ PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_tree_with_a_random_head_is_token_identical_to_sequential(tmp_path, family):
     _, shards = prepare_tiny(tmp_path, family, 1, 1)
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     expected = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
     tree = Tree(TreeConfig(fixed_nodes=12), head=random_head(client.local, vocab=64))
     got = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=tree)
@@ -32,7 +33,7 @@ def test_tree_with_a_random_head_is_token_identical_to_sequential(tmp_path, fami
 
 def test_incremental_cache_equals_one_pass(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = SplitClient.local_only(shards).local
+    local = local_only_client(shards).local
     head = random_head(local)
     d = local.config.hidden_size
     tokens = [5, 9, 1, 44, 7, 3, 80, 12, 6, 30]
@@ -50,7 +51,7 @@ def test_incremental_cache_equals_one_pass(tmp_path):
 
 def test_propose_builds_a_bounded_tree_with_conditional_probabilities(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = SplitClient.local_only(shards).local
+    local = local_only_client(shards).local
     drafter = HeadDrafter(random_head(local), HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=10))
     drafter.start(PROMPT, torch.randn(len(PROMPT), local.config.hidden_size))
     trie = TokenTrie()
@@ -64,7 +65,7 @@ def test_propose_builds_a_bounded_tree_with_conditional_probabilities(tmp_path):
 
 def test_head_saves_loads_and_installs_for_its_model_only(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    client = SplitClient.local_only(shards)
+    client = local_only_client(shards)
     head = random_head(client.local, vocab=50)
     directory = shards / "local" / DRAFTER_DIR
     head.save(directory, extra={"model_fingerprint": model_identity(client.local.manifest)})
@@ -74,7 +75,7 @@ def test_head_saves_loads_and_installs_for_its_model_only(tmp_path):
     expected = head.logits(head(x, tokens, torch.arange(3), allowed)[0])
     torch.testing.assert_close(loaded.logits(loaded(x, tokens, torch.arange(3), allowed)[0]), expected, rtol=0.05, atol=0.05)
     assert torch.equal(loaded.draft_vocab, torch.arange(50))
-    assert SplitClient.local_only(shards).draft_head is not None
-    assert SplitClient.local_only(shards, drafter="off").draft_head is None
+    assert local_only_client(shards).draft_head is not None
+    assert local_only_client(shards, drafter="off").draft_head is None
     head.save(directory, extra={"model_fingerprint": "another model"})
     assert load_draft_head(client.local, shards / "local", "auto") is None
