@@ -10,7 +10,7 @@ import json
 from ..options import Opt, add_options, config_from_args, defer
 
 TRAIN_OPTIONS = (
-    Opt("device", help="where to generate and train (cpu or cuda)", choices=("cpu", "cuda")),
+    Opt("device", help="where to generate and train: cpu, cuda or cuda:N"),
     Opt("tokens", help="generated tokens to train on"),
     Opt("seed", help="seed of the prompts, the sampling and the training"),
     Opt("steps", help="training steps"),
