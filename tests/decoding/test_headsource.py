@@ -79,3 +79,15 @@ def test_head_saves_loads_and_installs_for_its_model_only(tmp_path):
     assert local_only_client(shards, drafter="off").draft_head is None
     head.save(directory, extra={"model_fingerprint": "another model"})
     assert load_draft_head(client.local, shards / "local", "auto") is None
+
+
+def test_the_tree_drafts_with_the_head_only_when_it_pays_and_still_explores(tmp_path):
+    from splitinfer.decoding.calibration import Ratio
+
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    tree = Tree(TreeConfig(head_explore_every=4), head=random_head(SplitClient.local_only(shards).local))
+    assert tree._head_pays()  # the priors try the head first
+    tree._ms_per_token = Ratio(1.0, 1.0, prior_ratio=0.01)  # a fast verifier: a drafted token is worth 0.01 ms
+    assert [tree._head_pays() for _ in range(8)] == [False, False, False, True] * 2
+    tree._ms_per_token = Ratio(1.0, 1.0, prior_ratio=500.0)  # a slow link: every head token is worth drafting
+    assert all(tree._head_pays() for _ in range(5))

@@ -75,10 +75,14 @@ class DepthRecorder:
         self.inner = inner
         self.name = inner.name
         self.prompt_logits_rows = inner.prompt_logits_rows
+        self.uses_features = inner.uses_features
         self.steps: list[tuple[int, bool]] = []  # (accepted drafts, whether a child of the last accepted node was offered)
 
     def start(self, prompt, prompt_logits):
         self.inner.start(prompt, prompt_logits)
+
+    def see_features(self, features):
+        self.inner.see_features(features)
 
     def propose(self, history):
         return self.inner.propose(history)

@@ -83,13 +83,19 @@ class HeadDrafter:
         self.tip = predicted[0, -1]
 
     @torch.inference_mode()
+    def sync(self, root: int) -> None:
+        """Add the pair (newest committed feature, root) to the cache; `propose` does it, a step that
+        drafts nothing with the head calls it instead so the cache stays whole."""
+        if self.pending is not None:
+            self._extend(self.pending[None], [root])
+            self.pending = None
+
+    @torch.inference_mode()
     def propose(self, root: int, trie: TokenTrie) -> int:
         """Add a tree below `root` (the last emitted token) to `trie`; returns the nodes added."""
         t0 = time.perf_counter()
         self._predicted: dict[int, torch.Tensor] = {}
-        if self.pending is not None:
-            self._extend(self.pending[None], [root])
-            self.pending = None
+        self.sync(root)
         if self.tip is None:
             return 0
         nodes: list[_Node] = []

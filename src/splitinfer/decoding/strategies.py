@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .calibration import NodeCalibration
+from .calibration import NodeCalibration, Ratio
 from .controller import BlockController, ControllerConfig, StepCosts
 from .draft import Draft, SideRows, TokenTrie
 from .headsource import HeadDraftConfig, HeadDrafter
@@ -173,6 +173,7 @@ class TreeConfig:
     memory_tokens: int = 65_536  # earlier generations' text kept searchable when one Tree serves several
     controller: ControllerConfig = ControllerConfig()
     head: HeadDraftConfig = HeadDraftConfig()  # the learned draft head's tree, when a head is given
+    head_explore_every: int = 8  # draft with the head at least this often, even when it seems not to pay
 
 
 class Tree(Strategy):
@@ -205,6 +206,13 @@ class Tree(Strategy):
         self.index: SuffixIndex | None = None
         self._prompt: list[int] | None = None
         self._draft_ms = 0.0
+        # What the head is worth: head-sourced tokens accepted per drafting step, verification ms per emitted
+        # token, drafting ms per step (discounted ratios; priors favour trying the head first).
+        self._head_yield = Ratio(2.0, 0.9, prior_ratio=1.0)
+        self._ms_per_token = Ratio(2.0, 0.9, prior_ratio=100.0)
+        self._head_cost = Ratio(2.0, 0.9, prior_ratio=5.0)
+        self._drafted = False
+        self._since_head = 0
 
     def start(self, prompt, prompt_logits):
         # A Tree kept across generations (a chat, an API server) keeps what it learned: the successor
@@ -228,12 +236,32 @@ class Tree(Strategy):
         else:
             self._features = features
 
+    def _head_pays(self) -> bool:
+        """Draft with the head when the tokens it adds per step are worth more time than drafting takes,
+        and every `head_explore_every` steps regardless, so a changed text or link is noticed."""
+        self._since_head += 1
+        worth_ms = self._head_yield.value * self._ms_per_token.value
+        if worth_ms > self._head_cost.value or self._since_head >= self.config.head_explore_every:
+            self._since_head = 0
+            return True
+        return False
+
+    def _learn_head_value(self, path: list[int], step_ms: float, emitted: int) -> None:
+        self._ms_per_token.update(emitted, step_ms - self._draft_ms)
+        if self._drafted:
+            sources = self.last_draft.sources
+            self._head_yield.update(1.0, sum(sources[row - 1] == "head" for row in path[1:]))
+
     def propose(self, history):
         trie = TokenTrie()
         draft_ms = 0.0
-        if self.drafter is not None:
+        self._drafted = self.drafter is not None and self._head_pays()
+        if self._drafted:
             self.drafter.propose(history[-1], trie)
             draft_ms = self.drafter.draft_ms
+            self._head_cost.update(1.0, draft_ms)
+        elif self.drafter is not None:
+            self.drafter.sync(history[-1])
         indexes = (self.index,) if self.memory is None else (self.memory.index, self.index)
         propose_suffix(indexes, history, trie, self.config.suffix_depth, self.calibration.continue_prob,
                        self.index.max_occurrences)
@@ -251,6 +279,7 @@ class Tree(Strategy):
     def observe(self, tokens, parents, logits, path, emitted, step_ms):
         if self.drafter is not None:
             self.drafter.observe(self._features[path], emitted)
+            self._learn_head_value(path, step_ms, len(emitted))
             # The fit prices verification; drafting is priced per node in `choose`.
             step_ms = max(step_ms - self._draft_ms, 0.0)
         self.recycling.observe(tokens, logits)
