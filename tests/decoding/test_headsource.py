@@ -85,7 +85,7 @@ def test_the_tree_drafts_with_the_head_only_when_it_pays_and_still_explores(tmp_
     from splitinfer.decoding.calibration import Ratio
 
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    tree = Tree(TreeConfig(head_explore_every=4), head=random_head(SplitClient.local_only(shards).local))
+    tree = Tree(TreeConfig(head_explore_every=4), head=random_head(local_only_client(shards).local))
     assert tree._head_pays()  # the priors try the head first
     tree._ms_per_token = Ratio(1.0, 1.0, prior_ratio=0.01)  # a fast verifier: a drafted token is worth 0.01 ms
     assert [tree._head_pays() for _ in range(8)] == [False, False, False, True] * 2
