@@ -17,20 +17,10 @@ from splitinfer.decoding.warm import (
 from splitinfer.errors import ConfigError
 from splitinfer.inprocess import local_only_client
 
+from decoding.test_sources import trie_paths
 from tiny import prepare_tiny
 
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71] * 2 + [3, 17]
-
-
-def _paths(trie: TokenTrie) -> dict[tuple[int, ...], float]:
-    out = {}
-    for n in range(1, len(trie.token)):
-        seq, m = [], n
-        while m:
-            seq.append(trie.token[m])
-            m = trie.parent[m]
-        out[tuple(reversed(seq))] = trie.score[n]
-    return out
 
 
 def test_aggregate_averages_each_tokens_distribution_over_its_occurrences():
@@ -78,7 +68,7 @@ def test_suffix_proposals_count_occurrences_across_the_text_and_the_memory():
     memory.add_doc([1, 2, 3, 5])
     trie = TokenTrie()
     assert propose_suffix((memory, text), [9, 1, 2, 3], trie, max_depth=1) == 3
-    paths = _paths(trie)
+    paths = trie_paths(trie)
     # Matched 3 tokens (prior 0.6); 5 followed in 2 of 3 occurrences, 4 in 1.
     assert paths[(5,)] == pytest.approx(0.6 * 2 / 3) and paths[(4,)] == pytest.approx(0.6 * 1 / 3)
 
