@@ -6,23 +6,19 @@ import argparse
 import collections
 
 import pytest
-import torch
 
 from splitinfer.cloud.server import ServerThread
 from splitinfer.configfile import Repeated, apply_config
-from splitinfer.decoding.loop import decode
-from splitinfer.decoding.strategies import Sequential
 from splitinfer.errors import ConfigError, TransportError
 from splitinfer.launch import free_port
 from splitinfer.local.client import SplitClient
 from splitinfer.local.failover import FailoverMiddle, rendezvous_order, server_list
-from splitinfer.local.session import ClientConfig, SplitSession
+from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud, load_local
 
-from tiny import prepare_tiny
+from cloud.test_server import F32, PROMPT, run_with_hook
+from tiny import hf_greedy, prepare_tiny
 
-PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
-F32 = ClientConfig(wire_dtype="float32", prefill_chunk=8, retry_backoff_s=0.05)
 SERVERS = [f"ws://10.0.0.{i}:8765" for i in range(5)]
 
 
@@ -58,21 +54,7 @@ def test_server_list_needs_one_url_and_drops_repeats():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     model, shards = prepare_tiny(tmp_path_factory.mktemp("failover"), "llama", 2, 2)
-    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return shards, expected[0, len(PROMPT) :].tolist()
-
-
-def _decode(local, middle, n, hook):
-    session = SplitSession(local, middle, F32)
-    tokens: list[int] = []
-
-    def emit(token, _logprob):
-        tokens.append(token)
-        hook(len(tokens), session)
-
-    decode(session, PROMPT, session.prefill(PROMPT), n, set(), emit, Sequential())
-    session.close()
-    return tokens, session
+    return shards, hf_greedy(model, PROMPT, 20)
 
 
 def test_stopping_the_server_mid_generation_moves_the_session_with_identical_output(tiny, settle):
@@ -92,7 +74,7 @@ def test_stopping_the_server_mid_generation_moves_the_session_with_identical_out
                 servers[first].close()
                 stopped.append(first)
 
-        tokens, session = _decode(local, middle, 20, stop)
+        tokens, session = run_with_hook(local, middle, 20, stop)
         other = next(s for url, s in servers.items() if url != first)
         assert settle(lambda: len(other.server.table) == 0)  # the moved session was closed at the end
     assert tokens == expected
