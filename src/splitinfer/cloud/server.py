@@ -30,6 +30,7 @@ from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
 from ..wire.link import ServerLink
 from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
+from .batch import LocalPasses
 from .scheduler import BatchConfig, Scheduler
 from .sessions import CloudSession, SessionConfig, SessionTable
 
@@ -55,10 +56,11 @@ class ServerConfig:
 
 
 class CloudServer:
-    def __init__(self, half: CloudHalf, config: ServerConfig = ServerConfig()):
+    def __init__(self, half: CloudHalf, config: ServerConfig = ServerConfig(), passes: LocalPasses | None = None):
         self.half = half
         self.config = config
-        self.table = SessionTable(half, config.sessions)
+        # `passes`: where the middle runs (this process, or every rank of a tensor-parallel group).
+        self.table = SessionTable(half, config.sessions, passes=passes)
         self.limits = Limits(
             hidden_size=half.config.hidden_size, max_block_rows=config.sessions.max_block_rows
         )
