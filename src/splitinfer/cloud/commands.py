@@ -64,7 +64,7 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-replicas", type=int,
                    help="with --ray: autoscale up to this many replicas on KV bytes reserved and capacity refusals")
     s.add_argument("--address", help="with --ray: an existing Ray cluster (default: start a local one)")
-    s.add_argument("--tp", type=int, default=1,
+    s.add_argument("--tp", type=int, default=1, metavar="N",
                    help="split every middle layer over N ranks (tensor parallel; starts torchrun with N processes)")
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
@@ -131,7 +131,7 @@ def _serve_tp(args, config) -> int:
 
     from .server import CloudServer
     from .tensorparallel import (
-        Rank0Passes, check_launch, join_group, load_rank, relaunch_under_torchrun, stop_workers, worker_loop,
+        Rank0Passes, check_launch, join_group, load_rank, relaunch_under_torchrun, worker_loop,
     )
 
     if "WORLD_SIZE" not in os.environ:
@@ -147,7 +147,7 @@ def _serve_tp(args, config) -> int:
     try:
         _run_server(CloudServer(half, config, passes), args)
     finally:
-        stop_workers(passes)
+        passes.stop_workers()
     return 0
 
 

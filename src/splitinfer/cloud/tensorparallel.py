@@ -141,6 +141,14 @@ class Rank0Passes(LocalPasses):
         self._drain()
         return outs
 
+    def stop_workers(self) -> None:
+        """Tell the other ranks to stop (best effort: ranks that are already gone are not waited for)."""
+        with self._group_lock:
+            try:
+                _send_header({"ops": self._take_ops(), "stop": True}, self.device, self.group)
+            except RuntimeError as exc:
+                log.info("the other ranks were already gone (%s)", exc)
+
 
 def _apply(caches: dict[int, KVCache], slots: int, op: list) -> None:
     kind, cache_id = op[0], op[1]
@@ -200,15 +208,6 @@ def worker_loop(half, group=None) -> None:
                 forward_blocks(half.stack_for(header["pass"]["depth"]), blocks)
             except Exception:  # noqa: BLE001 - rank 0 failed the same pass for its steps and serves on
                 log.exception("a mirrored pass of %d block(s) failed", len(blocks))
-
-
-def stop_workers(passes: Rank0Passes) -> None:
-    """Tell the other ranks to stop (best effort: one that is already gone is not waited for)."""
-    with passes._group_lock:
-        try:
-            _send_header({"ops": passes._take_ops(), "stop": True}, passes.device, passes.group)
-        except RuntimeError as exc:
-            log.info("the other ranks were already gone (%s)", exc)
 
 
 # -- launching -------------------------------------------------------------------------------------------

@@ -66,16 +66,21 @@ class ReplicaSet:
         self._lock = threading.Lock()
 
     def current(self) -> list[str]:
-        """The set, re-read first when the last reading is older than `refresh_s`."""
-        if self._fetch is not None and (self._checked is None or self._clock() - self._checked >= self.refresh_s):
-            return self.refresh()
+        """The set, re-read first when the last reading is older than `refresh_s` (by one caller: sessions
+        starting meanwhile use the set as it is instead of asking the servers again)."""
         with self._lock:
-            return list(dict.fromkeys(self.given + self._listed))
+            stale = self._checked is None or self._clock() - self._checked >= self.refresh_s
+            due = self._fetch is not None and stale
+            if due:
+                self._checked = self._clock()
+            else:
+                return self._union()
+        return self.refresh()
 
     def refresh(self, skip: Collection[str] = ()) -> list[str]:
         """Ask the known servers (not those in `skip`) in turn for their listing; the first answer wins."""
         with self._lock:
-            known = list(dict.fromkeys(self.given + self._listed))
+            known = self._union()
         listed = None
         if self._fetch is not None:
             for url in (u for u in known if u not in skip):
@@ -86,7 +91,10 @@ class ReplicaSet:
             self._checked = self._clock()
             if listed is not None:
                 self._listed = list(listed)
-            return list(dict.fromkeys(self.given + self._listed))
+            return self._union()
+
+    def _union(self) -> list[str]:
+        return list(dict.fromkeys(self.given + self._listed))
 
 
 def fetch_replicas(url: str, auth=None, timeout_s: float = 5.0, max_bytes: int = 1 << 20) -> list[str] | None:
@@ -133,8 +141,8 @@ def server_list(servers: str | Sequence[str] | None) -> list[str]:
 class FailoverMiddle:
     """One session's transport over a deployment's servers, in rendezvous order for its key."""
 
-    def __init__(self, servers: Sequence[str] | ReplicaSet, make: Callable[[str], object], head_layers: int | None = None,
-                 key: str | None = None):
+    def __init__(self, servers: Sequence[str] | ReplicaSet, make: Callable[[str], object],
+                 head_layers: int | None = None, key: str | None = None):
         self.replicas = servers if isinstance(servers, ReplicaSet) else ReplicaSet(servers)
         self.key = key if key is not None else secrets.token_urlsafe(12)  # random: sessions spread evenly
         self.order = rendezvous_order(self.key, self.replicas.current())
