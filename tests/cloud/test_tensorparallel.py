@@ -1,7 +1,8 @@
 """`serve --tp 2` on CPU (gloo, two processes under torchrun) against the one-process server, over real
 WebSockets: the same tokens for concurrent sessions, rollbacks of rejected speculative rows included, and
-the same hidden states within float32 summation-order noise. Run by `make test-tp` (about a minute here:
-two processes import torch and transformers); `make test` leaves these out."""
+the same hidden states within float32 summation-order noise. Those are marked `tp`, run by `make test-tp`
+(about a minute here: two processes import torch and transformers); `make test` leaves them out and runs
+the in-process check that every cache change rank 0 makes reaches the workers."""
 
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from splitinfer.wire.messages import Step
 from cloud.test_server import remote
 from decoding.test_decoding import NEW, PROMPT, Oracle, reference
 from tiny import prepare_tiny
-
-pytestmark = pytest.mark.tp
 
 F32 = ClientConfig(wire_dtype="float32", prefill_chunk=8, retry_backoff_s=0.05)
 OTHER_PROMPT = [9, 4, 61, 23, 23, 8, 50, 1, 77]
@@ -66,6 +65,7 @@ def _generate_both(shards, url, strategies):
     return results
 
 
+@pytest.mark.tp
 def test_concurrent_sessions_with_rollbacks_give_the_one_process_tokens(servers):
     shards, model, single, tp = servers
     truth = reference(model, PROMPT, NEW)
@@ -117,6 +117,7 @@ def _run_together(local, url, seeds):
     return outs
 
 
+@pytest.mark.tp
 def test_hidden_states_match_the_one_process_server_after_a_rollback(servers):
     shards, _, single, tp = servers
     local = load_local(shards / "local")
@@ -128,3 +129,65 @@ def test_hidden_states_match_the_one_process_server_after_a_rollback(servers):
             assert a.committed == b.committed
             assert torch.allclose(a.hidden, b.hidden, atol=HIDDEN_ATOL, rtol=0), (a.hidden - b.hidden).abs().max()
         assert [r.committed for r in batched] == [0, 11, 14]
+
+
+class _Loopback:
+    """torch.distributed.broadcast within one process: rank 0's calls record, a worker's calls replay them in
+    order; a worker that has read everything finds the group closed (a RuntimeError, as when rank 0 dies)."""
+
+    def __init__(self):
+        self.sent: list[torch.Tensor] = []
+        self.sending = True
+
+    def broadcast(self, tensor, src=0, group=None):
+        if self.sending:
+            self.sent.append(tensor.clone())
+        elif not self.sent:
+            raise RuntimeError("connection closed by peer")
+        else:
+            tensor.copy_(self.sent.pop(0))
+
+
+def test_every_cache_change_reaches_the_workers(tmp_path, monkeypatch):
+    """Rank 0's session table through Rank0Passes, a worker replaying what it sent (both unsplit): the
+    worker's caches equal rank 0's after batched passes and a rollback, and close and expiry free them."""
+    from splitinfer.cloud.sessions import SessionConfig, SessionTable
+    from splitinfer.cloud.tensorparallel import Rank0Passes, worker_loop
+    from splitinfer.wire.messages import Hello
+
+    _, shards = prepare_tiny(tmp_path, "llama", 2, 2)
+    loop = _Loopback()
+    monkeypatch.setattr(torch.distributed, "broadcast", loop.broadcast)
+    now = [0.0]
+    half, worker = load_cloud(shards / "cloud"), load_cloud(shards / "cloud")
+    passes = Rank0Passes(half)
+    table = SessionTable(half, SessionConfig(ttl_s=10), clock=lambda: now[0], passes=passes)
+    hello = Hello(half.fingerprint, (half.stack.start, half.stack.end), "float32")
+    a, b = table.open(hello)[0], table.open(hello)[0]
+    caches: dict = {}
+
+    def replay():
+        loop.sending = False
+        worker_loop(worker, caches=caches)
+        loop.sending = True
+
+    first, second = _steps(5), _steps(6)
+    assert all(not isinstance(r, Exception) for r in table.run_steps([(a, first[0], 0.0), (b, second[0], 0.0)]))
+    for step in first[1:]:  # a tree block, then a keep of a non-prefix path
+        table.run_step(a, step, 0.0)
+    replay()
+    assert sorted(caches) == [a.cache.id, b.cache.id]
+    for session in (a, b):
+        mirror = caches[session.cache.id]
+        assert (mirror.length, mirror.pending) == (session.cache.length, session.cache.pending)
+        rows = session.cache.length + session.cache.pending
+        for layer in range(mirror.num_layers):
+            assert torch.equal(mirror._keys[layer][..., :rows, :], session.cache._keys[layer][..., :rows, :])
+    assert (a.cache.length, a.cache.pending) == (14, 2)
+    table.close(a.id)  # a release is sent at once, not with the next pass
+    replay()
+    assert sorted(caches) == [b.cache.id]
+    now[0] += 11
+    assert table.expire() == [b.id]
+    replay()
+    assert caches == {}

@@ -186,10 +186,10 @@ def _receive_pass(half, caches: dict[int, KVCache], slots: int, spec: dict, devi
     return blocks
 
 
-def worker_loop(half, group=None) -> None:
+def worker_loop(half, group=None, caches: dict[int, KVCache] | None = None) -> None:
     """A rank other than 0: mirror rank 0's cache changes and run its passes on this rank's slice, until
-    rank 0 says stop or goes away."""
-    caches: dict[int, KVCache] = {}
+    rank 0 says stop or goes away. `caches` (cache id -> this rank's KVCache) may be passed in to be read."""
+    caches = {} if caches is None else caches
     slots = len(half.stack.layers)
     device = next(half.stack.parameters()).device
     while True:
