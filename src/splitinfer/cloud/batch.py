@@ -15,6 +15,8 @@ adapter and the mask:
 All blocks of one call run the same layers (`stack`): sessions with different head depths (split-point
 randomisation) go through separate calls, grouped by the caller (sessions.py, scheduler.py).
 This module knows nothing about sessions, validation or scheduling: it takes blocks and returns rows.
+The session table reaches it through a pass executor, `LocalPasses` here (one process) or
+tensorparallel.py's `Rank0Passes` (every rank of a tensor-parallel group runs the same pass).
 The cost is one copy of each session's keys into a padded workspace per layer (the memory traffic
 attention itself spends reading them); the workspace is allocated once per pass, not per layer.
 """
@@ -121,7 +123,7 @@ class LocalPasses:
     be mirrored on every rank; the session table only ever calls these two methods.
     """
 
-    def __init__(self, half: "CloudHalf"):
+    def __init__(self, half: CloudHalf):
         self.half = half
 
     def new_cache(self, head_layers: int) -> KVCache:
