@@ -9,7 +9,7 @@ SHARDS ?= shards/smollm2
 RTT_MS ?= 80
 PROMPT ?= Explain in three sentences why the round trip dominates split inference over a WAN.
 
-.PHONY: venv prepare demo test test-ray test-floor bench gpu-check clean
+.PHONY: venv prepare demo test test-ray test-tp test-floor bench gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -31,12 +31,16 @@ demo: prepare
 	$(VENV)/bin/splitinfer demo --shards $(SHARDS) --rtt-ms $(RTT_MS) --prompt "$(PROMPT)" --allow-public-weights
 
 test: venv
-	$(PY) -m pytest -q -m "not ray"
+	$(PY) -m pytest -q -m "not ray and not tp"
 
 # `serve --ray` on a local Ray cluster (the ray extra, installed here only).
 test-ray: venv
 	$(PIP) install --quiet -e ".[ray]"
 	$(PY) -m pytest -q -m ray
+
+# `serve --tp 2` as two processes under torchrun (gloo on CPU) against the one-process server (~1 min).
+test-tp: venv
+	$(PY) -m pytest -q -m tp
 
 # The exactness tests on the lowest transformers release the requirement admits, in a venv of their own
 # (`make test` runs them on the newest). Keep TRANSFORMERS_FLOOR equal to the floor in pyproject.toml.

@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     args.config_report = report
+    args.argv = argv  # the command line itself, for commands that start copies of themselves (serve --tp)
     logging.basicConfig(
         level=logging.INFO if args.verbose or args.command in LOUD_COMMANDS else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

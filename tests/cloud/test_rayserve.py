@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from splitinfer.cloud.rayserve import desired_replicas, kv_autoscaling_policy
+from splitinfer.cloud.rayserve import ReplicaDirectory, desired_replicas, kv_autoscaling_policy
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.strategies import Sequential
 from splitinfer.launch import free_port
 from splitinfer.local.client import SplitClient
+from splitinfer.local.failover import fetch_replicas
 from splitinfer.local.session import ClientConfig, SplitSession
 
 from tiny import prepare_tiny
@@ -35,8 +36,15 @@ def test_kv_policy_follows_reserved_bytes_and_refusals():
     assert kv_autoscaling_policy(ctx)[0] == 2
 
 
+def test_the_directory_lists_replicas_that_reported_recently(settle):
+    directory = ReplicaDirectory(ttl_s=0.3)
+    assert directory.report("ws://b:1") == ["ws://b:1"]
+    assert directory.report("ws://a:1") == ["ws://a:1", "ws://b:1"]
+    assert settle(lambda: directory.report("ws://a:1") == ["ws://a:1"])  # b stopped reporting: it drops out
+
+
 @pytest.mark.ray
-def test_two_replicas_eight_sessions_one_replica_killed(tmp_path):
+def test_two_replicas_eight_sessions_one_replica_killed(tmp_path, settle):
     pytest.importorskip("ray")
     import ray
 
@@ -54,6 +62,8 @@ def test_two_replicas_eight_sessions_one_replica_killed(tmp_path):
         urls = rayserve.deploy(str(shards / "cloud"), ServerConfig(port=free_port()),
                                rayserve.RayConfig(replicas=2, cpus_per_replica=1), threads=1)
         assert len(urls) == 2
+        # Each replica lists the deployment (GET /replicas) once both reported at a health check.
+        assert settle(lambda: all(fetch_replicas(url) == urls for url in urls), 30)
         client = SplitClient.connect(shards / "local", urls, F32, allow_public_weights=True)
         local = client.local
         halfway = threading.Barrier(len(PROMPTS) + 1)

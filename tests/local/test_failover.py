@@ -7,16 +7,18 @@ import collections
 
 import pytest
 
-from splitinfer.cloud.server import ServerThread
+from splitinfer.cloud.security import TokenSet
+from splitinfer.cloud.server import ServerConfig, ServerThread
 from splitinfer.configfile import Repeated, apply_config
 from splitinfer.errors import ConfigError, TransportError
 from splitinfer.launch import free_port
 from splitinfer.local.client import SplitClient
-from splitinfer.local.failover import FailoverMiddle, rendezvous_order, server_list
+from splitinfer.local.auth import ClientAuth
+from splitinfer.local.failover import FailoverMiddle, ReplicaSet, fetch_replicas, rendezvous_order, server_list
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud, load_local
 
-from cloud.test_server import F32, PROMPT, run_with_hook
+from cloud.test_server import F32, PROMPT, remote, run_with_hook
 from tiny import hf_greedy, prepare_tiny
 
 SERVERS = [f"ws://10.0.0.{i}:8765" for i in range(5)]
@@ -98,6 +100,60 @@ def test_every_server_gone_raises_after_the_retries(tiny):
     client = SplitClient.connect(shards / "local", urls, config, allow_public_weights=True)
     with pytest.raises(TransportError, match="cannot connect"):
         client.generate(PROMPT, max_new_tokens=2, stop_ids=set())
+
+
+def test_replicas_listing_needs_the_token_and_is_checked(tiny):
+    shards, _ = tiny
+    token = "t" * 32
+    config = ServerConfig(port=0, tokens=TokenSet.from_tokens([token]))
+    with ServerThread(load_cloud(shards / "cloud"), config) as server:
+        auth = ClientAuth(token=token)
+        assert fetch_replicas(server.url, auth) is None  # a plain server lists no replicas (404)
+        server.server.replicas = lambda: ["ws://10.0.0.1:8765", "ws://10.0.0.2:8765"]
+        assert fetch_replicas(server.url, auth) == ["ws://10.0.0.1:8765", "ws://10.0.0.2:8765"]
+        assert fetch_replicas(server.url, ClientAuth(token="u" * 32)) is None  # 401
+        server.server.replicas = lambda: ["ws://10.0.0.1:8765", "http://elsewhere/"]
+        assert fetch_replicas(server.url, auth) is None  # not a list of server URLs: ignored
+    assert fetch_replicas(f"ws://127.0.0.1:{free_port()}") is None  # nobody listening
+
+
+def _key(rank_given, rank_all, given, every):
+    """A session key whose rendezvous order over `given` and over `every` satisfy the two predicates."""
+    return next(k for k in (f"key-{i}" for i in range(10_000))
+                if rank_given(rendezvous_order(k, given)) and rank_all(rendezvous_order(k, every)))
+
+
+def test_an_autoscaled_replica_takes_new_sessions_and_failovers_while_sessions_stay_put(tiny, settle):
+    shards, expected = tiny
+    local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
+    with ServerThread(cloud) as a, ServerThread(cloud) as b, ServerThread(cloud) as c:
+        live = [a.url, b.url]  # what the deployment's replicas list; c joins it later (autoscaling)
+        for server in (a, b, c):
+            server.server.replicas = lambda: list(live)
+        now = [0.0]
+        replicas = ReplicaSet([a.url, b.url], fetch=fetch_replicas, refresh_s=30, clock=lambda: now[0])
+        given, every = [a.url, b.url], [a.url, b.url, c.url]
+        # Starts on a; once c is listed, the key ranks c first, then a.
+        stays = _key(lambda o: o[0] == a.url, lambda o: o[:2] == [c.url, a.url], given, every)
+        # Starts on a; among all three it ranks a, c, b: when a goes, c (listed since) is its next server.
+        moves = _key(lambda o: o[0] == a.url, lambda o: o == [a.url, c.url, b.url], given, every)
+        make = lambda url: remote(local, url)  # noqa: E731
+        existing = FailoverMiddle(replicas, make, key=stays)
+        mover = FailoverMiddle(replicas, make, key=moves)
+        assert existing.url == mover.url == a.url
+        live.append(c.url)
+        now[0] += 31  # the set is re-read when a session starts after refresh_s
+        assert FailoverMiddle(replicas, make, key=stays).url == c.url  # a new session with that key: on c
+        tokens, _ = run_with_hook(local, existing, 20, lambda i, s: None)
+        assert tokens == expected and existing.url == a.url and existing.failovers == 0
+
+        def stop(i, session):
+            if i == 7:
+                a.close()
+
+        tokens, _ = run_with_hook(local, mover, 20, stop)
+        assert tokens == expected and mover.url == c.url and mover.failovers == 1
+        assert settle(lambda: len(c.server.table) == 0 and len(b.server.table) == 0)
 
 
 def _parser():

@@ -15,6 +15,8 @@ adapter and the mask:
 All blocks of one call run the same layers (`stack`): sessions with different head depths (split-point
 randomisation) go through separate calls, grouped by the caller (sessions.py, scheduler.py).
 This module knows nothing about sessions, validation or scheduling: it takes blocks and returns rows.
+The session table reaches it through a pass executor, `LocalPasses` here (one process) or
+tensorparallel.py's `Rank0Passes` (every rank of a tensor-parallel group runs the same pass).
 The cost is one copy of each session's keys into a padded workspace per layer (the memory traffic
 attention itself spends reading them); the workspace is allocated once per pass, not per layer.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +33,9 @@ import torch
 from ..kv import KVCache
 from ..masks import attention_mask
 from ..model.stack import LayerStack
+
+if TYPE_CHECKING:
+    from ..model.shards import CloudHalf
 
 
 @dataclass
@@ -108,3 +114,21 @@ def forward_blocks(stack: LayerStack, blocks: Sequence[Block]) -> list[torch.Ten
     cache = _BatchCache([block.cache for block in blocks], rows, key_len)
     out = stack.run_layers(hidden, position_ids, masks, cache)
     return [out[b, :q] for b, q in enumerate(rows)]
+
+
+class LocalPasses:
+    """Where a SessionTable gets its caches and runs its passes: here, this process's stack.
+
+    The seam a tensor-parallel middle replaces (cloud/tensorparallel.py), whose caches and passes must
+    be mirrored on every rank; the session table only ever calls these two methods.
+    """
+
+    def __init__(self, half: CloudHalf):
+        self.half = half
+
+    def new_cache(self, head_layers: int) -> KVCache:
+        return self.half.stack_for(head_layers).new_cache()
+
+    def run(self, head_layers: int, blocks: Sequence[Block]) -> list[torch.Tensor]:
+        """`forward_blocks` over the layers a session of head depth `head_layers` runs."""
+        return forward_blocks(self.half.stack_for(head_layers), blocks)

@@ -64,6 +64,8 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-replicas", type=int,
                    help="with --ray: autoscale up to this many replicas on KV bytes reserved and capacity refusals")
     s.add_argument("--address", help="with --ray: an existing Ray cluster (default: start a local one)")
+    s.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="split every middle layer over N ranks (tensor parallel; starts torchrun with N processes)")
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
 
@@ -123,7 +125,53 @@ def _serve_ray(args, config) -> int:
     return 0
 
 
+def _serve_tp(args, config) -> int:
+    """`serve --tp N`: outside torchrun, start torchrun with N copies of this command; inside, be one rank."""
+    import os
+
+    from .server import CloudServer
+    from .tensorparallel import (
+        Rank0Passes, check_launch, join_group, load_rank, relaunch_under_torchrun, worker_loop,
+    )
+
+    if "WORLD_SIZE" not in os.environ:
+        check_launch(args.shard, args.tp, args.device)
+        relaunch_under_torchrun(args.tp, args.argv)
+    rank, device = join_group(args.tp, args.device)
+    _set_threads(args.threads)
+    half = load_rank(args.shard, rank, args.tp, device, args.dtype)
+    if rank != 0:
+        worker_loop(half)
+        return 0
+    passes = Rank0Passes(half)
+    try:
+        _run_server(CloudServer(half, config, passes), args)
+    finally:
+        passes.stop_workers()
+    return 0
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _run_server(server, args) -> None:
+    if args.metrics_port is not None:
+        from ..metrics import CloudMetrics, serve_metrics
+
+        server.metrics = CloudMetrics(server.table)
+        serve_metrics(server.metrics, args.metrics_host, args.metrics_port)
+    asyncio.run(server.serve_forever())
+
+
 def cmd_serve(args) -> int:
+    if args.tp != 1 and (args.ray or args.devices):
+        raise ConfigError("--tp splits each layer over the ranks of one group; leave out --ray and --devices.")
+    if args.tp != 1:
+        return _serve_tp(args, _server_config(args))
     if args.ray:
         from ..extras import RAY, require_extra
 
@@ -139,21 +187,12 @@ def cmd_serve(args) -> int:
     from .server import CloudServer
 
     config = _server_config(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     half = load_cloud(args.shard, device="cpu" if args.devices else args.device, dtype=args.dtype)
     if args.devices:  # several GPUs of this node: layers placed by memory (model/placement.py)
         from ..model.placement import parse_devices, spread
 
         device_map = spread(half.stack, parse_devices(args.devices), next(half.stack.parameters()).dtype)
         log.info("layer placement: %s", device_map)
-    server = CloudServer(half, config)
-    if args.metrics_port is not None:
-        from ..metrics import CloudMetrics, serve_metrics
-
-        server.metrics = CloudMetrics(server.table)
-        serve_metrics(server.metrics, args.metrics_host, args.metrics_port)
-    asyncio.run(server.serve_forever())
+    _run_server(CloudServer(half, config), args)
     return 0

@@ -13,6 +13,12 @@ Serve's own HTTP proxy is not used (it is not started): it would carry every ste
 proxy actor, one more hop on the latency path, and its consistent-hash router on a session header is
 experimental (`ray.serve.experimental`) at Ray 2.60.
 
+Replicas added by autoscaling are published to clients: every replica reports its URL to one named
+actor (`ReplicaDirectory`) when it starts and at every health check Serve runs on it, and answers
+GET /replicas on its own port with the URLs reported within the last few health-check periods (a
+killed replica drops out, a restarted one comes back). Clients re-read that listing when a session
+starts (at most every 30 s) and whenever a session's replica fails (local/failover.py).
+
 Ports: a replica takes the first free port from `base_port` on, so the replicas of one node listen on
 base_port, base_port+1, ..., and a restarted replica takes the port its predecessor freed; the list of
 URLs that clients are given stays valid across restarts. This module imports ray only inside functions
@@ -32,6 +38,27 @@ log = logging.getLogger("splitinfer.cloud")
 
 APP_NAME = "splitinfer"
 DEPLOYMENT_NAME = "CloudReplica"
+DIRECTORY_NAME = "splitinfer-replicas"
+NAMESPACE = "splitinfer"
+HEALTH_CHECK_PERIOD_S = 5.0
+
+
+class ReplicaDirectory:
+    """The URLs of the replicas that are up, by heartbeat (a Ray actor body; see `deploy`)."""
+
+    def __init__(self, ttl_s: float = 3 * HEALTH_CHECK_PERIOD_S):
+        self.ttl_s = ttl_s
+        self._seen: dict[str, float] = {}  # url -> last report (monotonic seconds)
+
+    def report(self, url: str) -> list[str]:
+        """Record that `url` is up; returns every URL reported within the TTL."""
+        self._seen[url] = time.monotonic()
+        return self.urls()
+
+    def urls(self) -> list[str]:
+        horizon = time.monotonic() - self.ttl_s
+        self._seen = {url: t for url, t in self._seen.items() if t >= horizon}
+        return sorted(self._seen)
 
 
 @dataclass(frozen=True)
@@ -74,6 +101,10 @@ class CloudReplica:
         if self._thread is None:
             raise RuntimeError(f"no free port in {config.port}..{config.port + port_span - 1} for this replica.")
         self._refusals_seen = 0
+        self._url = self.endpoint()
+        self._peers = [self._url]
+        self._report()
+        self._thread.server.replicas = lambda: list(self._peers)
 
     def endpoint(self, wait_s: float = 0.0) -> str:
         """This replica's WebSocket URL, as clients reach it (the node's address when bound to all)."""
@@ -90,9 +121,20 @@ class CloudReplica:
         return {**self._thread.server.table.stats(), **self._thread.server.scheduler.stats()}
 
     def check_health(self) -> None:
-        """Serve's health check: a replica whose server thread died is restarted."""
+        """Serve's health check: a replica whose server thread died is restarted. A live one reports itself
+        to the directory and takes the deployment's current URLs for GET /replicas."""
         if not self._thread._thread.is_alive():
             raise RuntimeError("the replica's WebSocket server is not running.")
+        self._report()
+
+    def _report(self) -> None:
+        import ray
+
+        try:
+            directory = ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
+            self._peers = ray.get(directory.report.remote(self._url), timeout=HEALTH_CHECK_PERIOD_S)
+        except (ValueError, ray.exceptions.RayError) as exc:  # no directory (yet), or it is busy: keep the list
+            log.info("replica directory unavailable (%s); GET /replicas keeps its last list", exc)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The custom metrics `kv_autoscaling_policy` reads (Serve collects them from every replica)."""
@@ -142,11 +184,14 @@ def deploy(shard: str, server: ServerConfig, ray_config: RayConfig = RayConfig()
     if not ray.is_initialized():
         ray.init(address=ray_config.address, include_dashboard=False, logging_level=logging.WARNING)
     serve.start(http_options={"location": "NoServer"})  # clients reach each replica's own port
+    # Detached: a named actor whose creating handle is dropped would be collected; `shutdown` ends it.
+    ray.remote(ReplicaDirectory).options(name=DIRECTORY_NAME, namespace=NAMESPACE, get_if_exists=True,
+                                         lifetime="detached", num_cpus=0).remote()
     options: dict = {
         "name": DEPLOYMENT_NAME,
         "ray_actor_options": {"num_cpus": ray_config.cpus_per_replica, "num_gpus": ray_config.gpus_per_replica},
         "max_ongoing_requests": 64,
-        "health_check_period_s": 5,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
     }
     if ray_config.max_replicas is not None and ray_config.max_replicas > ray_config.replicas:
         from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
@@ -188,4 +233,8 @@ def shutdown() -> None:
     from ray import serve
 
     serve.shutdown()
+    try:
+        ray.kill(ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE))
+    except ValueError:  # not started, or already gone
+        pass
     ray.shutdown()

@@ -10,16 +10,23 @@ Authentication happens in the HTTP handshake (`_authorize`), before the WebSocke
 without a valid bearer token gets HTTP 401 and never reaches the protocol. Sessions belong to the token
 that opened them. A connection that keeps sending invalid messages is closed (1008) after
 `max_errors_per_connection` of them; a message over `max_message_bytes` is closed by websockets (1009).
+
+`GET /replicas` (same port, same token) answers `{"replicas": [URL, ...]}`: the servers of this deployment
+that are up, as `replicas` reports them (the replicas of `serve --ray`, autoscaled ones included), so that
+clients routing by rendezvous hashing learn them (local/failover.py). A server without a replica set
+answers 404.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http
+import json
 import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from websockets.asyncio.server import ServerConnection, serve
@@ -30,10 +37,13 @@ from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
 from ..wire.link import ServerLink
 from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
+from .batch import LocalPasses
 from .scheduler import BatchConfig, Scheduler
 from .sessions import CloudSession, SessionConfig, SessionTable
 
 log = logging.getLogger("splitinfer.cloud")
+
+REPLICAS_PATH = "/replicas"
 
 
 @dataclass(frozen=True)
@@ -55,10 +65,11 @@ class ServerConfig:
 
 
 class CloudServer:
-    def __init__(self, half: CloudHalf, config: ServerConfig = ServerConfig()):
+    def __init__(self, half: CloudHalf, config: ServerConfig = ServerConfig(), passes: LocalPasses | None = None):
         self.half = half
         self.config = config
-        self.table = SessionTable(half, config.sessions)
+        # `passes`: where the middle runs (this process, or every rank of a tensor-parallel group).
+        self.table = SessionTable(half, config.sessions, passes=passes)
         self.limits = Limits(
             hidden_size=half.config.hidden_size, max_block_rows=config.sessions.max_block_rows
         )
@@ -67,16 +78,26 @@ class CloudServer:
         self._server = None
         self.port: int | None = None
         self.metrics = None  # a metrics.CloudMetrics (`serve --metrics-port`); None records nothing
+        self.replicas: Callable[[], list[str]] | None = None  # this deployment's live server URLs, for GET /replicas
 
     def _authorize(self, connection: ServerConnection, request):
-        """websockets' process_request hook: refuse a missing or wrong token before the upgrade."""
+        """websockets' process_request hook: refuse a missing or wrong token before the upgrade; answer
+        GET /replicas (after the same token check) without upgrading."""
         if self.config.tokens.identify(request.headers.get("Authorization")) is not None:
-            return None
+            return self._replicas_response(connection) if request.path == REPLICAS_PATH else None
         log.info("refused a connection from %s: missing or invalid bearer token", connection.remote_address)
         response = connection.respond(http.HTTPStatus.UNAUTHORIZED, "missing or invalid bearer token\n")
         response.headers["WWW-Authenticate"] = 'Bearer realm="splitinfer"'
         if self.metrics is not None:
             self.metrics.error("auth")
+        return response
+
+    def _replicas_response(self, connection: ServerConnection):
+        if self.replicas is None:
+            return connection.respond(http.HTTPStatus.NOT_FOUND, "this server lists no replicas\n")
+        response = connection.respond(http.HTTPStatus.OK, json.dumps({"replicas": list(self.replicas())}))
+        del response.headers["Content-Type"]
+        response.headers["Content-Type"] = "application/json"
         return response
 
     async def _handle(self, ws: ServerConnection) -> None:

@@ -30,7 +30,7 @@ from ..kv import KVCache
 from ..model.shards import CloudHalf
 from ..wire.link import check_resume, check_step
 from ..wire.messages import SUPPORTED_VERSIONS, Hello, Result, Step, Welcome
-from .batch import Block, forward_blocks
+from .batch import Block, LocalPasses
 
 log = logging.getLogger("splitinfer.cloud")
 
@@ -77,10 +77,12 @@ class CloudSession:
 class SessionTable:
     """All sessions of one server, over one CloudHalf. Thread-safe."""
 
-    def __init__(self, half: CloudHalf, config: SessionConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, half: CloudHalf, config: SessionConfig, clock: Callable[[], float] = time.monotonic,
+                 passes: LocalPasses | None = None):
         self.half = half
         self.config = config
         self.clock = clock
+        self.passes = passes or LocalPasses(half)  # makes the sessions' caches and runs their passes
         self.max_position = int(getattr(half.config, "max_position_embeddings", 1 << 20))
         self._sessions: dict[str, CloudSession] = {}
         self._lock = threading.Lock()
@@ -147,7 +149,8 @@ class SessionTable:
                     )
                 runs = self.half.stack_for(head_layers)
                 session = CloudSession(
-                    id=secrets.token_urlsafe(18), cache=runs.new_cache(), wire_dtype=hello.wire_dtype, last_used=now,
+                    id=secrets.token_urlsafe(18), cache=self.passes.new_cache(head_layers),
+                    wire_dtype=hello.wire_dtype, last_used=now,
                     owner=owner, head_layers=head_layers, kv_bytes_per_token=runs.kv_bytes_per_token(),
                 )
                 self._sessions[session.id] = session
@@ -298,7 +301,7 @@ class SessionTable:
             outs: list[torch.Tensor | None] = [None] * len(blocks)
             for k in sorted(set(depths)):  # sessions that start at different layers run different stacks
                 same = [j for j, d in enumerate(depths) if d == k]
-                for j, out in zip(same, forward_blocks(self.half.stack_for(k), [blocks[j] for j in same])):
+                for j, out in zip(same, self.passes.run(k, [blocks[j] for j in same])):
                     outs[j] = out
             if outs and outs[0].device.type == "cuda":
                 torch.cuda.synchronize(outs[0].device)

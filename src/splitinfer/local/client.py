@@ -30,7 +30,7 @@ from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_head, read_head_inf
 from ..model.shards import LocalHalf, load_local, local_weights_are_public, model_identity
 from .auth import ClientAuth
 from .conversation import Conversation
-from .failover import FailoverMiddle, server_list
+from .failover import FailoverMiddle, ReplicaSet, fetch_replicas, server_list
 from .middle import RemoteMiddle
 from .session import ClientConfig
 from .text import chat_prompt_ids
@@ -131,6 +131,7 @@ class SplitClient:
         split = local.manifest["split"]
         draw = head_depth_drawer(local, config.split_seed)
         urls = server_list(url)
+        replicas = ReplicaSet(urls, fetch=lambda server: fetch_replicas(server, auth))  # the sessions' servers
 
         def remote(server: str, head_layers: int | None) -> RemoteMiddle:
             return RemoteMiddle(
@@ -142,7 +143,7 @@ class SplitClient:
             k = draw()
             if len(urls) == 1:
                 return remote(urls[0], k)
-            return FailoverMiddle(urls, lambda server: remote(server, k), head_layers=k)
+            return FailoverMiddle(replicas, lambda server: remote(server, k), head_layers=k)
 
         client = cls(local, make_middle, config)
         client.draft_head = load_draft_head(local, local_shard, config.drafter, device)

@@ -6,7 +6,7 @@ leaving headroom on each device for its layers' share of the KV cache. `place_la
 there; the stack then hands activations from device to device (model/stack.py), and each layer's KV
 buffers are allocated on that layer's device (kv.py allocates like the keys it is given). This is
 pipeline placement within one process: one pass uses one GPU at a time, which is what a middle too large
-for one GPU needs; tensor parallelism over several nodes is a different engine (docs/design.md).
+for one GPU needs; tensor parallelism, where every pass uses every GPU, is model/tensorparallel.py (`serve --tp`).
 
 Nothing here assumes CUDA exists: the planner runs on meta-device layers and fake device names, so it is
 tested on CPU; only `cuda_devices` asks the driver.
