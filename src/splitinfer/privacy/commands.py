@@ -91,7 +91,7 @@ def _read_texts(paths: list[str]) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
-def _basis(shards: Path, out: Path, seed: int | None) -> int:
+def _basis(shards: Path, out: Path, args) -> int:
     """`privatize --basis`: both shards rewritten in a secret residual basis (privacy/basis.py)."""
     import time
 
@@ -102,7 +102,8 @@ def _basis(shards: Path, out: Path, seed: int | None) -> int:
 
     started = time.perf_counter()
     model = load_whole_hf(shards)
-    keyed, _secret, record = apply_basis(model, BasisConfig(seed=seed))
+    config = BasisConfig(seed=args.seed, key=args.key, condition=args.condition, metric_block=args.metric_block)
+    keyed, _secret, record = apply_basis(model, config)
     # A self-check on 64 arbitrary tokens: the keyed model must compute the public model's logits.
     ids = torch.arange(64)[None] * 7919 % model.config.vocab_size
     with torch.inference_mode():
@@ -110,7 +111,8 @@ def _basis(shards: Path, out: Path, seed: int | None) -> int:
     record["self_check_max_logit_difference"] = gap
     write_basis_shards(keyed, shards, out, record)
     print(
-        f"wrote {out} (local and cloud shards in a secret residual basis, {time.perf_counter() - started:.1f} s; "
+        f"wrote {out} (local and cloud shards in a secret residual basis, {config.key} key, "
+        f"{time.perf_counter() - started:.1f} s; "
         f"max |logit difference| to the public model {gap:.2e} on 64 tokens)\n"
         "serve OUT/cloud to this deployment only: its host can recover the basis from it (docs/privacy.md, T4)."
     )
@@ -133,7 +135,7 @@ def cmd_privatize(args) -> int:
         if args.text:
             raise ConfigError("--basis needs no --text and does not combine with the distilled private weights; "
                               "pass one or the other.")
-        return _basis(shards, out, args.seed)
+        return _basis(shards, out, args)
     if not args.text:
         raise ConfigError("pass the organisation's own text with --text (or --basis for a secret residual basis).")
     texts = _read_texts(args.text)
@@ -232,6 +234,12 @@ def register(subparsers) -> None:
     s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")
     s.add_argument("--basis", action="store_true",
                    help="instead: rewrite both shards in a secret residual basis (same outputs; new cloud shard)")
+    s.add_argument("--key", default="orthogonal", choices=("orthogonal", "linear"),
+                   help="with --basis: a rotation, or a general invertible key with keyed RMSNorms (hides inner "
+                        "products from an observer without the cloud shard; see docs/privacy.md)")
+    s.add_argument("--condition", type=float, default=8.0, help="with --key linear: the key's condition number")
+    s.add_argument("--metric-block", type=int, default=64,
+                   help="with --key linear: block size of the norms' factor (extra multiply-adds per norm: d x block)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)

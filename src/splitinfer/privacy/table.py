@@ -33,13 +33,18 @@ THREATS = (
            "T0", "none"),
     Threat("the same reader, deployment in a secret basis (`privatize --basis`)",
            "activations in the secret basis; public weights; its own text", "T3", "secret basis"),
+    Threat("the same reader, deployment under a linear key (`privatize --basis --key linear`)",
+           "activations under the key; public weights; its own text; unlabelled traffic", "T3", "secret linear key"),
     Threat("the cloud host", "activations and the cloud layers (= public weights)", "T0", "none"),
     Threat("the cloud host, secret basis", "activations and this deployment's cloud shard", "T4", "secret basis"),
+    Threat("the cloud host, linear key", "activations and this deployment's cloud shard (its norm factor)", "T4",
+           "secret linear key"),
     Threat("the cloud host, private local weights (`privatize --text`), pushing its own text through them",
            "activations; 10^5 chosen-plaintext tokens", "T2", "private weights"),
     Threat("the host or a log reader holding known (text, activation) pairs, secret basis",
            "N pairs (largest N measured)", "T5",
            "secret basis"),
+    Threat("the same, linear key", "N pairs (largest N measured)", "T5", "secret linear key"),
 )
 
 
