@@ -16,6 +16,13 @@ from splitinfer.privacy.keyed import KeyedConfig, moment_alignment, template_ids
 from splitinfer.privacy.whiten import best_alignment
 
 
+# What every audit row carries (audit.Audit._row), T0's rows included.
+ROW_FIELDS = {"side", "depth", "threat", "attacker", "defence", "top1", "top1_ci", "top5", "top5_ci", "baseline_top1",
+              "baseline_top1_ci", "baseline_top5", "majority_token", "ceiling", "train_type_coverage", "n_tokens",
+              "n_documents", "exact_sequence", "canary_top1", "canary_tokens", "by_frequency", "eval_set",
+              "outcomes_top1_hex"}
+
+
 class CharTokenizer:
     """Characters folded into the tiny model's 96-token vocabulary (no chat template)."""
 
@@ -55,15 +62,15 @@ def test_audit_rows_for_the_secret_basis_and_the_linear_key(tmp_path):
         depths=(2,), tail_depths=(2,),
         corpus=CorpusConfig(sources=("stdlib",), max_documents=12, chunk_tokens=40, max_chunks_per_document=1),
         train=TrainConfig(hidden=32, epochs=1), a4_chunks=1, noise_sigmas=(), privatize=None, seq_attacker=False,
-        utility_chunks=1, n_boot=20, basis=KeyedConfig(t5_pairs=(30, 300), metric_block=16),
+        utility_chunks=1, n_boot=20, basis=KeyedConfig(t5_pairs=(30, 300), metric_block=16), t0=False,
     )
     run_audit(config, tmp_path, model=tiny_model("llama"), tokenizer=CharTokenizer())
     saved = json.loads((tmp_path / "audit.json").read_text())
-    t0_fields = set(next(r for r in saved["results"] if r["threat"] == "T0"))
     keyed = [r for r in saved["results"] if r["threat"] in ("T3", "T4", "T5")]
+    assert len(keyed) == len(saved["results"])  # --quick's shape: no T0 rows
     assert {r["defence"] for r in keyed} == {"secret basis", "secret linear key"}
-    per_attacker = {"train_seconds", "epochs_run", "capped", "a4", "a4_max_candidates"}
-    assert all(t0_fields - per_attacker <= set(r) for r in keyed)
+    assert all(ROW_FIELDS <= set(r) for r in keyed)
+    assert saved["eval_sets"]["test"] == keyed[0]["n_tokens"]
     for defence, extra in (("secret basis", "secret_basis"), ("secret linear key", "secret_linear_key")):
         rows = {(r["threat"], r["side"], r["attacker"]): r for r in keyed if r["defence"] == defence}
         assert {r["threat"] for r in rows.values()} == {"T3", "T4", "T5"}
@@ -90,9 +97,9 @@ def test_weight_matching_recovers_a_linear_key_through_the_norm_factor():
     r, record, match = weight_matching(model.model.layers[3], keyed.model.layers[3], factor)
     assert np.abs(r - secret.inverse.numpy()).max() < 1e-4
     assert (match == secret.neuron_perms[3].numpy()).all() and record["used_norm_factor"]
-    # Without the factor the layer is no rotation of the public one: the fit does not close.
-    _, blind, _ = weight_matching(model.model.layers[3], keyed.model.layers[3])
-    assert blind["weight_residual"] > 0.1
+    # Without the factor the reading weights still give the rotation, but not the way back from h A.
+    blind, _, _ = weight_matching(model.model.layers[3], keyed.model.layers[3])
+    assert np.abs(blind - secret.inverse.numpy()).max() > 0.1
 
 
 def _sequences(rng, n: int, d: int, mix: np.ndarray) -> np.ndarray:

@@ -15,10 +15,11 @@ to Q. The runtime is untouched: the transformed model is an ordinary HF model of
 
 With `key="linear"` the orthogonal Q becomes a general invertible A = Q S V^T (S: singular values spread
 over a chosen condition number; V: block diagonal orthogonal): the stream carries h A, which no longer
-keeps inner products or norms. Every stream RMSNorm is then a model.keyed_norm.KeyedRMSNorm that
-measures |h A F| = |h| with the block-diagonal factor F = V S^-1, and the linear layers that read it take
-W diag(g) (A^-1)^T; o_proj, down_proj and the embedding take A. The runtime loads such shards through
-model.keyed_norm.install; the extra cost is the factor: d * block multiply-adds per norm and token.
+keeps inner products or norms. o_proj, down_proj and the embedding take A (A^T W_o, A^T W_down, E A);
+every stream RMSNorm becomes a model.keyed_norm.KeyedRMSNorm that maps h A through the block-diagonal
+factor F = V S^-1 (h A F = h Q) before a plain RMSNorm, so the layers that read it take W diag(g) Q as
+under an orthogonal basis. The runtime loads such shards through model.keyed_norm.install; the extra cost
+is the factor: d * block multiply-adds per norm and token.
 
 What it protects, and from whom, is measured by the audit (threats T3-T5, docs/privacy.md): a party that
 sees activations but not the cloud shard faces h Q instead of h; the host holding the cloud shard can
@@ -153,8 +154,8 @@ def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _fold_attention(attn: nn.Module, gain: torch.Tensor, key: tuple, config, perm: torch.Tensor | None,
                     generator: torch.Generator) -> None:
-    """key = (A, B^T), B = A^-1: W_{q,k,v} <- W diag(g) B^T (rows permuted by head), W_o <- A^T W_o (columns
-    permuted), bias_o <- b A. For an orthogonal key B^T = A = Q."""
+    """key = (A, R): W_{q,k,v} <- W diag(g) R (rows permuted by head), W_o <- A^T W_o (columns permuted),
+    bias_o <- b A. R = A for an orthogonal key; R = A F under a linear key, whose norms hand on h A F."""
     a, read = key
     hd, group = _head_dim(config), config.num_attention_heads // config.num_key_value_heads
     kv_rows = q_rows = None
@@ -204,12 +205,12 @@ def _take_gain(model: nn.Module, name: str, factor: torch.Tensor | None) -> torc
 
 
 def _draw_key(d: int, config: BasisConfig, generator: torch.Generator):
-    """(A, B^T, F or None) in float64."""
+    """(A, R, F or None) in float64: the stream carries h A, the layers after a norm read h R (orthogonal)."""
     if config.key == "orthogonal":
         q = random_orthogonal(d, generator)
         return q, q, None
     a, factor = linear_key(d, config.condition, metric_block(d, config.metric_block), generator)
-    return a, torch.linalg.inv(a).T, factor
+    return a, a @ torch.block_diag(*factor), factor  # the norms hand on h A F = h Q
 
 
 @torch.no_grad()
@@ -238,7 +239,7 @@ def apply_basis(model: nn.Module, config: BasisConfig = BasisConfig()) -> tuple[
         head_perms.append(hp if hp is not None else torch.arange(cfg.num_key_value_heads))
         neuron_perms.append(np_ if np_ is not None else torch.arange(cfg.intermediate_size))
     final_gain = _take_gain(out, "model.norm", factor)
-    # The embedding became E A but the head needs W diag(g) B^T: the two no longer share one matrix.
+    # The embedding became E A but the head needs W diag(g) R: the two no longer share one matrix.
     out.lm_head.weight = nn.Parameter((lm_weight * final_gain[None] @ read).to(embed.weight.dtype), requires_grad=False)
     cfg.tie_word_embeddings = False
     record = {
@@ -248,7 +249,7 @@ def apply_basis(model: nn.Module, config: BasisConfig = BasisConfig()) -> tuple[
         "seconds": round(time.perf_counter() - started, 2),
     }
     if factor is not None:
-        record.update(method="linear key with keyed RMSNorms (norm measured through a block-diagonal factor)",
+        record.update(method="linear key with keyed RMSNorms (the stream through a block-diagonal factor, then RMSNorm)",
                       condition=config.condition, metric_block=int(factor.shape[-1]),
                       condition_measured=round(float(torch.linalg.cond(a)), 3))
     return out.eval(), Basis(a, head_perms, neuron_perms, factor), record

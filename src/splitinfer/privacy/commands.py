@@ -5,6 +5,7 @@ No torch import at module level: the CLI parses arguments before anything heavy 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,15 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise ConfigError(f"expected positive integers, not {text!r}.")
     return values
+
+
+def _keys(text: str) -> tuple[str, ...]:
+    from .basis import KEYS
+
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not keys or not set(keys) <= set(KEYS):
+        raise ConfigError(f"--keys takes a comma-separated subset of {', '.join(KEYS)}, not {text!r}.")
+    return keys
 
 
 def cmd_audit(args) -> int:
@@ -63,8 +73,13 @@ def cmd_audit(args) -> int:
         changes["privatize"] = None
     if args.no_basis:
         changes["basis"] = None
-    elif args.t5_pairs:
-        changes["basis"] = replace(config.basis, t5_pairs=_ints(args.t5_pairs))
+    else:
+        if args.t5_pairs:
+            changes["basis"] = replace(config.basis, t5_pairs=_ints(args.t5_pairs))
+        if args.keys:
+            changes["basis"] = replace(changes.get("basis", config.basis), keys=_keys(args.keys))
+    if args.t0 is not None:
+        changes["t0"] = args.t0
     if args.noise is not None:
         try:
             changes["noise_sigmas"] = tuple(float(v) for v in args.noise.split(",") if v.strip())
@@ -206,6 +221,9 @@ def register(subparsers) -> None:
     s.add_argument("--no-seq", action="store_true", help="skip A3, the sequence-aware attacker")
     s.add_argument("--no-privatize", action="store_true", help="skip the private-weights defence (T1, T2)")
     s.add_argument("--no-basis", action="store_true", help="skip the secret residual basis (threats T3, T4, T5)")
+    s.add_argument("--keys", help="the deployments T3-T5 measure: orthogonal,linear (default both)")
+    s.add_argument("--t0", action=argparse.BooleanOptionalAction, default=None,
+                   help="the public-weights baseline rows (default: on, off with --quick)")
     s.add_argument("--t5-pairs", help="known (text, activation) pairs for T5's least squares, e.g. 100,1000,10000")
     s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")
     s.add_argument("--threads", type=int, help="torch intra-op threads")

@@ -164,8 +164,8 @@ def weight_matching(public_layer, keyed_layer, factor: np.ndarray | None = None)
     """A5: recover R (observed @ R = public) from one cloud layer's MLP and the public layer.
 
     factor: [d, d] the keyed norm's factor F as read from the cloud shard (None for an orthogonal basis).
-    Under a linear key A the reading layers hold W diag(g) Q F^T and the writing ones F^-T Q^T W, with
-    Q = A F orthogonal; un-factoring them leaves the orthogonal case, and the map back is F R.
+    Under a linear key A the layers after a keyed norm read h A F = h Q and hold W diag(g) Q, as under an
+    orthogonal basis; the writing ones hold A^T W = F^-T Q^T W, which F^T un-factors. The map back is F Q^T.
     Neurons are permuted and their weights rotated, but each neuron's gate and up row norms, their inner
     product and its down column norm do not change: nearest neighbours in those four numbers name the
     permutation, and least squares on the matched rows gives the rotation (projected onto the orthogonal
@@ -176,9 +176,7 @@ def weight_matching(public_layer, keyed_layer, factor: np.ndarray | None = None)
     pub = {n: getattr(public_layer.mlp, n).weight.detach().double() for n in ("gate_proj", "up_proj", "down_proj")}
     key = {n: getattr(keyed_layer.mlp, n).weight.detach().double() for n in ("gate_proj", "up_proj", "down_proj")}
     if factor is not None:
-        f = torch.from_numpy(factor)
-        key["gate_proj"], key["up_proj"] = (key[n] @ torch.linalg.inv(f).T for n in ("gate_proj", "up_proj"))
-        key["down_proj"] = f.T @ key["down_proj"]
+        key["down_proj"] = torch.from_numpy(factor).T @ key["down_proj"]
     pub_gate, pub_up = pub["gate_proj"] * gain[None], pub["up_proj"] * gain[None]
 
     def invariants(gate, up, down):
@@ -251,7 +249,7 @@ def basis_threats(audit, config: KeyedConfig = KeyedConfig()) -> None:
             _one_key(audit, key, config, pub, prefix)
             audit.timings[f"keyed_{key}_s"] = time.perf_counter() - t0
     finally:
-        audit.test = public_test
+        audit.keyed_test, audit.test = audit.test, public_test
 
 
 def _one_key(audit, key: str, config: KeyedConfig, pub: _Public, prefix: list[int]) -> None:
