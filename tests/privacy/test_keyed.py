@@ -78,10 +78,14 @@ def test_audit_rows_for_the_secret_basis_and_the_linear_key(tmp_path):
         assert rows[("T3", "input", "A4")]["top1"] < 0.5
         assert rows[("T4", "input", "A5 weight matching + A4")]["top1"] == 1.0
         assert rows[("T4", "output", "A5 weight matching + A4")]["top1"] == 1.0
-        assert {a for t, s, a in rows if t == "T5"} == {"A7 N=30 + A2", "A7 N=30 + A4", "A7 N=300 + A2",
-                                                         "A7 N=300 + A4"}
-        a9 = [a for t, s, a in rows if a.startswith("A9 whitening")]
-        assert len(a9) == 2 * 2 + 2  # two traffic sets per side, A4 after the larger one
+        assert {a for t, s, a in rows if t == "T5" and a.startswith("A7")} == {"A7 N=30 + A2", "A7 N=30 + A4",
+                                                                                "A7 N=300 + A2", "A7 N=300 + A4"}
+        # A8 and A9 on the sessions' traffic (T3; the input side also with other sessions), and on traffic of
+        # the attacker's own text, unpaired (T5); A4 after A9 on the most T3 traffic.
+        a9 = [(t, s) for t, s, a in rows if a.startswith("A9 whitening")]
+        assert sorted(a9) == sorted([("T3", "input")] * 3 + [("T3", "output")] * 2 + [("T5", "input"), ("T5", "output")])
+        a8 = [(t, s) for t, s, a in rows if a.startswith("A8 moment")]
+        assert sorted(a8) == sorted([("T3", "input")] * 2 + [("T3", "output"), ("T5", "input"), ("T5", "output")])
         info = saved[extra]
         assert info["t4"]["permutation_recovered"] == 1.0 and info["t4"]["rotation_error"] < 1e-5
         # The rows are computed from public states times the key; the keyed model sends just that.

@@ -73,9 +73,9 @@ class AuditConfig:
 
 
 def quick_config(shards: str) -> AuditConfig:
-    """Within 15 minutes on two loaded CPU cores: the secret basis's and the linear key's T3-T5 at k = m = 2
-    only, fewer documents, epochs and A4 chunks; no T0 rows, no noise and no private weights (the full
-    audit has them)."""
+    """Within 15 minutes on two loaded CPU cores: the linear key's T3-T5 at k = m = 2 only (`--keys
+    linear,orthogonal` adds the orthogonal basis's), fewer documents, epochs and A4 chunks, A4 after A7 at the
+    largest N only; no T0 rows, no noise and no private weights (the full audit has them)."""
     return AuditConfig(
         shards=shards,
         depths=(2,),
@@ -87,6 +87,7 @@ def quick_config(shards: str) -> AuditConfig:
         privatize=None,
         utility_chunks=4,
         t0=False,
+        basis=KeyedConfig(keys=("linear",), t5_a4_from=10_000),
         n_boot=500,
     )
 
@@ -98,6 +99,7 @@ class Audit:
 
         from ..model.shards import load_whole_hf
 
+        self.started = time.perf_counter()
         self.config = config
         self.model = model if model is not None else load_whole_hf(config.shards)
         if tokenizer is None:

@@ -52,10 +52,10 @@ FALLBACK_TEMPLATE = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\
 class KeyedConfig:
     t5_pairs: tuple[int, ...] = (100, 1_000, 10_000)  # known (text, activation) pairs for A7
     seed: int = 12345  # the audit's basis (a real deployment draws its own from the OS)
-    keys: tuple[str, ...] = ("orthogonal", "linear")  # the deployments measured (basis.KEYS), rows for each
+    keys: tuple[str, ...] = ("linear", "orthogonal")  # the deployments measured (basis.KEYS), rows for each
     condition: float = 8.0  # the linear key's condition number (BasisConfig.condition)
     metric_block: int = 64  # the linear key's norm-factor block (BasisConfig.metric_block)
-    t5_a4: bool = True  # A4 after each A7 fit (it runs layers per candidate: the slowest T5 rows)
+    t5_a4_from: int = 0  # A4 after A7 fits from this N on (the largest N measured at most): the slowest rows
     a9_a4: bool = True  # A4 after the input side's A9 on the most traffic
 
 
@@ -248,6 +248,8 @@ def basis_threats(audit, config: KeyedConfig = KeyedConfig()) -> None:
             t0 = time.perf_counter()
             _one_key(audit, key, config, pub, prefix)
             audit.timings[f"keyed_{key}_s"] = time.perf_counter() - t0
+            # What an audit of the keys so far took (the first key carries the shared collections and fits).
+            audit.timings[f"elapsed_after_{key}_s"] = time.perf_counter() - audit.started
     finally:
         audit.keyed_test, audit.test = audit.test, public_test
 
@@ -322,47 +324,64 @@ def _t3(audit, side, k, state) -> None:
         audit._row((side, k, "T3", "A4", defence), _pred_a4_output(audit, full_rows, obs_full, p), all_rows, y,
                    {"a4": "public tail + norm + LM head on the keyed states"})
     _t3_statistical(audit, side, k, state)
-    _t3_whitened(audit, side, k, state)
 
 
 def _t3_statistical(audit, side, k, state) -> None:
-    """A6 (inner products with the template's states) and A8 (covariance eigenvectors), both then an MLP."""
+    """A6 (inner products with the template's states), then A8 and A9 on each set of unlabelled traffic."""
     cfg, pub, defence = audit.config, state["pub"], state["defence"]
     p, y = pub.prefix_len, pub.train.target(side)
     tb, eb = pub.train.chunk_bounds(), audit.test.chunk_bounds()
     x_pub, x_obs = pub.train.side(side)[k], audit.test.side(side)[k]
-    all_rows = np.ones(len(audit.test), bool)
     anchors_pub, anchors_obs = pub.train_full.side(side)[k][:p], state["obs_full"].side(side)[k][:p]
     fitted = _fit_or_reuse(pub.fitted, (side, "A6"), "mlp", _inner_products(x_pub, anchors_pub), y, tb, cfg.train)
     pred = attackers.predict(fitted, _inner_products(x_obs, anchors_obs), eb)
-    audit._row((side, k, "T3", f"A6 inner products ({p} anchors)", defence), pred, all_rows, y, _info(fitted))
-    # A8: align the observed traffic's statistics (train text, unlabelled) to the public ones, then A2.
-    r = moment_alignment(x_pub, state["obs_train"].side(side)[k])
-    state.setdefault("alignment_error", {})[side] = _rotation_error(r, state)
-    pred = attackers.predict(pub.fitted[(side, "A2")], (x_obs.astype(np.float32) @ r).astype(np.float16), eb)
-    audit._row((side, k, "T3", "A8 moment alignment + A2", defence), pred, all_rows, y,
-               {"rotation_error": state["alignment_error"][side]})
+    audit._row((side, k, "T3", f"A6 inner products ({p} anchors)", defence), pred, np.ones(len(x_obs), bool), y,
+               _info(fitted))
+    traffic = _traffic(audit, side, k, state)
+    for i, (threat, label, observed) in enumerate(traffic):
+        _moments(audit, side, k, state, threat, label, observed)
+        largest_t3 = i == max(j for j, t in enumerate(traffic) if t[0] == "T3")
+        _whitened(audit, side, k, state, threat, label, observed, a4=largest_t3 and state["config"].a9_a4)
 
 
-def _traffic(audit, side, k, state) -> list[tuple[str, dict]]:
-    """The unlabelled keyed traffic A9 aligns: the train text (the same documents as the attacker's public
-    statistics: its most favourable case), and the attacked sessions themselves plus, on the input side,
-    the other text's sessions (documents disjoint from the attacker's own)."""
+def _traffic(audit, side, k, state) -> list[tuple[str, str, dict]]:
+    """(threat, label, rows) of the unlabelled keyed traffic A8 and A9 align to the attacker's public statistics.
+
+    T3: the attacked sessions themselves, and on the input side also other sessions (the other text, whose
+    documents are disjoint from the attacker's own). T5: traffic of exactly the attacker's own documents,
+    unpaired: an observer that knows which texts were sent but not which row is which.
+    """
     pub, other = state["pub"], "output" if side == "input" else "input"
-    same = state["obs_train"]
-    traffic = [("same text", {"x": same.side(side)[k], "bounds": same.chunk_bounds(), "other": same.side(other)[k]})]
     test = audit.test
-    rows, bounds, others = [test.side(side)[k]], test.chunk_bounds(), test.side(other)[k]
+    sessions = {"x": test.side(side)[k], "bounds": test.chunk_bounds(), "other": test.side(other)[k]}
+    out = [("T3", f"{len(test)} tokens of traffic", sessions)]
     if side == "input" and pub.t5 is not None:
         extra = keyed_view(pub.t5, state["a"])
-        rows.append(extra.inputs[k])
-        bounds = bounds + [(s + len(test), e + len(test)) for s, e in extra.chunk_bounds()]
-        others = None  # the other text's returned states were not collected
-    traffic.append(("other text", {"x": np.concatenate(rows), "bounds": bounds, "other": others}))
-    return traffic
+        bounds = test.chunk_bounds() + [(s + len(test), e + len(test)) for s, e in extra.chunk_bounds()]
+        rows = np.concatenate([test.inputs[k], extra.inputs[k]])
+        # The other text's returned states were not collected: no "cross" statistic on this set.
+        out.append(("T3", f"{len(rows)} tokens of traffic", {"x": rows, "bounds": bounds, "other": None}))
+    own = state["obs_train"]
+    out.append(("T5", f"its own text unpaired, {len(own)} tokens",
+                {"x": own.side(side)[k], "bounds": own.chunk_bounds(), "other": own.side(other)[k]}))
+    return out
 
 
-def _t3_whitened(audit, side, k, state) -> None:
+def _moments(audit, side, k, state, threat, label, observed) -> None:
+    """A8: covariance eigenvectors of the traffic and of the public activations (an orthogonal key only)."""
+    pub, defence = state["pub"], state["defence"]
+    r = moment_alignment(pub.train.side(side)[k], observed["x"])
+    error = _rotation_error(r, state)
+    state.setdefault("alignment_error", {})[f"{side}, {label}"] = error
+    x_obs = audit.test.side(side)[k]
+    pred = attackers.predict(pub.fitted[(side, "A2")], (x_obs.astype(np.float32) @ r).astype(np.float16),
+                             audit.test.chunk_bounds())
+    audit._row((side, k, threat, f"A8 moment alignment ({label}) + A2", defence), pred,
+               np.ones(len(audit.test), bool), pub.train.target(side), {"rotation_error": error,
+                                                                          "traffic_tokens": int(len(observed["x"]))})
+
+
+def _whitened(audit, side, k, state, threat, label, observed, a4: bool) -> None:
     """A9: whitening + orthogonal alignment (privacy/whiten.py) from unlabelled traffic, then A2 (and A4)."""
     cfg, pub, defence = audit.config, state["pub"], state["defence"]
     p, y, eb = pub.prefix_len, pub.train.target(side), audit.test.chunk_bounds()
@@ -371,25 +390,25 @@ def _t3_whitened(audit, side, k, state) -> None:
               "anchors": pub.train_full.side(side)[k][:p]}
     anchors_obs = state["obs_full"].side(side)[k][:p].astype(np.float64)
     truth = _body(_rounded(pub.test_full), audit.corpus.test, p).side(side)[k].astype(np.float64)
-    for label, observed in _traffic(audit, side, k, state):
-        found, scores = best_alignment(public, {**observed, "anchors": anchors_obs})
-        mapped = found(audit.test.side(side)[k])
-        info = {"method": found.method, "anchor_residual": scores, "traffic_tokens": int(len(observed["x"])),
-                "reconstruction_error": float(np.linalg.norm(mapped - truth) / np.linalg.norm(truth))}
-        state.setdefault("a9", {})[f"{side}, {label}"] = info
-        pred = attackers.predict(pub.fitted[(side, "A2")], mapped.astype(np.float16), eb)
-        name = f"A9 whitening + {found.method}, {label} ({len(observed['x'])} tokens)"
-        audit._row((side, k, "T3", f"{name} + A2", defence), pred, np.ones(len(audit.test), bool), y, info)
-        if label != "other text" or not state["config"].a9_a4:
-            continue
-        full = found(state["obs_full"].side(side)[k]).astype(np.float32)
-        if side == "input":
-            a4, a4_info = _pred_a4_input(audit, exact.head_stack(audit.model, k), full, state["obs_full"], p, pred,
-                                         cfg.inexact)
-            audit._row((side, k, "T3", f"{name} + A4", defence), a4, _a4_mask(audit), y, {**info, **a4_info})
-        else:
-            a4 = _pred_a4_output(audit, full, state["obs_full"], p)
-            audit._row((side, k, "T3", f"{name} + A4", defence), a4, np.ones(len(audit.test), bool), y, info)
+    found, scores = best_alignment(public, {**observed, "anchors": anchors_obs})
+    mapped = found(audit.test.side(side)[k])
+    info = {"method": found.method, "anchor_residual": scores, "traffic_tokens": int(len(observed["x"])),
+            "reconstruction_error": float(np.linalg.norm(mapped - truth) / np.linalg.norm(truth))}
+    state.setdefault("a9", {})[f"{side}, {label}"] = info
+    pred = attackers.predict(pub.fitted[(side, "A2")], mapped.astype(np.float16), eb)
+    name = f"A9 whitening + {found.method} ({label})"
+    everything = np.ones(len(audit.test), bool)
+    audit._row((side, k, threat, f"{name} + A2", defence), pred, everything, y, info)
+    if not a4:
+        return
+    full = found(state["obs_full"].side(side)[k]).astype(np.float32)
+    if side == "input":
+        a4_pred, a4_info = _pred_a4_input(audit, exact.head_stack(audit.model, k), full, state["obs_full"], p, pred,
+                                          cfg.inexact)
+        audit._row((side, k, threat, f"{name} + A4", defence), a4_pred, _a4_mask(audit), y, {**info, **a4_info})
+    else:
+        audit._row((side, k, threat, f"{name} + A4", defence), _pred_a4_output(audit, full, state["obs_full"], p),
+                   everything, y, info)
 
 
 def _rotation_error(r: np.ndarray, state) -> float:
@@ -443,14 +462,15 @@ def _t5(audit, k, state) -> None:
     train_targets, obs_full = pub.train.tokens, state["obs_full"]
     stack = exact.head_stack(audit.model, k)
     everything = np.ones(len(audit.test), bool)
-    for n in sorted({min(n, len(public)) for n in config.t5_pairs}):
+    sizes = sorted({min(n, len(public)) for n in config.t5_pairs})
+    for n in sizes:
         t0 = time.perf_counter()
         r, *_ = np.linalg.lstsq(obs[:n], public[:n], rcond=None)  # minimum norm below d pairs
         info = {"known_pairs": int(n), "fit_seconds": round(time.perf_counter() - t0, 3),
                 "rotation_error": _rotation_error(r, state)}
         pred = attackers.predict(a2, (x_obs @ r).astype(np.float16), audit.test.chunk_bounds())
         audit._row(("input", k, "T5", f"A7 N={n} + A2", defence), pred, everything, train_targets, info)
-        if config.t5_a4:
+        if n >= min(config.t5_a4_from, sizes[-1]):
             rows = (obs_full.inputs[k].astype(np.float64) @ r).astype(np.float32)
             a4, a4_info = _pred_a4_input(audit, stack, rows, obs_full, p, pred, cfg.inexact)
             audit._row(("input", k, "T5", f"A7 N={n} + A4", defence), a4, _a4_mask(audit), train_targets,
