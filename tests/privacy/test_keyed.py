@@ -83,7 +83,8 @@ def test_audit_rows_for_the_secret_basis_and_the_linear_key(tmp_path):
         # A8 and A9 on the sessions' traffic (T3; the input side also with other sessions), and on traffic of
         # the attacker's own text, unpaired (T5); A4 after A9 on the most T3 traffic.
         a9 = [(t, s) for t, s, a in rows if a.startswith("A9 whitening")]
-        assert sorted(a9) == sorted([("T3", "input")] * 3 + [("T3", "output")] * 2 + [("T5", "input"), ("T5", "output")])
+        t5 = [("T5", "input"), ("T5", "output")]
+        assert sorted(a9) == sorted([("T3", "input")] * 3 + [("T3", "output")] * 2 + t5)
         a8 = [(t, s) for t, s, a in rows if a.startswith("A8 moment")]
         assert sorted(a8) == sorted([("T3", "input")] * 2 + [("T3", "output"), ("T5", "input"), ("T5", "output")])
         info = saved[extra]

@@ -243,7 +243,8 @@ class Audit:
         for side, depths in (("input", cfg.depths), ("output", cfg.tail_depths)):
             for d in depths:
                 t0 = time.perf_counter()
-                self.attack(side, d, "T0", "none", self.train.side(side)[d], self.train.target(side), tb, self.test.side(side)[d], True)
+                self.attack(side, d, "T0", "none", self.train.side(side)[d], self.train.target(side), tb,
+                            self.test.side(side)[d], True)
                 self.timings[f"T0_{side}_{d}_s"] = time.perf_counter() - t0
         for side, depths in (("input", cfg.depths), ("output", cfg.tail_depths)):
             for att in ("A1", "A2", "A3", "A4"):

@@ -249,7 +249,8 @@ def apply_basis(model: nn.Module, config: BasisConfig = BasisConfig()) -> tuple[
         "seconds": round(time.perf_counter() - started, 2),
     }
     if factor is not None:
-        record.update(method="linear key with keyed RMSNorms (the stream through a block-diagonal factor, then RMSNorm)",
+        record.update(method="linear key with keyed RMSNorms (the stream through a block-diagonal factor, "
+                             "then RMSNorm)",
                       condition=config.condition, metric_block=int(factor.shape[-1]),
                       condition_measured=round(float(torch.linalg.cond(a)), 3))
     return out.eval(), Basis(a, head_perms, neuron_perms, factor), record
