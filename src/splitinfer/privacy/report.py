@@ -61,6 +61,11 @@ def _keyed_section(result: dict) -> list[str]:
     return [*lines, "", HEADER, *[row_line(r) for r in rows], ""]
 
 
+def _section(title: str, rows: list[dict]) -> list[str]:
+    """A heading and its rows' table; nothing where the audit ran no such rows (`--quick` has no T0)."""
+    return [f"## {title}", "", HEADER, *[row_line(r) for r in rows], ""] if rows else []
+
+
 def markdown(result: dict) -> str:
     rows = result["results"]
     corpus = result["corpus"]
@@ -75,17 +80,10 @@ def markdown(result: dict) -> str:
         "Ceiling = 100% for attackers that rank the whole vocabulary (A1, A4), else the share of test tokens "
         "whose type occurs in the training targets. Intervals: bootstrap over documents.",
         "",
-        "## T0: local layers are the public weights",
-        "",
-        HEADER,
-        *[row_line(r) for r in rows if r["threat"] == "T0" and r["defence"] == "none"],
-        "",
-        "## Defences (noise on the sent activations; private local weights under T1 and T2)",
-        "",
-        HEADER,
-        *[row_line(r) for r in rows if not (r["threat"] == "T0" and r["defence"] == "none")
-          and r["threat"] not in KEYED],
-        "",
+        *_section("T0: local layers are the public weights",
+                  [r for r in rows if r["threat"] == "T0" and r["defence"] == "none"]),
+        *_section("Defences (noise on the sent activations; private local weights under T1 and T2)",
+                  [r for r in rows if not (r["threat"] == "T0" and r["defence"] == "none") and r["threat"] not in KEYED]),
         *_keyed_section(result),
         "## Utility and throughput cost of the defences",
         "",
