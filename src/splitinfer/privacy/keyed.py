@@ -10,12 +10,15 @@ T3  an observer without the cloud shard (a tap behind TLS termination, logs, a d
     states the observer computes, so x . a is known in both bases); A8, statistical alignment
     (eigenvectors of the observed and the public activation covariance, signs fixed by third moments)
     followed by A2; A9, whitening and an orthogonal alignment by higher-order or temporal statistics
-    (privacy/whiten.py), which any invertible linear key reduces to, followed by A2 and A4.
+    (privacy/whiten.py), which any invertible linear key reduces to, followed by A2 and A4. A8 and A9 align
+    the attacked sessions' own traffic (on the input side also other sessions' traffic, of documents
+    disjoint from the attacker's text) to public statistics of the attacker's text.
 T4  the host with the cloud shard: a keyed norm's factor F gives A up to an orthogonal matrix (A F is
     orthogonal), so A5 un-factors the first cloud layer and matches its MLP against the public one (per-
     neuron norms are blind to the rotation and name the permutation; least squares then gives it), then A4.
 T5  known plaintext: A7 learns the linear map back to the public basis from N (text, activation) pairs
-    by least squares, then A2 and A4 (nearest of 64 candidates).
+    by least squares, then A2 and A4 (nearest of 64 candidates); and A8 / A9 on traffic of exactly the
+    attacker's own documents, unpaired (it knows which texts were sent, not which row is which).
 
 The keyed activations are the public model's float32 states times A, rounded to float16 as on the wire:
 the keyed model computes exactly that (checked on one chunk per key: `identity_error`), and the audit
