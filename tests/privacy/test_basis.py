@@ -11,8 +11,9 @@ from tiny import prepare_tiny, tiny_model
 from splitinfer.cli import main
 from splitinfer.errors import ConfigError
 from splitinfer.inprocess import local_only_client
-from splitinfer.model.shards import load_cloud, read_manifest
-from splitinfer.privacy.basis import BasisConfig, apply_basis, write_basis_shards
+from splitinfer.model.keyed_norm import KeyedRMSNorm
+from splitinfer.model.shards import load_cloud, load_whole_hf, read_manifest
+from splitinfer.privacy.basis import BasisConfig, apply_basis, metric_block, write_basis_shards
 
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
 
@@ -84,3 +85,57 @@ def test_privatize_basis_cli(tmp_path, capsys):
     assert "--basis needs no --text" in capsys.readouterr().err
     assert main(["privatize", "--shards", str(shards), "--out", str(tmp_path / "y")]) != 0
     assert "pass the organisation's own text with --text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_linear_key_computes_the_public_function_and_hides_inner_products(family):
+    model = tiny_model(family)
+    config = BasisConfig(seed=6, key="linear", condition=8.0, metric_block=16)
+    keyed, secret, record = apply_basis(model, config)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        public = model(ids, output_hidden_states=True)
+        carried = keyed(ids, output_hidden_states=True)
+    assert torch.allclose(public.logits, carried.logits, atol=1e-4)
+    assert greedy(model, PROMPT) == greedy(keyed, PROMPT)
+    a = secret.a
+    assert abs(torch.linalg.cond(a).item() - 8.0) < 1e-6 and record["condition_measured"] == 8.0
+    for h, h_keyed in zip(public.hidden_states[1:-1], carried.hidden_states[1:-1]):
+        assert torch.allclose((h.double() @ a).float(), h_keyed, atol=1e-4)
+        # Not an orthogonal change of basis: row norms and inner products between rows move.
+        gram, gram_keyed = h[0] @ h[0].T, h_keyed[0] @ h_keyed[0].T
+        assert ((gram - gram_keyed).abs().max() / gram.abs().max()) > 0.05
+    norms = [m for m in keyed.modules() if isinstance(m, KeyedRMSNorm)]
+    assert len(norms) == 2 * model.config.num_hidden_layers + 1
+    assert norms[0].factor.shape == (4, 16, 16)
+    # |h A F| = |h|: the factor measures the public norm; it is the key up to an orthogonal matrix only.
+    f = torch.block_diag(*secret.factor)
+    assert torch.allclose((a @ f) @ (a @ f).T, torch.eye(64, dtype=torch.float64), atol=1e-10)
+
+
+def test_linear_key_shards_load_with_keyed_norms_and_plain_shards_without(tmp_path):
+    model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
+    keyed, _, record = apply_basis(model, BasisConfig(seed=8, key="linear", metric_block=16))
+    out = write_basis_shards(keyed, shards, tmp_path / "keyed", record)
+    cloud = load_cloud(out / "cloud")
+    assert all(isinstance(layer.input_layernorm, KeyedRMSNorm) for layer in cloud.stack.layers)
+    assert not any(isinstance(m, KeyedRMSNorm) for m in load_cloud(shards / "cloud").stack.modules())
+    assert read_manifest(out / "local", "local")["residual_basis"]["method"].startswith("linear key")
+    got = local_only_client(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
+    assert got.token_ids == greedy(model, PROMPT)
+    whole = load_whole_hf(out)
+    assert isinstance(whole.model.norm, KeyedRMSNorm)
+    with torch.no_grad():
+        assert torch.allclose(whole(torch.tensor([PROMPT])).logits, model(torch.tensor([PROMPT])).logits, atol=1e-4)
+
+
+def test_basis_config_refuses_a_bad_key():
+    with pytest.raises(ConfigError, match="--key must be one of"):
+        BasisConfig(key="affine")
+    with pytest.raises(ConfigError, match="condition number"):
+        BasisConfig(key="linear", condition=0.5)
+
+
+def test_metric_block_tiles_the_stream():
+    assert metric_block(576, 64) == 64 and metric_block(960, 64) == 64 and metric_block(100, 64) == 50
+    assert metric_block(97, 64) == 1

@@ -31,6 +31,7 @@ from transformers import AutoTokenizer, PretrainedConfig
 from .. import __version__
 from ..errors import ModelError
 from ..kv import KVCache
+from .keyed_norm import install as install_keyed_norms
 from .source import SourceModel
 from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
 
@@ -346,7 +347,9 @@ def _open(directory: Path, role: str, dtype: str | None, verify: bool):
     config, weights = _load_checked(directory, manifest, verify)
     if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
-    return manifest, _split_of(manifest), config, weights, DTYPES[dtype or manifest["dtype"]], skeleton(config)
+    model = skeleton(config)
+    install_keyed_norms(model, weights)  # a shard under a linear key (privatize --basis --key linear)
+    return manifest, _split_of(manifest), config, weights, DTYPES[dtype or manifest["dtype"]], model
 
 
 def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> CloudHalf:
@@ -389,6 +392,7 @@ def load_whole_hf(shards: str | Path) -> nn.Module:
     config, weights = _load_checked(shards / "local", local_manifest, verify=False)
     weights.update(load_file(str(shards / "cloud" / WEIGHTS)))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPES[local_manifest["dtype"]])
+    install_keyed_norms(model, weights)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
     missing = set(model.state_dict()) - set(weights) - ({"lm_head.weight"} if config.tie_word_embeddings else set())

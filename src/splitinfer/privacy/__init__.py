@@ -6,8 +6,10 @@ attackers A1 nearest embedding / logit lens, A2 single-activation MLP, A3 sequen
 exact     A4 known-weights exact matching
 stats     bootstrap intervals over documents, exact McNemar tests, frequency buckets
 privatize private local weights from a secret seed, with their utility cost
-basis     a secret residual basis per deployment (privatize --basis); basis_check its cost
-keyed     threats T3-T5 against the basis: observer without the cloud shard, host, known plaintext
+basis     a secret residual basis or linear key per deployment (privatize --basis [--key linear]);
+          basis_check its cost
+keyed     threats T3-T5 against either key: observer without the cloud shard, host, known plaintext
+whiten    A9: whitening and an orthogonal alignment, the statistical attack on any linear key
 table     the threat-model table of the docs, written from audit.json
 audit     the runs and audit.json; report: Markdown and plots; commands: the CLI
 """

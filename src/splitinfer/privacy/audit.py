@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from . import attackers, exact, stats
 from .collect import collect
 from .corpus import CorpusConfig, build_corpus
@@ -56,13 +57,25 @@ class AuditConfig:
     utility_chunks: int = 6  # test chunks for perplexity / greedy agreement
     # T3-T5: a secret residual basis (privatize --basis) against an observer, the host, known plaintext.
     basis: KeyedConfig | None = KeyedConfig()
+    # T0 rows (the public-weights baseline) and their collection; the noise and private-weights defences
+    # build on them. --quick leaves them to the full audit.
+    t0: bool = True
     n_boot: int = 1000
     seed: int = 0
 
+    def __post_init__(self):
+        if not self.t0 and self.basis is None:
+            raise ConfigError("without T0 and without the secret basis there is nothing to audit; drop --no-t0 "
+                              "or --no-basis.")
+        if not self.t0 and (self.noise_sigmas or self.privatize is not None):
+            raise ConfigError("the noise and private-weights defences need the T0 rows; drop --no-t0, or pass "
+                              "--noise '' and --no-privatize.")
+
 
 def quick_config(shards: str) -> AuditConfig:
-    """Within 15 minutes on two loaded CPU cores: T0 and the secret basis's T3-T5 at k = m = 2 only, fewer
-    documents, epochs and A4 chunks; no noise and no private weights (T1/T2: the full audit)."""
+    """Within 15 minutes on two loaded CPU cores: the linear key's T3-T5 at k = m = 2 only (`--keys
+    linear,orthogonal` adds the orthogonal basis's), fewer documents, epochs and A4 chunks, A4 after A7 at the
+    largest N only; no T0 rows, no noise and no private weights (the full audit has them)."""
     return AuditConfig(
         shards=shards,
         depths=(2,),
@@ -73,6 +86,8 @@ def quick_config(shards: str) -> AuditConfig:
         noise_sigmas=(),
         privatize=None,
         utility_chunks=4,
+        t0=False,
+        basis=KeyedConfig(keys=("linear",), t5_a4_from=10_000),
         n_boot=500,
     )
 
@@ -84,6 +99,7 @@ class Audit:
 
         from ..model.shards import load_whole_hf
 
+        self.started = time.perf_counter()
         self.config = config
         self.model = model if model is not None else load_whole_hf(config.shards)
         if tokenizer is None:
@@ -95,6 +111,7 @@ class Audit:
         self.fitted: dict[tuple, attackers.Fitted] = {}
         self.timings: dict[str, float] = {}
         self.extra: dict = {}
+        self.keyed_test = None  # the keyed threats' scored rows (keyed.py), when there are no T0 rows
 
     # -- one row -------------------------------------------------------------------------------------
     def _row(self, key: tuple, pred: np.ndarray, mask: np.ndarray, train_targets: np.ndarray, info: dict) -> None:
@@ -188,9 +205,11 @@ class Audit:
         t0 = time.perf_counter()
         corpus = build_corpus(self.tokenizer, cfg.corpus)
         self.corpus = corpus
-        self.train = collect(self.model, corpus.train, cfg.depths, cfg.tail_depths)
-        self.test = collect(self.model, corpus.test, cfg.depths, cfg.tail_depths)
-        self.timings["collect_s"] = time.perf_counter() - t0
+        self.train = self.test = None
+        if cfg.t0:
+            self.train = collect(self.model, corpus.train, cfg.depths, cfg.tail_depths)
+            self.test = collect(self.model, corpus.test, cfg.depths, cfg.tail_depths)
+            self.timings["collect_s"] = time.perf_counter() - t0
         rng = np.random.default_rng(cfg.seed)
         n_chunks = len(corpus.test)
         self.a4_chunk_ids = np.sort(rng.choice(n_chunks, size=min(cfg.a4_chunks, n_chunks), replace=False))
@@ -198,25 +217,15 @@ class Audit:
         prefix = list(self.tokenizer("\n", add_special_tokens=False)["input_ids"])
         self.codebooks = exact.codebooks(self.model, cfg.depths, prefix)
         self.timings["codebooks_s"] = time.perf_counter() - t0
-        tb = self.train.chunk_bounds()
-        for side, depths in (("input", cfg.depths), ("output", cfg.tail_depths)):
-            for d in depths:
-                t0 = time.perf_counter()
-                self.attack(side, d, "T0", "none", self.train.side(side)[d], self.train.target(side), tb, self.test.side(side)[d], True)
-                self.timings[f"T0_{side}_{d}_s"] = time.perf_counter() - t0
-        for side, depths in (("input", cfg.depths), ("output", cfg.tail_depths)):
-            for att in ("A1", "A2", "A3", "A4"):
-                for a, b in zip(depths, depths[1:]):
-                    self._paired((side, a, "T0", att, "none"), (side, b, "T0", att, "none"), "depth")
-            for d in depths:
-                for a, b in (("A1", "A2"), ("A2", "A3"), ("A3", "A4"), ("A2", "A4")):
-                    self._paired((side, d, "T0", a, "none"), (side, d, "T0", b, "none"), "attacker")
+        if cfg.t0:
+            self._baseline()
         from .defences import depth_costs, depth_identification, noise_defence, private_defence
 
         self.extra["depth_costs"] = depth_costs(self)
-        if len(cfg.depths) > 1:
+        if cfg.t0 and len(cfg.depths) > 1:
             self.extra["depth_identification"] = depth_identification(self)
-        noise_defence(self)
+        if cfg.t0:
+            noise_defence(self)
         if cfg.basis is not None:
             from .keyed import basis_threats
 
@@ -227,8 +236,26 @@ class Audit:
             private_defence(self)
         return self.result()
 
+    def _baseline(self) -> None:
+        """T0: every attacker against the public local weights at every depth, and the paired tests."""
+        cfg = self.config
+        tb = self.train.chunk_bounds()
+        for side, depths in (("input", cfg.depths), ("output", cfg.tail_depths)):
+            for d in depths:
+                t0 = time.perf_counter()
+                self.attack(side, d, "T0", "none", self.train.side(side)[d], self.train.target(side), tb,
+                            self.test.side(side)[d], True)
+                self.timings[f"T0_{side}_{d}_s"] = time.perf_counter() - t0
+        for side, depths in (("input", cfg.depths), ("output", cfg.tail_depths)):
+            for att in ("A1", "A2", "A3", "A4"):
+                for a, b in zip(depths, depths[1:]):
+                    self._paired((side, a, "T0", att, "none"), (side, b, "T0", att, "none"), "depth")
+            for d in depths:
+                for a, b in (("A1", "A2"), ("A2", "A3"), ("A3", "A4"), ("A2", "A4")):
+                    self._paired((side, d, "T0", a, "none"), (side, d, "T0", b, "none"), "attacker")
+
     def result(self) -> dict:
-        test = self.test
+        test = self.test if self.test is not None else self.keyed_test  # without T0: the keyed rows' tokens
         return {
             "schema": "splitinfer-privacy-audit/1",
             "model": self.config.shards,

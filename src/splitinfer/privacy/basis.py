@@ -13,6 +13,14 @@ and MLP neurons are permuted at random: the cloud layers are then no longer the 
 to Q. The runtime is untouched: the transformed model is an ordinary HF model of the same architecture
 (untied: the LM head and the embedding no longer share a matrix).
 
+With `key="linear"` the orthogonal Q becomes a general invertible A = Q S V^T (S: singular values spread
+over a chosen condition number; V: block diagonal orthogonal): the stream carries h A, which no longer
+keeps inner products or norms. o_proj, down_proj and the embedding take A (A^T W_o, A^T W_down, E A);
+every stream RMSNorm becomes a model.keyed_norm.KeyedRMSNorm that maps h A through the block-diagonal
+factor F = V S^-1 (h A F = h Q) before a plain RMSNorm, so the layers that read it take W diag(g) Q as
+under an orthogonal basis. The runtime loads such shards through model.keyed_norm.install; the extra cost
+is the factor: d * block multiply-adds per norm and token.
+
 What it protects, and from whom, is measured by the audit (threats T3-T5, docs/privacy.md): a party that
 sees activations but not the cloud shard faces h Q instead of h; the host holding the cloud shard can
 recover Q by matching its weights against the public ones. This module knows HF Llama-style models and
@@ -32,10 +40,14 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..model.keyed_norm import replace_norm, stream_norms
 
 # Pre-norm decoders whose every stream read is an RMSNorm with a plain gain (Gemma's (1 + w) gains and
 # sandwich norms after o_proj/down_proj are not foldable this way).
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+KEYS = ("orthogonal", "linear")
 
 
 @dataclass(frozen=True)
@@ -43,15 +55,37 @@ class BasisConfig:
     permute_heads: bool = True  # permute attention heads per layer (kv heads with their query groups)
     permute_neurons: bool = True  # permute MLP neurons per layer
     seed: int | None = None  # the secret; None draws one from the OS (never written anywhere)
+    key: str = "orthogonal"  # "orthogonal": a rotation Q; "linear": a general invertible A (keyed RMSNorms)
+    condition: float = 8.0  # linear key: condition number of A (its largest over its smallest singular value)
+    metric_block: int = 64  # linear key: block size of the norms' factor (d * block multiply-adds per norm)
+
+    def __post_init__(self):
+        if self.key not in KEYS:
+            raise ConfigError(f"--key must be one of {', '.join(KEYS)}, not {self.key!r}.")
+        if self.condition < 1:
+            raise ConfigError(f"--condition is a condition number and must be at least 1, not {self.condition}.")
+        if self.metric_block < 1:
+            raise ConfigError(f"--metric-block must be a positive block size, not {self.metric_block}.")
 
 
 @dataclass
 class Basis:
     """The secret of one deployment (held in memory only: the local shard's weights imply it anyway)."""
 
-    q: torch.Tensor  # [d, d] float64 orthogonal: public state h becomes h @ q
+    a: torch.Tensor  # [d, d] float64 key: public state h becomes h @ a (orthogonal unless key="linear")
     head_perms: list[torch.Tensor]  # per layer: [n_kv] new kv head j holds old kv head perm[j]
     neuron_perms: list[torch.Tensor]  # per layer: [intermediate] new neuron j is old neuron perm[j]
+    factor: torch.Tensor | None = None  # linear key: [n, b, b] float64 blocks of F, |h a F| = |h|
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The key of an orthogonal basis (kept under its usual name)."""
+        return self.a
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        """[d, d] float64 map from the keyed basis back to the public one."""
+        return torch.linalg.inv(self.a)
 
 
 def secret_seed(seed: int | None) -> int:
@@ -64,6 +98,28 @@ def random_orthogonal(d: int, generator: torch.Generator) -> torch.Tensor:
     """A Haar-random [d, d] orthogonal matrix (QR of a Gaussian, signs fixed by R's diagonal), float64."""
     q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
     return q * torch.sign(torch.diagonal(r))[None]
+
+
+def metric_block(d: int, wanted: int) -> int:
+    """The largest divisor of d that is at most `wanted` (the factor's blocks must tile the stream)."""
+    return max(b for b in range(1, min(d, wanted) + 1) if d % b == 0)
+
+
+def linear_key(d: int, condition: float, block: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random invertible key A = Q S V^T and the blocks of F = V S^-1 (so |h A F| = |h|), float64.
+
+    Q: Haar orthogonal [d, d]; S: singular values log-uniform in [c^-1/2, c^1/2] with both ends present, so
+    cond(A) = c; V: block diagonal with Haar orthogonal [block, block] blocks. Returns (A [d, d], F [n, b, b]).
+    """
+    q = random_orthogonal(d, generator)
+    half = 0.5 * float(np.log(condition))
+    log_s = (torch.rand(d, generator=generator, dtype=torch.float64) * 2 - 1) * half
+    log_s[0], log_s[1] = -half, half
+    s = torch.exp(log_s)
+    blocks = torch.stack([random_orthogonal(block, generator) for _ in range(d // block)])  # [n, b, b]
+    factor = blocks / s.reshape(-1, 1, block)  # F_j = V_j diag(1/s_j): columns scaled
+    v_t = torch.block_diag(*blocks).T
+    return q @ (s[:, None] * v_t), factor
 
 
 def check_supported(model: nn.Module) -> None:
@@ -96,9 +152,11 @@ def _set(linear: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None = No
         linear.bias.data = bias.to(linear.bias.dtype).contiguous()
 
 
-def _fold_attention(attn: nn.Module, gain: torch.Tensor, q: torch.Tensor, config, perm: torch.Tensor | None,
+def _fold_attention(attn: nn.Module, gain: torch.Tensor, key: tuple, config, perm: torch.Tensor | None,
                     generator: torch.Generator) -> None:
-    """W_{q,k,v} <- W diag(g) Q (rows permuted by head), W_o <- Q^T W_o (columns permuted), bias_o <- b Q."""
+    """key = (A, R): W_{q,k,v} <- W diag(g) R (rows permuted by head), W_o <- A^T W_o (columns permuted),
+    bias_o <- b A. R = A for an orthogonal key; R = A F under a linear key, whose norms hand on h A F."""
+    a, read = key
     hd, group = _head_dim(config), config.num_attention_heads // config.num_key_value_heads
     kv_rows = q_rows = None
     if perm is not None:
@@ -106,38 +164,53 @@ def _fold_attention(attn: nn.Module, gain: torch.Tensor, q: torch.Tensor, config
         q_rows = _rows(_query_order(perm, group, generator), hd)
     for name, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
         lin = getattr(attn, name)
-        w = lin.weight.double() * gain[None] @ q  # [out, d]
+        w = lin.weight.double() * gain[None] @ read  # [out, d]
         b = lin.bias.double() if lin.bias is not None else None
         if rows is not None:
             w, b = w[rows], (b[rows] if b is not None else None)
         _set(lin, w, b)
     o = attn.o_proj
-    w = q.T @ o.weight.double()  # [d, heads*hd]
+    w = a.T @ o.weight.double()  # [d, heads*hd]
     if q_rows is not None:
         w = w[:, q_rows]
-    _set(o, w, o.bias.double() @ q if o.bias is not None else None)
+    _set(o, w, o.bias.double() @ a if o.bias is not None else None)
 
 
-def _fold_mlp(mlp: nn.Module, gain: torch.Tensor, q: torch.Tensor, perm: torch.Tensor | None) -> None:
+def _fold_mlp(mlp: nn.Module, gain: torch.Tensor, key: tuple, perm: torch.Tensor | None) -> None:
+    a, read = key
     for name in ("gate_proj", "up_proj"):
         lin = getattr(mlp, name)
-        w = lin.weight.double() * gain[None] @ q
+        w = lin.weight.double() * gain[None] @ read
         b = lin.bias.double() if lin.bias is not None else None
         if perm is not None:
             w, b = w[perm], (b[perm] if b is not None else None)
         _set(lin, w, b)
     down = mlp.down_proj
-    w = q.T @ down.weight.double()
+    w = a.T @ down.weight.double()
     if perm is not None:
         w = w[:, perm]
-    _set(down, w, down.bias.double() @ q if down.bias is not None else None)
+    _set(down, w, down.bias.double() @ a if down.bias is not None else None)
 
 
-def _ones(norm: nn.Module) -> torch.Tensor:
-    """The norm's gain (float64) before it is set to ones."""
+def _take_gain(model: nn.Module, name: str, factor: torch.Tensor | None) -> torch.Tensor:
+    """The stream norm `name`'s gain (float64); the norm is left gainless: ones, or keyed by `factor`."""
+    norm = stream_norms(model)[name]
     gain = norm.weight.detach().double().clone()
-    norm.weight.data = torch.ones_like(norm.weight)
+    if factor is None:
+        norm.weight.data = torch.ones_like(norm.weight)
+    else:
+        keyed = replace_norm(model, name, factor.shape[-1], dtype=norm.weight.dtype)
+        keyed.factor.data = factor.to(norm.weight.dtype)
     return gain
+
+
+def _draw_key(d: int, config: BasisConfig, generator: torch.Generator):
+    """(A, R, F or None) in float64: the stream carries h A, the layers after a norm read h R (orthogonal)."""
+    if config.key == "orthogonal":
+        q = random_orthogonal(d, generator)
+        return q, q, None
+    a, factor = linear_key(d, config.condition, metric_block(d, config.metric_block), generator)
+    return a, a @ torch.block_diag(*factor), factor  # the norms hand on h A F = h Q
 
 
 @torch.no_grad()
@@ -152,21 +225,22 @@ def apply_basis(model: nn.Module, config: BasisConfig = BasisConfig()) -> tuple[
     out = copy.deepcopy(model)
     cfg = out.config
     d = cfg.hidden_size
-    q = random_orthogonal(d, generator)
+    a, read, factor = _draw_key(d, config, generator)
     embed = out.model.embed_tokens
     lm_weight = out.lm_head.weight.detach().double().clone()
-    embed.weight.data = (embed.weight.double() @ q).to(embed.weight.dtype)
+    embed.weight.data = (embed.weight.double() @ a).to(embed.weight.dtype)
     head_perms, neuron_perms = [], []
-    for layer in out.model.layers:
+    for i, layer in enumerate(out.model.layers):
         hp = torch.randperm(cfg.num_key_value_heads, generator=generator) if config.permute_heads else None
         np_ = torch.randperm(cfg.intermediate_size, generator=generator) if config.permute_neurons else None
-        _fold_attention(layer.self_attn, _ones(layer.input_layernorm), q, cfg, hp, generator)
-        _fold_mlp(layer.mlp, _ones(layer.post_attention_layernorm), q, np_)
+        gain = _take_gain(out, f"model.layers.{i}.input_layernorm", factor)
+        _fold_attention(layer.self_attn, gain, (a, read), cfg, hp, generator)
+        _fold_mlp(layer.mlp, _take_gain(out, f"model.layers.{i}.post_attention_layernorm", factor), (a, read), np_)
         head_perms.append(hp if hp is not None else torch.arange(cfg.num_key_value_heads))
         neuron_perms.append(np_ if np_ is not None else torch.arange(cfg.intermediate_size))
-    final_gain = _ones(out.model.norm)
-    # The embedding rotated as E Q but the head needs W diag(g) Q: the two no longer share one matrix.
-    out.lm_head.weight = nn.Parameter((lm_weight * final_gain[None] @ q).to(embed.weight.dtype), requires_grad=False)
+    final_gain = _take_gain(out, "model.norm", factor)
+    # The embedding became E A but the head needs W diag(g) R: the two no longer share one matrix.
+    out.lm_head.weight = nn.Parameter((lm_weight * final_gain[None] @ read).to(embed.weight.dtype), requires_grad=False)
     cfg.tie_word_embeddings = False
     record = {
         "method": "orthogonal residual basis with RMSNorm gains folded",
@@ -174,7 +248,12 @@ def apply_basis(model: nn.Module, config: BasisConfig = BasisConfig()) -> tuple[
         "permute_neurons": config.permute_neurons,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    return out.eval(), Basis(q, head_perms, neuron_perms), record
+    if factor is not None:
+        record.update(method="linear key with keyed RMSNorms (the stream through a block-diagonal factor, "
+                             "then RMSNorm)",
+                      condition=config.condition, metric_block=int(factor.shape[-1]),
+                      condition_measured=round(float(torch.linalg.cond(a)), 3))
+    return out.eval(), Basis(a, head_perms, neuron_perms, factor), record
 
 
 def write_basis_shards(model: nn.Module, shards: Path, out: Path, record: dict) -> Path:

@@ -31,8 +31,8 @@ class Collected:
     chunk: np.ndarray  # [T] int32 chunk index within the split
     pos: np.ndarray  # [T] int32 position within the chunk
     canary: np.ndarray  # [T] bool: a planted canary token
-    inputs: dict[int, np.ndarray] = field(default_factory=dict)  # k -> [T, d] float16
-    outputs: dict[int, np.ndarray] = field(default_factory=dict)  # m -> [T, d] float16
+    inputs: dict[int, np.ndarray] = field(default_factory=dict)  # k -> [T, d] float16 (as on the wire)
+    outputs: dict[int, np.ndarray] = field(default_factory=dict)  # m -> [T, d] float16 (as on the wire)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -104,8 +104,10 @@ def head_outputs(model: nn.Module, ids: torch.Tensor, top: int) -> dict[int, tor
     return outputs
 
 
-def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail_depths: tuple[int, ...] = ()) -> Collected:
-    """What the cloud sees at each input depth k and output depth m, per token of `chunks`.
+def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail_depths: tuple[int, ...] = (),
+            dtype: torch.dtype = torch.float16) -> Collected:
+    """What the cloud sees at each input depth k and output depth m, per token of `chunks`, rounded to `dtype`
+    (the wire's float16; float32 where a caller transforms the states before rounding them itself).
 
     Without tail depths only layers [0, max(depths)) run (10^5 tokens through two layers take minutes,
     not an hour, on a CPU); there are then no output-side states and `greedy` is -1 (the model's
@@ -132,9 +134,9 @@ def collect(model: nn.Module, chunks: list[Chunk], depths: tuple[int, ...], tail
         cols["pos"].append(np.arange(t, dtype=np.int32))
         cols["canary"].append(np.arange(t) < chunk.canary_len)
         for k in depths:
-            ins[k].append(hidden[k - 1].to(torch.float16).numpy())
+            ins[k].append(hidden[k - 1].to(dtype).numpy())
         for m in tail_depths:
-            outs[m].append(hidden[n_layers - m - 1].to(torch.float16).numpy())
+            outs[m].append(hidden[n_layers - m - 1].to(dtype).numpy())
     return Collected(
         **{k: np.concatenate(v) for k, v in cols.items()},
         inputs={k: np.concatenate(v) for k, v in ins.items()},

@@ -5,6 +5,7 @@ No torch import at module level: the CLI parses arguments before anything heavy 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,15 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise ConfigError(f"expected positive integers, not {text!r}.")
     return values
+
+
+def _keys(text: str) -> tuple[str, ...]:
+    from .basis import KEYS
+
+    keys = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not keys or not set(keys) <= set(KEYS):
+        raise ConfigError(f"--keys takes a comma-separated subset of {', '.join(KEYS)}, not {text!r}.")
+    return keys
 
 
 def cmd_audit(args) -> int:
@@ -63,8 +73,13 @@ def cmd_audit(args) -> int:
         changes["privatize"] = None
     if args.no_basis:
         changes["basis"] = None
-    elif args.t5_pairs:
-        changes["basis"] = replace(config.basis, t5_pairs=_ints(args.t5_pairs))
+    else:
+        if args.t5_pairs:
+            changes["basis"] = replace(config.basis, t5_pairs=_ints(args.t5_pairs))
+        if args.keys:
+            changes["basis"] = replace(changes.get("basis", config.basis), keys=_keys(args.keys))
+    if args.t0 is not None:
+        changes["t0"] = args.t0
     if args.noise is not None:
         try:
             changes["noise_sigmas"] = tuple(float(v) for v in args.noise.split(",") if v.strip())
@@ -91,7 +106,7 @@ def _read_texts(paths: list[str]) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
-def _basis(shards: Path, out: Path, seed: int | None) -> int:
+def _basis(shards: Path, out: Path, args) -> int:
     """`privatize --basis`: both shards rewritten in a secret residual basis (privacy/basis.py)."""
     import time
 
@@ -102,7 +117,8 @@ def _basis(shards: Path, out: Path, seed: int | None) -> int:
 
     started = time.perf_counter()
     model = load_whole_hf(shards)
-    keyed, _secret, record = apply_basis(model, BasisConfig(seed=seed))
+    config = BasisConfig(seed=args.seed, key=args.key, condition=args.condition, metric_block=args.metric_block)
+    keyed, _secret, record = apply_basis(model, config)
     # A self-check on 64 arbitrary tokens: the keyed model must compute the public model's logits.
     ids = torch.arange(64)[None] * 7919 % model.config.vocab_size
     with torch.inference_mode():
@@ -110,7 +126,8 @@ def _basis(shards: Path, out: Path, seed: int | None) -> int:
     record["self_check_max_logit_difference"] = gap
     write_basis_shards(keyed, shards, out, record)
     print(
-        f"wrote {out} (local and cloud shards in a secret residual basis, {time.perf_counter() - started:.1f} s; "
+        f"wrote {out} (local and cloud shards in a secret residual basis, {config.key} key, "
+        f"{time.perf_counter() - started:.1f} s; "
         f"max |logit difference| to the public model {gap:.2e} on 64 tokens)\n"
         "serve OUT/cloud to this deployment only: its host can recover the basis from it (docs/privacy.md, T4)."
     )
@@ -133,7 +150,7 @@ def cmd_privatize(args) -> int:
         if args.text:
             raise ConfigError("--basis needs no --text and does not combine with the distilled private weights; "
                               "pass one or the other.")
-        return _basis(shards, out, args.seed)
+        return _basis(shards, out, args)
     if not args.text:
         raise ConfigError("pass the organisation's own text with --text (or --basis for a secret residual basis).")
     texts = _read_texts(args.text)
@@ -204,6 +221,9 @@ def register(subparsers) -> None:
     s.add_argument("--no-seq", action="store_true", help="skip A3, the sequence-aware attacker")
     s.add_argument("--no-privatize", action="store_true", help="skip the private-weights defence (T1, T2)")
     s.add_argument("--no-basis", action="store_true", help="skip the secret residual basis (threats T3, T4, T5)")
+    s.add_argument("--keys", help="the deployments T3-T5 measure: orthogonal,linear (default both)")
+    s.add_argument("--t0", action=argparse.BooleanOptionalAction, default=None,
+                   help="the public-weights baseline rows (default: on, off with --quick)")
     s.add_argument("--t5-pairs", help="known (text, activation) pairs for T5's least squares, e.g. 100,1000,10000")
     s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
@@ -232,6 +252,12 @@ def register(subparsers) -> None:
     s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")
     s.add_argument("--basis", action="store_true",
                    help="instead: rewrite both shards in a secret residual basis (same outputs; new cloud shard)")
+    s.add_argument("--key", default="orthogonal", choices=("orthogonal", "linear"),
+                   help="with --basis: a rotation, or a general invertible key with keyed RMSNorms (hides inner "
+                        "products from an observer without the cloud shard; see docs/privacy.md)")
+    s.add_argument("--condition", type=float, default=8.0, help="with --key linear: the key's condition number")
+    s.add_argument("--metric-block", type=int, default=64,
+                   help="with --key linear: block size of the norms' factor (extra multiply-adds per norm: d x block)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)

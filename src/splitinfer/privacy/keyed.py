@@ -1,19 +1,31 @@
 """Threats against a secret residual basis (privacy/basis.py): rows T3, T4 and T5 of the audit.
 
-T3  an observer without the cloud shard (a tap behind TLS termination, logs, a dumped KV cache): it sees
-    the keyed activations h Q and holds the public weights. Attackers: A1 and A4 with the public weights;
-    A2/A3 trained on public-basis activations of its own text; A6, inner products with anchors (Q keeps
-    inner products; every session starts with the same chat-template tokens, whose public states the
-    observer computes, so x . a is known in both bases); A8, statistical alignment (eigenvectors of the
-    observed and the public activation covariance, signs fixed by third moments) followed by A2.
-T4  the host with the cloud shard: A5 matches the first cloud layer's MLP against the public one (per-
-    neuron norms are blind to Q and name the permutation; least squares then gives Q), then A4.
-T5  known plaintext: A7 learns the linear map back to the public basis from N (text, activation) pairs
-    by least squares, then A2 and A4 (nearest of 64 candidates).
+Two deployments are measured, each with its own rows: an orthogonal basis Q (defence "secret basis") and a
+general linear key A with keyed RMSNorms (defence "secret linear key", `privatize --basis --key linear`).
 
-Every session, the audit's and the attacker's own, starts with the chat template's opening tokens;
-rows are scored on the text after it. This module builds the keyed model and the collections and calls
-the audit's attackers and row writer; it knows no statistics of its own.
+T3  an observer without the cloud shard (a tap behind TLS termination, logs, a dumped KV cache): it sees
+    the keyed activations h A and holds the public weights. Attackers: A1 and A4 with the public weights;
+    A2/A3 trained on public-basis activations of its own text; A6, inner products with anchors (an
+    orthogonal basis keeps them; every session starts with the same chat-template tokens, whose public
+    states the observer computes, so x . a is known in both bases); A8, statistical alignment
+    (eigenvectors of the observed and the public activation covariance, signs fixed by third moments)
+    followed by A2; A9, whitening and an orthogonal alignment by higher-order or temporal statistics
+    (privacy/whiten.py), which any invertible linear key reduces to, followed by A2 and A4. A8 and A9 align
+    the attacked sessions' own traffic (on the input side also other sessions' traffic, of documents
+    disjoint from the attacker's text) to public statistics of the attacker's text.
+T4  the host with the cloud shard: a keyed norm's factor F gives A up to an orthogonal matrix (A F is
+    orthogonal), so A5 un-factors the first cloud layer and matches its MLP against the public one (per-
+    neuron norms are blind to the rotation and name the permutation; least squares then gives it), then A4.
+T5  known plaintext: A7 learns the linear map back to the public basis from N (text, activation) pairs
+    by least squares, then A2 and A4 (nearest of 64 candidates); and A8 / A9 on traffic of exactly the
+    attacker's own documents, unpaired (it knows which texts were sent, not which row is which).
+
+The keyed activations are the public model's float32 states times A, rounded to float16 as on the wire:
+the keyed model computes exactly that (checked on one chunk per key: `identity_error`), and the audit
+is spared a forward pass of each keyed model over every chunk. Every session, the audit's and the
+attacker's own, starts with the chat template's opening tokens; rows are scored on the text after it.
+This module builds the keyed models and the collections and calls the audit's attackers and row writer;
+it knows no statistics of its own.
 """
 
 from __future__ import annotations
@@ -25,13 +37,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..model.keyed_norm import KeyedRMSNorm
 from . import attackers, exact
 from .basis import BasisConfig, apply_basis
 from .collect import Collected, collect
 from .corpus import Chunk, attacker_text
+from .whiten import best_alignment
 
 log = logging.getLogger("splitinfer.privacy")
-DEFENCE = "secret basis"
+DEFENCES = {"orthogonal": "secret basis", "linear": "secret linear key"}
+EXTRA = {"orthogonal": "secret_basis", "linear": "secret_linear_key"}  # audit.json keys of each key's record
 MARKER = "\u2063MARK\u2063"
 FALLBACK_TEMPLATE = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
 
@@ -40,6 +55,24 @@ FALLBACK_TEMPLATE = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\
 class KeyedConfig:
     t5_pairs: tuple[int, ...] = (100, 1_000, 10_000)  # known (text, activation) pairs for A7
     seed: int = 12345  # the audit's basis (a real deployment draws its own from the OS)
+    keys: tuple[str, ...] = ("linear", "orthogonal")  # the deployments measured (basis.KEYS), rows for each
+    condition: float = 8.0  # the linear key's condition number (BasisConfig.condition)
+    metric_block: int = 64  # the linear key's norm-factor block (BasisConfig.metric_block)
+    t5_a4_from: int = 0  # A4 after A7 fits from this N on (the largest N measured at most): the slowest rows
+    a9_a4: bool = True  # A4 after the input side's A9 on the most traffic
+
+
+@dataclass
+class _Public:
+    """What every key's rows share: public-basis collections (float32: keyed views are made from them) and
+    the attackers trained on public-basis activations."""
+
+    prefix_len: int  # template tokens at the start of every sequence
+    train_full: Collected  # template + train chunks, both sides, float32
+    test_full: Collected  # template + test chunks, both sides, float32
+    train: Collected  # the train text after the template, float16: what A2/A3 train on
+    t5: Collected | None  # template + the attacker's other text, input side only, float32 (T5 pairs, A9 traffic)
+    fitted: dict  # (side, attacker name) -> attackers.Fitted
 
 
 def template_ids(tokenizer) -> list[int]:
@@ -130,9 +163,12 @@ def moment_alignment(public: np.ndarray, observed: np.ndarray) -> np.ndarray:
     return frame(observed) @ frame(public).T
 
 
-def weight_matching(public_layer, keyed_layer) -> tuple[np.ndarray, dict, np.ndarray]:
+def weight_matching(public_layer, keyed_layer, factor: np.ndarray | None = None) -> tuple[np.ndarray, dict, np.ndarray]:
     """A5: recover R (observed @ R = public) from one cloud layer's MLP and the public layer.
 
+    factor: [d, d] the keyed norm's factor F as read from the cloud shard (None for an orthogonal basis).
+    Under a linear key A the layers after a keyed norm read h A F = h Q and hold W diag(g) Q, as under an
+    orthogonal basis; the writing ones hold A^T W = F^-T Q^T W, which F^T un-factors. The map back is F Q^T.
     Neurons are permuted and their weights rotated, but each neuron's gate and up row norms, their inner
     product and its down column norm do not change: nearest neighbours in those four numbers name the
     permutation, and least squares on the matched rows gives the rotation (projected onto the orthogonal
@@ -142,6 +178,8 @@ def weight_matching(public_layer, keyed_layer) -> tuple[np.ndarray, dict, np.nda
     gain = public_layer.post_attention_layernorm.weight.detach().double()
     pub = {n: getattr(public_layer.mlp, n).weight.detach().double() for n in ("gate_proj", "up_proj", "down_proj")}
     key = {n: getattr(keyed_layer.mlp, n).weight.detach().double() for n in ("gate_proj", "up_proj", "down_proj")}
+    if factor is not None:
+        key["down_proj"] = torch.from_numpy(factor).T @ key["down_proj"]
     pub_gate, pub_up = pub["gate_proj"] * gain[None], pub["up_proj"] * gain[None]
 
     def invariants(gate, up, down):
@@ -161,46 +199,108 @@ def weight_matching(public_layer, keyed_layer) -> tuple[np.ndarray, dict, np.nda
     residual = float(np.linalg.norm(lhs @ q_hat - rhs) / np.linalg.norm(rhs))
     record = {"seconds": round(time.perf_counter() - started, 3), "weight_residual": residual,
               "distinct_matches": int(len(np.unique(match))), "neurons": int(len(match)),
-              "max_match_distance": float(dist.max())}
-    return q_hat.T, record, match  # match: [intermediate] public neuron behind each keyed one
+              "max_match_distance": float(dist.max()), "used_norm_factor": factor is not None}
+    r = q_hat.T if factor is None else factor @ q_hat.T
+    return r, record, match  # match: [intermediate] public neuron behind each keyed one
+
+
+def keyed_view(collected: Collected, a: np.ndarray) -> Collected:
+    """What a deployment keyed by A sends: float32 public states times A, rounded to float16 (the wire)."""
+    def key(rows: dict) -> dict:
+        return {depth: (v.astype(np.float64) @ a).astype(np.float16) for depth, v in rows.items()}
+
+    return replace(collected, inputs=key(collected.inputs), outputs=key(collected.outputs))
+
+
+def _rounded(collected: Collected) -> Collected:
+    def cast(rows: dict) -> dict:
+        return {depth: v.astype(np.float16) for depth, v in rows.items()}
+
+    return replace(collected, inputs=cast(collected.inputs), outputs=cast(collected.outputs))
+
+
+def _identity_error(audit, keyed, prefix: list[int], a: np.ndarray, k: int) -> float:
+    """Max relative difference between what the keyed model sends on one test chunk (both sides) and the
+    public states times A that the rows below are computed from."""
+    chunk = _prefixed(audit.corpus.test[:1], prefix)
+    got = collect(keyed, chunk, (k,), (k,), torch.float32)
+    want = collect(audit.model, chunk, (k,), (k,), torch.float32)
+    errors = []
+    for side in ("input", "output"):
+        expected = want.side(side)[k].astype(np.float64) @ a
+        errors.append(np.abs(got.side(side)[k] - expected).max() / np.abs(expected).max())
+    return float(max(errors))
 
 
 def basis_threats(audit, config: KeyedConfig = KeyedConfig()) -> None:
-    """Add the T3, T4 and T5 rows (input side at k, output side at m = k, k = the audit's defence depth)."""
-    cfg, k = audit.config, audit.config.defence_depth
+    """Add the T3, T4 and T5 rows of each key in config.keys (input side at k, output side at m = k, k = the
+    audit's defence depth)."""
+    k = audit.config.defence_depth
     started = time.perf_counter()
-    keyed, secret, record = apply_basis(audit.model, BasisConfig(seed=config.seed))
-    q = secret.q.numpy()
     prefix = template_ids(audit.tokenizer)
     p = len(prefix)
     train_chunks, test_chunks = audit.corpus.train, audit.corpus.test
-    pub_full = collect(audit.model, _prefixed(train_chunks, prefix), (k,), (k,))
-    obs_train_full = collect(keyed, _prefixed(train_chunks, prefix), (k,), (k,))
-    obs_full = collect(keyed, _prefixed(test_chunks, prefix), (k,), (k,))
-    pub_train, obs_train = _body(pub_full, train_chunks, p), _body(obs_train_full, train_chunks, p)
+    train_full = collect(audit.model, _prefixed(train_chunks, prefix), (k,), (k,), torch.float32)
+    test_full = collect(audit.model, _prefixed(test_chunks, prefix), (k,), (k,), torch.float32)
+    pub = _Public(p, train_full, test_full, _body(_rounded(train_full), train_chunks, p),
+                  _t5_public(audit, k, prefix, config), {})
     audit.timings["keyed_collect_s"] = time.perf_counter() - started
-    public_test, audit.test = audit.test, _body(obs_full, test_chunks, p)
-    # The secret, for measuring how close each attacker's estimate comes (attackers never read it).
-    state: dict = {"q": q, "neuron_perms": secret.neuron_perms, "obs_full": obs_full, "train_targets": pub_train.tokens}
+    public_test = audit.test
     try:
-        for side in ("input", "output"):
-            _t3(audit, side, k, pub_train, pub_full, obs_train, obs_full, p, state)
-            _t4(audit, side, k, keyed, obs_full, p, state)
-        _t5(audit, k, keyed, prefix, config, state)
+        for key in config.keys:
+            t0 = time.perf_counter()
+            _one_key(audit, key, config, pub, prefix)
+            audit.timings[f"keyed_{key}_s"] = time.perf_counter() - t0
+            # What an audit of the keys so far took (the first key carries the shared collections and fits).
+            audit.timings[f"elapsed_after_{key}_s"] = time.perf_counter() - audit.started
     finally:
-        audit.test = public_test
-    audit.extra["secret_basis"] = {
+        audit.keyed_test, audit.test = audit.test, public_test
+
+
+def _one_key(audit, key: str, config: KeyedConfig, pub: _Public, prefix: list[int]) -> None:
+    k, p = audit.config.defence_depth, pub.prefix_len
+    t0 = time.perf_counter()
+    basis = BasisConfig(seed=config.seed, key=key, condition=config.condition, metric_block=config.metric_block)
+    keyed, secret, record = apply_basis(audit.model, basis)
+    a = secret.a.numpy()
+    obs_full = keyed_view(pub.test_full, a)
+    record["identity_error"] = _identity_error(audit, keyed, prefix, a, k)
+    audit.timings[f"keyed_{key}_build_s"] = time.perf_counter() - t0
+    audit.test = _body(obs_full, audit.corpus.test, p)
+    # The secret, for measuring how close each attacker's estimate comes (attackers never read it).
+    state: dict = {"inverse": np.linalg.inv(a), "neuron_perms": secret.neuron_perms, "defence": DEFENCES[key],
+                   "obs_full": obs_full, "obs_train": _body(keyed_view(pub.train_full, a), audit.corpus.train, p),
+                   "pub": pub, "a": a, "config": config}
+    for side in ("input", "output"):
+        _t3(audit, side, k, state)
+        _t4(audit, side, k, keyed, state)
+    _t5(audit, k, state)
+    audit.extra[EXTRA[key]] = {
         "basis": record, "template_tokens": p, "anchors": p, "seed": config.seed,
-        "t4": state.get("t4"), "alignment_error": state.get("alignment_error"),
-        "keyed_seconds": round(time.perf_counter() - started, 1),
+        "t4": state.get("t4"), "alignment_error": state.get("alignment_error"), "a9": state.get("a9"),
+        "keyed_seconds": round(time.perf_counter() - t0, 1),
         "note": "rows are scored on the text after the chat template's opening tokens",
     }
 
 
-def _t3(audit, side, k, pub_train, pub_full, obs_train, obs_full, p, state) -> None:
-    cfg = audit.config
-    tb, eb = pub_train.chunk_bounds(), audit.test.chunk_bounds()
-    x_pub, y = pub_train.side(side)[k], pub_train.target(side)
+def _t5_public(audit, k: int, prefix: list[int], config: KeyedConfig) -> Collected | None:
+    """The attacker's other text through the public layers [0, k), after the template (float32)."""
+    chunks = attacker_text(audit.tokenizer, audit.config.corpus, max(config.t5_pairs))
+    if not chunks:
+        log.warning("T5 skipped: every source document is in the audit's corpus; lower --documents")
+        return None
+    started = time.perf_counter()
+    body = _body(collect(audit.model, _prefixed(chunks, prefix), (k,), dtype=torch.float32), chunks, len(prefix))
+    audit.timings["T5_collect_s"] = time.perf_counter() - started
+    audit.extra["secret_basis_t5"] = {"pairs_available": int(len(body)), "documents": len({c.doc_id for c in chunks})}
+    return body
+
+
+def _t3(audit, side, k, state) -> None:
+    cfg, pub, defence = audit.config, state["pub"], state["defence"]
+    p = pub.prefix_len
+    tb, eb = pub.train.chunk_bounds(), audit.test.chunk_bounds()
+    x_pub, y = pub.train.side(side)[k], pub.train.target(side)
     x_obs = audit.test.side(side)[k]
     all_rows = np.ones(len(audit.test), bool)
     model = audit.model
@@ -208,98 +308,174 @@ def _t3(audit, side, k, pub_train, pub_full, obs_train, obs_full, p, state) -> N
         a1 = attackers.embedding_topk(model.model.embed_tokens.weight, x_obs)
     else:
         a1 = attackers.lens_topk(model.model.norm, model.lm_head, x_obs)
-    audit._row((side, k, "T3", "A1", DEFENCE), a1, all_rows, y, {})
+    audit._row((side, k, "T3", "A1", defence), a1, all_rows, y, {})
     guesses = [a1]
     for name, kind in (("A2", "mlp"), ("A3", "seq")):
         if kind == "seq" and not cfg.seq_attacker:
             continue
-        fitted = _fit_or_reuse(state, (side, name), kind, x_pub, y, tb, cfg.train)
+        fitted = _fit_or_reuse(pub.fitted, (side, name), kind, x_pub, y, tb, cfg.train)
         pred = attackers.predict(fitted, x_obs, eb)
-        audit._row((side, k, "T3", name, DEFENCE), pred, all_rows, y, _info(fitted))
+        audit._row((side, k, "T3", name, defence), pred, all_rows, y, _info(fitted))
         guesses.insert(0, pred)
+    obs_full = state["obs_full"]
     full_rows = obs_full.side(side)[k]
     if side == "input":
         stack = exact.head_stack(model, k)
         pred, info = _pred_a4_input(audit, stack, full_rows, obs_full, p, np.concatenate(guesses[:-1], 1), cfg.inexact)
-        audit._row((side, k, "T3", "A4", DEFENCE), pred, _a4_mask(audit), y, info)
+        audit._row((side, k, "T3", "A4", defence), pred, _a4_mask(audit), y, info)
     else:
-        audit._row((side, k, "T3", "A4", DEFENCE), _pred_a4_output(audit, full_rows, obs_full, p), all_rows, y,
+        audit._row((side, k, "T3", "A4", defence), _pred_a4_output(audit, full_rows, obs_full, p), all_rows, y,
                    {"a4": "public tail + norm + LM head on the keyed states"})
-    # A6: inner products with the template's states, public basis (its own text) vs observed basis.
-    anchors_pub, anchors_obs = pub_full.side(side)[k][:p], obs_full.side(side)[k][:p]
-    fitted = attackers.fit("mlp", _inner_products(x_pub, anchors_pub), y, tb, cfg.train)
+    _t3_statistical(audit, side, k, state)
+
+
+def _t3_statistical(audit, side, k, state) -> None:
+    """A6 (inner products with the template's states), then A8 and A9 on each set of unlabelled traffic."""
+    cfg, pub, defence = audit.config, state["pub"], state["defence"]
+    p, y = pub.prefix_len, pub.train.target(side)
+    tb, eb = pub.train.chunk_bounds(), audit.test.chunk_bounds()
+    x_pub, x_obs = pub.train.side(side)[k], audit.test.side(side)[k]
+    anchors_pub, anchors_obs = pub.train_full.side(side)[k][:p], state["obs_full"].side(side)[k][:p]
+    fitted = _fit_or_reuse(pub.fitted, (side, "A6"), "mlp", _inner_products(x_pub, anchors_pub), y, tb, cfg.train)
     pred = attackers.predict(fitted, _inner_products(x_obs, anchors_obs), eb)
-    audit._row((side, k, "T3", f"A6 inner products ({p} anchors)", DEFENCE), pred, all_rows, y, _info(fitted))
-    # A8: align the observed traffic's statistics (train text, unlabelled) to the public ones, then A2.
-    r = moment_alignment(x_pub, obs_train.side(side)[k])
-    state.setdefault("alignment_error", {})[side] = _rotation_error(r, audit, state)
-    a2 = state[(side, "A2")]
-    pred = attackers.predict(a2, (x_obs.astype(np.float32) @ r).astype(np.float16), eb)
-    audit._row((side, k, "T3", "A8 moment alignment + A2", DEFENCE), pred, all_rows, y,
-               {"rotation_error": state["alignment_error"][side]})
+    audit._row((side, k, "T3", f"A6 inner products ({p} anchors)", defence), pred, np.ones(len(x_obs), bool), y,
+               _info(fitted))
+    traffic = _traffic(audit, side, k, state)
+    for i, (threat, label, observed) in enumerate(traffic):
+        _moments(audit, side, k, state, threat, label, observed)
+        largest_t3 = i == max(j for j, t in enumerate(traffic) if t[0] == "T3")
+        _whitened(audit, side, k, state, threat, label, observed, a4=largest_t3 and state["config"].a9_a4)
 
 
-def _rotation_error(r: np.ndarray, audit, state) -> float:
-    """Relative Frobenius error of an estimate R of Q^T (observed @ R = public)."""
-    q = state.get("q")
-    return None if q is None else float(np.linalg.norm(r - q.T) / np.linalg.norm(q))
+def _traffic(audit, side, k, state) -> list[tuple[str, str, dict]]:
+    """(threat, label, rows) of the unlabelled keyed traffic A8 and A9 align to the attacker's public statistics.
+
+    T3: the attacked sessions themselves, and on the input side also other sessions (the other text, whose
+    documents are disjoint from the attacker's own). T5: traffic of exactly the attacker's own documents,
+    unpaired: an observer that knows which texts were sent but not which row is which.
+    """
+    pub, other = state["pub"], "output" if side == "input" else "input"
+    test = audit.test
+    sessions = {"x": test.side(side)[k], "bounds": test.chunk_bounds(), "other": test.side(other)[k]}
+    out = [("T3", f"{len(test)} tokens of traffic", sessions)]
+    if side == "input" and pub.t5 is not None:
+        extra = keyed_view(pub.t5, state["a"])
+        bounds = test.chunk_bounds() + [(s + len(test), e + len(test)) for s, e in extra.chunk_bounds()]
+        rows = np.concatenate([test.inputs[k], extra.inputs[k]])
+        # The other text's returned states were not collected: no "cross" statistic on this set.
+        out.append(("T3", f"{len(rows)} tokens of traffic", {"x": rows, "bounds": bounds, "other": None}))
+    own = state["obs_train"]
+    out.append(("T5", f"its own text unpaired, {len(own)} tokens",
+                {"x": own.side(side)[k], "bounds": own.chunk_bounds(), "other": own.side(other)[k]}))
+    return out
 
 
-def _t4(audit, side, k, keyed, obs_full, p, state) -> None:
-    cfg = audit.config
+def _moments(audit, side, k, state, threat, label, observed) -> None:
+    """A8: covariance eigenvectors of the traffic and of the public activations (an orthogonal key only)."""
+    pub, defence = state["pub"], state["defence"]
+    r = moment_alignment(pub.train.side(side)[k], observed["x"])
+    error = _rotation_error(r, state)
+    state.setdefault("alignment_error", {})[f"{side}, {label}"] = error
+    x_obs = audit.test.side(side)[k]
+    pred = attackers.predict(pub.fitted[(side, "A2")], (x_obs.astype(np.float32) @ r).astype(np.float16),
+                             audit.test.chunk_bounds())
+    audit._row((side, k, threat, f"A8 moment alignment ({label}) + A2", defence), pred,
+               np.ones(len(audit.test), bool), pub.train.target(side), {"rotation_error": error,
+                                                                          "traffic_tokens": int(len(observed["x"]))})
+
+
+def _whitened(audit, side, k, state, threat, label, observed, a4: bool) -> None:
+    """A9: whitening + orthogonal alignment (privacy/whiten.py) from unlabelled traffic, then A2 (and A4)."""
+    cfg, pub, defence = audit.config, state["pub"], state["defence"]
+    p, y, eb = pub.prefix_len, pub.train.target(side), audit.test.chunk_bounds()
+    other = "output" if side == "input" else "input"
+    public = {"x": pub.train.side(side)[k], "bounds": pub.train.chunk_bounds(), "other": pub.train.side(other)[k],
+              "anchors": pub.train_full.side(side)[k][:p]}
+    anchors_obs = state["obs_full"].side(side)[k][:p].astype(np.float64)
+    truth = _body(_rounded(pub.test_full), audit.corpus.test, p).side(side)[k].astype(np.float64)
+    found, scores = best_alignment(public, {**observed, "anchors": anchors_obs})
+    mapped = found(audit.test.side(side)[k])
+    info = {"method": found.method, "anchor_residual": scores, "traffic_tokens": int(len(observed["x"])),
+            "reconstruction_error": float(np.linalg.norm(mapped - truth) / np.linalg.norm(truth))}
+    state.setdefault("a9", {})[f"{side}, {label}"] = info
+    pred = attackers.predict(pub.fitted[(side, "A2")], mapped.astype(np.float16), eb)
+    name = f"A9 whitening + {found.method} ({label})"
+    everything = np.ones(len(audit.test), bool)
+    audit._row((side, k, threat, f"{name} + A2", defence), pred, everything, y, info)
+    if not a4:
+        return
+    full = found(state["obs_full"].side(side)[k]).astype(np.float32)
+    if side == "input":
+        a4_pred, a4_info = _pred_a4_input(audit, exact.head_stack(audit.model, k), full, state["obs_full"], p, pred,
+                                          cfg.inexact)
+        audit._row((side, k, threat, f"{name} + A4", defence), a4_pred, _a4_mask(audit), y, {**info, **a4_info})
+    else:
+        audit._row((side, k, threat, f"{name} + A4", defence), _pred_a4_output(audit, full, state["obs_full"], p),
+                   everything, y, info)
+
+
+def _rotation_error(r: np.ndarray, state) -> float:
+    """Relative Frobenius error of an estimate R of A^-1 (observed @ R = public)."""
+    inverse = state["inverse"]
+    return float(np.linalg.norm(r - inverse) / np.linalg.norm(inverse))
+
+
+def _norm_factor(layer) -> np.ndarray | None:
+    """[d, d] the factor of a keyed layer's norm, as the host reads it from the cloud shard; None if plain."""
+    norm = layer.post_attention_layernorm
+    return torch.block_diag(*norm.factor.detach().double()).numpy() if isinstance(norm, KeyedRMSNorm) else None
+
+
+def _t4(audit, side, k, keyed, state) -> None:
+    cfg, defence, obs_full, p = audit.config, state["defence"], state["obs_full"], state["pub"].prefix_len
     layer = k  # the first cloud layer: the host holds it
     if "t4_r" not in state:
-        r, record, match = weight_matching(audit.model.model.layers[layer], keyed.model.layers[layer])
-        record["rotation_error"] = _rotation_error(r, audit, state)
+        keyed_layer = keyed.model.layers[layer]
+        r, record, match = weight_matching(audit.model.model.layers[layer], keyed_layer, _norm_factor(keyed_layer))
+        record["rotation_error"] = _rotation_error(r, state)
         record["permutation_recovered"] = float((match == state["neuron_perms"][layer].numpy()).mean())
         record["layer"] = layer
         state["t4"], state["t4_r"] = record, r
     r, record = state["t4_r"], state["t4"]
-    derotated = (obs_full.side(side)[k].astype(np.float32) @ r).astype(np.float32)
+    derotated = (obs_full.side(side)[k].astype(np.float64) @ r).astype(np.float32)
     y = audit.test.target(side)
+    key = (side, k, "T4", "A5 weight matching + A4", defence)
     if side == "input":
         exact_ok = record["weight_residual"] < 1e-3
         stack = exact.head_stack(audit.model, k)
         body = _body(replace(obs_full, inputs={k: derotated.astype(np.float16)}), audit.corpus.test, p)
-        a2 = state[(side, "A2")]
-        guesses = attackers.predict(a2, body.inputs[k], audit.test.chunk_bounds())
+        guesses = attackers.predict(state["pub"].fitted[(side, "A2")], body.inputs[k], audit.test.chunk_bounds())
         search = cfg.exact if exact_ok else cfg.inexact
         pred, info = _pred_a4_input(audit, stack, derotated, obs_full, p, guesses, search)
-        key = (side, k, "T4", "A5 weight matching + A4", DEFENCE)
         audit._row(key, pred, _a4_mask(audit), y, {**info, "a5": record})
     else:
-        audit._row((side, k, "T4", "A5 weight matching + A4", DEFENCE), _pred_a4_output(audit, derotated, obs_full, p),
-                   np.ones(len(audit.test), bool), y, {"a5": record})
+        audit._row(key, _pred_a4_output(audit, derotated, obs_full, p), np.ones(len(audit.test), bool), y,
+                   {"a5": record})
 
 
-def _t5(audit, k, keyed, prefix, config: KeyedConfig, state) -> None:
+def _t5(audit, k, state) -> None:
     """A7 on the input side: N known (text, activation) pairs of the attacker's own text -> least squares."""
-    cfg, p = audit.config, len(prefix)
-    chunks = attacker_text(audit.tokenizer, cfg.corpus, max(config.t5_pairs))
-    if not chunks:
-        log.warning("T5 skipped: every source document is in the audit's corpus; lower --documents")
+    pub, config, defence = state["pub"], state["config"], state["defence"]
+    if pub.t5 is None:
         return
-    started = time.perf_counter()
-    pub = _body(collect(audit.model, _prefixed(chunks, prefix), (k,)), chunks, p).inputs[k].astype(np.float64)
-    obs = _body(collect(keyed, _prefixed(chunks, prefix), (k,)), chunks, p).inputs[k].astype(np.float64)
-    audit.timings["T5_collect_s"] = time.perf_counter() - started
-    x_obs, a2 = audit.test.inputs[k].astype(np.float64), state[("input", "A2")]
-    train_targets = state["train_targets"]
+    cfg, p = audit.config, pub.prefix_len
+    public = pub.t5.inputs[k].astype(np.float64)
+    obs = keyed_view(pub.t5, state["a"]).inputs[k].astype(np.float64)
+    x_obs, a2 = audit.test.inputs[k].astype(np.float64), pub.fitted[("input", "A2")]
+    train_targets, obs_full = pub.train.tokens, state["obs_full"]
     stack = exact.head_stack(audit.model, k)
-    obs_full = state["obs_full"]
-    for n in sorted({min(n, len(pub)) for n in config.t5_pairs}):
+    everything = np.ones(len(audit.test), bool)
+    sizes = sorted({min(n, len(public)) for n in config.t5_pairs})
+    for n in sizes:
         t0 = time.perf_counter()
-        r, *_ = np.linalg.lstsq(obs[:n], pub[:n], rcond=None)  # minimum norm below d pairs
-        fit_s = time.perf_counter() - t0
-        info = {"known_pairs": int(n), "fit_seconds": round(fit_s, 3),
-                "rotation_error": _rotation_error(r, audit, state)}
-        test = (x_obs @ r).astype(np.float16)
-        pred = attackers.predict(a2, test, audit.test.chunk_bounds())
-        everything = np.ones(len(audit.test), bool)
-        audit._row(("input", k, "T5", f"A7 N={n} + A2", DEFENCE), pred, everything, train_targets, info)
-        rows = (obs_full.inputs[k].astype(np.float64) @ r).astype(np.float32)
-        a4, a4_info = _pred_a4_input(audit, stack, rows, obs_full, p, pred, cfg.inexact)
-        key = ("input", k, "T5", f"A7 N={n} + A4", DEFENCE)
-        audit._row(key, a4, _a4_mask(audit), train_targets, {**info, **a4_info})
-        audit.timings[f"T5_N{n}_s"] = time.perf_counter() - t0
-    audit.extra["secret_basis_t5"] = {"pairs_available": int(len(pub)), "documents": len({c.doc_id for c in chunks})}
+        r, *_ = np.linalg.lstsq(obs[:n], public[:n], rcond=None)  # minimum norm below d pairs
+        info = {"known_pairs": int(n), "fit_seconds": round(time.perf_counter() - t0, 3),
+                "rotation_error": _rotation_error(r, state)}
+        pred = attackers.predict(a2, (x_obs @ r).astype(np.float16), audit.test.chunk_bounds())
+        audit._row(("input", k, "T5", f"A7 N={n} + A2", defence), pred, everything, train_targets, info)
+        if n >= min(config.t5_a4_from, sizes[-1]):
+            rows = (obs_full.inputs[k].astype(np.float64) @ r).astype(np.float32)
+            a4, a4_info = _pred_a4_input(audit, stack, rows, obs_full, p, pred, cfg.inexact)
+            audit._row(("input", k, "T5", f"A7 N={n} + A4", defence), a4, _a4_mask(audit), train_targets,
+                       {**info, **a4_info})
+        audit.timings[f"T5_{defence}_N{n}_s"] = time.perf_counter() - t0

@@ -41,19 +41,29 @@ KEYED = ("T3", "T4", "T5")
 
 
 def _keyed_section(result: dict) -> list[str]:
-    """T3-T5: the secret residual basis against an observer, the host, and known plaintext."""
+    """T3-T5: the secret basis and the linear key against an observer, the host, and known plaintext."""
     rows = [r for r in result["results"] if r["threat"] in KEYED]
     if not rows:
         return []
-    info = result.get("secret_basis", {})
-    t4 = info.get("t4") or {}
-    lines = ["## Secret residual basis (T3 observer without the cloud shard, T4 host, T5 known plaintext)", "",
-             f"Sessions start with the chat template's {info.get('template_tokens', '?')} opening tokens; rows are "
-             "scored on the text after them. T4 weight matching (A5): "
-             f"{t4.get('seconds', '?')} s, basis error {t4.get('rotation_error', '?')}, "
-             f"permutation recovered {_pct(t4.get('permutation_recovered'))}%. Moment alignment (A8) basis error: "
-             f"{info.get('alignment_error')}.", "", HEADER, *[row_line(r) for r in rows], ""]
-    return lines
+    lines = ["## Secret residual basis and linear key (T3 observer without the cloud shard, T4 host, T5 known "
+             "plaintext)", ""]
+    for name, extra in (("secret basis", "secret_basis"), ("secret linear key", "secret_linear_key")):
+        info = result.get(extra)
+        if not info:
+            continue
+        t4 = info.get("t4") or {}
+        lines.append(
+            f"- {name} ({info['basis'].get('method', '?')}): sessions start with the chat template's "
+            f"{info.get('template_tokens', '?')} opening tokens; rows are scored on the text after them. T4 weight "
+            f"matching (A5): {t4.get('seconds', '?')} s, key error {t4.get('rotation_error', '?')}, permutation "
+            f"recovered {_pct(t4.get('permutation_recovered'))}%. Moment alignment (A8) key error: "
+            f"{info.get('alignment_error')}. A9: {info.get('a9')}.")
+    return [*lines, "", HEADER, *[row_line(r) for r in rows], ""]
+
+
+def _section(title: str, rows: list[dict]) -> list[str]:
+    """A heading and its rows' table; nothing where the audit ran no such rows (`--quick` has no T0)."""
+    return [f"## {title}", "", HEADER, *[row_line(r) for r in rows], ""] if rows else []
 
 
 def markdown(result: dict) -> str:
@@ -70,17 +80,10 @@ def markdown(result: dict) -> str:
         "Ceiling = 100% for attackers that rank the whole vocabulary (A1, A4), else the share of test tokens "
         "whose type occurs in the training targets. Intervals: bootstrap over documents.",
         "",
-        "## T0: local layers are the public weights",
-        "",
-        HEADER,
-        *[row_line(r) for r in rows if r["threat"] == "T0" and r["defence"] == "none"],
-        "",
-        "## Defences (noise on the sent activations; private local weights under T1 and T2)",
-        "",
-        HEADER,
-        *[row_line(r) for r in rows if not (r["threat"] == "T0" and r["defence"] == "none")
-          and r["threat"] not in KEYED],
-        "",
+        *_section("T0: local layers are the public weights",
+                  [r for r in rows if r["threat"] == "T0" and r["defence"] == "none"]),
+        *_section("Defences (noise on the sent activations; private local weights under T1 and T2)",
+                  [r for r in rows if not (r["threat"] == "T0" and r["defence"] == "none") and r["threat"] not in KEYED]),
         *_keyed_section(result),
         "## Utility and throughput cost of the defences",
         "",

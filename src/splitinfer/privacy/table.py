@@ -32,14 +32,18 @@ THREATS = (
     Threat("anyone who reads logs, dumps or a tap behind TLS, without the cloud shard", "activations; public weights",
            "T0", "none"),
     Threat("the same reader, deployment in a secret basis (`privatize --basis`)",
-           "activations in the secret basis; public weights; its own text", "T3", "secret basis"),
+           "activations in the secret basis; public weights; its own text (other documents)", "T3", "secret basis"),
+    Threat("the same reader, deployment under a linear key (`privatize --basis --key linear`)",
+           "activations under the key; public weights; its own text (other documents)", "T3", "secret linear key"),
     Threat("the cloud host", "activations and the cloud layers (= public weights)", "T0", "none"),
     Threat("the cloud host, secret basis", "activations and this deployment's cloud shard", "T4", "secret basis"),
+    Threat("the cloud host, linear key", "activations and this deployment's cloud shard (its norm factor)", "T4",
+           "secret linear key"),
     Threat("the cloud host, private local weights (`privatize --text`), pushing its own text through them",
            "activations; 10^5 chosen-plaintext tokens", "T2", "private weights"),
     Threat("the host or a log reader holding known (text, activation) pairs, secret basis",
-           "N pairs (largest N measured)", "T5",
-           "secret basis"),
+           "N pairs (largest N measured), or traffic of documents it knows, unpaired", "T5", "secret basis"),
+    Threat("the same, linear key", "as above", "T5", "secret linear key"),
 )
 
 
