@@ -252,18 +252,25 @@ def register(subparsers) -> None:
     s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")
     s.add_argument("--basis", action="store_true",
                    help="instead: rewrite both shards in a secret residual basis (same outputs; new cloud shard)")
-    s.add_argument("--key", default="orthogonal", choices=("orthogonal", "linear"),
-                   help="with --basis: a rotation, or a general invertible key with keyed RMSNorms (hides inner "
-                        "products from an observer without the cloud shard; see docs/privacy.md)")
-    s.add_argument("--condition", type=float, default=8.0, help="with --key linear: the key's condition number")
-    s.add_argument("--metric-block", type=int, default=64,
-                   help="with --key linear: block size of the norms' factor (extra multiply-adds per norm: d x block)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)
 
 
 def _privatize_options(s) -> None:
+    from .basis import KEYS, BasisConfig
     from .privatize import PrivatizeConfig
 
     add_options(s, PrivatizeConfig, PRIVATIZE_OPTIONS)
+    add_options(s, BasisConfig, _basis_options(KEYS))
+
+
+def _basis_options(keys) -> tuple[Opt, ...]:
+    return (
+        Opt("key", choices=keys, help="with --basis: a rotation, or a general invertible key with keyed RMSNorms "
+                                      "(hides inner products from an observer without the cloud shard; "
+                                      "see docs/privacy.md)"),
+        Opt("condition", help="with --key linear: the key's condition number"),
+        Opt("metric_block", help="with --key linear: block size of the norms' factor "
+                                 "(extra multiply-adds per norm: d x block)"),
+    )
