@@ -319,6 +319,11 @@ class ClientLink:
         return len(self._live)
 
     @property
+    def submitted(self) -> bool:
+        """A block is submitted and not sent yet."""
+        return self._block is not None
+
+    @property
     def flying(self) -> int:
         """Steps sent ahead whose replies have not come yet (dropped ones included)."""
         return len(self._flight)
