@@ -311,6 +311,19 @@ def test_a_loss_with_blocks_in_flight_rebuilds_the_session():
     assert (again.keep, again.assume, again.positions) == ((0, 1, 2), (), (7,)) and link.state is Client.FLYING
 
 
+def test_rows_left_unemitted_can_be_forgotten_after_a_loss():
+    link = pipelined()
+    a = ahead(link, 5, 3, [])
+    ahead(link, 8, 1, [(0, 1, 2)])
+    link.on_result(answer(a, 5))
+    link.resolve([0, 1, 2])
+    link.lost()  # decoding ended inside a's path as the link went, with b still in flight
+    assert link.uncommit(2) and (link.committed, link.keep) == (6, (0,))
+    link.next_send()
+    link.on_welcome(Welcome("s2", 0, False, 1 << 24, 1024, 0, PIPELINE_VERSION, 3))
+    assert torch.equal(torch.cat([s.hidden for s in replay(link)]), block(0, 6).hidden)
+
+
 def test_an_old_server_allows_one_block_in_flight():
     link = ClientLink("float32")
     link.submit(block(0, 2))
@@ -339,6 +352,7 @@ SCENARIOS = [
     test_blocks_in_flight_assume_the_live_blocks_and_resolve_oldest_first,
     test_the_last_block_in_flight_lands_then_resolves,
     test_a_loss_with_blocks_in_flight_rebuilds_the_session,
+    test_rows_left_unemitted_can_be_forgotten_after_a_loss,
     test_a_new_session_numbers_steps_and_carries_the_keep_list,
     test_a_lost_connection_resumes_the_session_in_step,
     lambda: test_a_resumed_session_out_of_step_is_ended_and_rebuilt(dict(committed=7, next_seq=3)),

@@ -227,7 +227,7 @@ class SplitSession:
         depths = structure.depths(q) if depths is None else depths
         base = self.length + sum(len(rows) for rows in assume)
         positions = [base + d for d in depths] if depths is not None else list(range(base, base + q))
-        record = StepRecord(kind="decode", rows=q, accepted=0)
+        record = StepRecord(kind="decode", rows=q, accepted=0, assumed=len(assume))
         t0 = time.perf_counter()
         pos = torch.tensor(positions, dtype=torch.long, device=self._device)
         allowed = structure.allowed(q)
@@ -311,11 +311,11 @@ class SplitSession:
         self.link.resolve(rows)
         ahead.record.accepted = len(rows)
 
-    def drop_unresolved(self) -> None:
-        """Forget every unresolved block (their assumption failed, or decoding ended); their steps count as
-        dropped in telemetry."""
+    def drop_unresolved(self, kind: str = "dropped") -> None:
+        """Forget every unresolved block; telemetry counts their steps as `kind`: "dropped" when their
+        assumption failed, "unused" when decoding ended first."""
         for ahead in self._ahead:
-            ahead.record.kind = "dropped"
+            ahead.record.kind = kind
         self.link.drop_live()
         self._forget_ahead()
 
@@ -326,7 +326,7 @@ class SplitSession:
     def settle(self) -> None:
         """Drop what is still in flight and take the replies still due, so that the connection is in step for
         the next block sent one at a time. A loss here is left for the next step to recover."""
-        self.drop_unresolved()
+        self.drop_unresolved("unused")
         while self.link.flying:
             try:
                 self.link.on_result(self.middle.collect()[0])

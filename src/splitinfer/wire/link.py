@@ -68,6 +68,7 @@ TRANSITIONS: dict[tuple[Client | Server, str], Client | Server] = {
     (Client.BLOCK_SENT, "block_result"): Client.PENDING,
     (Client.PENDING, "commit"): Client.READY,
     (Client.READY, "uncommit"): Client.READY,  # rows still in the keep list leave it
+    (Client.IDLE, "uncommit"): Client.IDLE,  # after a loss too: the resume or the rebuild then lacks them
     (Client.READY, "send_ahead"): Client.FLYING,  # a block that may assume earlier unresolved ones
     (Client.FLYING, "send_ahead"): Client.FLYING,
     (Client.FLYING, "ahead_result"): Client.FLYING,  # more steps are still in flight
