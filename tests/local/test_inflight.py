@@ -24,7 +24,8 @@ N = 24
 
 class Scripted(Strategy):
     """Drafts from a known continuation, wrong on purpose now and then; and its guesses of the next root (what
-    a block in flight assumes) are wrong every third time, so blocks in flight are dropped and sent again."""
+    a block in flight assumes) are wrong every third time, so blocks in flight are dropped and sent again, and
+    missing every seventh time, so two blocks resolve with no step sent between them."""
 
     name = "scripted"
 
@@ -45,6 +46,8 @@ class Scripted(Strategy):
 
     def predict(self, history, nodes):
         self.predicted += 1
+        if self.predicted % 7 == 0:
+            return Draft()
         guess = self._next(history, 1) or [history[-1]]
         if self.predicted % 3 == 0:
             guess = [(guess[0] + 1) % 96]  # a root the model does not choose: the block in flight is dropped

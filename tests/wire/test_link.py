@@ -284,6 +284,22 @@ def test_blocks_in_flight_assume_the_live_blocks_and_resolve_oldest_first():
     assert (d.seq, d.keep, d.assume, d.positions) == (4, (0,), (), (9,))
 
 
+def test_blocks_resolved_with_no_step_between_are_committed_by_the_next_step():
+    link = pipelined()
+    a = ahead(link, 5, 2, [])
+    b = ahead(link, 7, 1, [(0, 1)])
+    link.on_result(answer(a, 5))
+    link.resolve([0, 1])
+    link.on_result(answer(b, 5))
+    link.resolve([0])  # nothing could be sent after a: the next step commits both
+    assert link.uncommit(1) is False and link.committed == 8
+    c = send_block(link, 8, 1)  # one block at a time from here
+    assert (c.keep, c.assume, c.resolved) == ((0, 1), (Assumed(b.seq, (0,)),), 1)
+    link.on_result(answer(c, 8))
+    link.commit([0])
+    assert send_block(link, 9, 1).assume == ()
+
+
 def test_the_last_block_in_flight_lands_then_resolves():
     link = pipelined()
     a = ahead(link, 5, 2, [])
@@ -351,6 +367,7 @@ def test_v3_fields_round_trip_and_stay_out_of_older_messages():
 SCENARIOS = [
     test_blocks_in_flight_assume_the_live_blocks_and_resolve_oldest_first,
     test_the_last_block_in_flight_lands_then_resolves,
+    test_blocks_resolved_with_no_step_between_are_committed_by_the_next_step,
     test_a_loss_with_blocks_in_flight_rebuilds_the_session,
     test_rows_left_unemitted_can_be_forgotten_after_a_loss,
     test_a_new_session_numbers_steps_and_carries_the_keep_list,
@@ -410,7 +427,7 @@ PENDING = (PendingBlock(2, (5, 6, 6)),)  # the previous block: a tree of root 5 
 
 def test_a_valid_step_returns_the_committed_rows_after_its_keep_list():
     plan = check_step(step(3, (0, 2), (7, 8)), 3, "float32", 5, PENDING, LIMIT)
-    assert (plan.resolve, plan.pending, plan.committed) == ((0, 2), (), 7)
+    assert (plan.resolves, plan.pending, plan.committed) == (((0, 2),), (), 7)
     matrix = BlockStructure.matrix(torch.eye(2, dtype=torch.bool).numpy())
     assert check_step(step(0, (), (1, 0), matrix), 0, "float32", 0, (), LIMIT).committed == 0
 
@@ -459,11 +476,11 @@ def ahead_step(seq, keep, positions, assume) -> Step:
 
 def test_a_step_may_assume_the_pending_blocks_and_resolve_the_oldest():
     plan = check_step(ahead_step(3, (), (7, 8), (Assumed(2, (0, 1)),)), 3, "float32", 5, (A,), LIMIT, 3)
-    assert (plan.resolve, plan.pending, plan.committed) == (None, (A,), 5)
+    assert (plan.resolves, plan.pending, plan.committed) == ((), (A,), 5)
     plan = check_step(ahead_step(4, (0, 1), (8,), (Assumed(3, (0,)),)), 4, "float32", 5, (A, B), LIMIT, 3)
-    assert (plan.resolve, plan.pending, plan.committed) == ((0, 1), (PendingBlock(3, (7, 8)),), 7)
+    assert (plan.resolves, plan.pending, plan.committed) == (((0, 1),), (PendingBlock(3, (7, 8)),), 7)
     plan = check_step(ahead_step(4, (0, 2), (7,), ()), 4, "float32", 5, (A, B), LIMIT, 3)
-    assert (plan.resolve, plan.pending, plan.committed) == ((0, 2), (), 7)  # B's assumption failed: dropped
+    assert (plan.resolves, plan.pending, plan.committed) == (((0, 2),), (), 7)  # B's assumption failed: dropped
     both = (Assumed(2, (0, 1)), Assumed(3, (0, 1)))
     assert check_step(ahead_step(4, (), (9,), both), 4, "float32", 5, (A, B), LIMIT, 3).pending == (A, B)
 

@@ -212,13 +212,13 @@ class SessionTable:
         )
         held = sum(len(b.positions) for b in plan.pending)
         self._reserve(session, plan.committed + held + len(step.positions), held)
-        if plan.resolve is not None:
-            cache.keep(plan.resolve)
+        for rows in plan.resolves:
+            cache.keep(rows)
         cache.drop_newer(len(plan.pending))
         session.pending = plan.pending
         if not plan.pending:
             return None
-        blocks = [(b.positions, a.rows) for b, a in zip(plan.pending, step.assume)]
+        blocks = [(b.positions, a.rows) for b, a in zip(plan.pending, step.assume[step.resolved :])]
         return Prefix.of(blocks, self._device)
 
     # -- KV budget: reservation, eviction, numbers for metrics -----------------------------------------
@@ -334,7 +334,8 @@ class SessionTable:
             for i, out in zip(ready, outs):
                 session, step, received_at = items[i]
                 session.cache.hold()  # pending until a later step resolves or drops it
-                session.pending = (*session.pending, PendingBlock(step.seq, step.positions, step.assume))
+                assumed = step.assume[step.resolved :]  # the first `resolved` were committed by the step
+                session.pending = (*session.pending, PendingBlock(step.seq, step.positions, assumed))
                 session.next_seq += 1
                 session.last_used = self.clock()
                 outcomes[i] = Result(

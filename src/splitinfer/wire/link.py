@@ -170,6 +170,7 @@ class ClientLink:
         self._flight: list[_Flight] = []  # steps sent ahead and not answered yet, oldest first
         self._live: list[_Flight] = []  # blocks sent ahead, neither resolved nor dropped, oldest first
         self._to_resolve = False  # the cloud's oldest pending block is resolved here; the next step says so
+        self._also: list[Assumed] = []  # blocks resolved here after that one, in order: the next step commits them too
         self._rebuild = False  # blocks in flight were lost: open a fresh session rather than resume
 
     def _move(self, event: str) -> None:
@@ -212,12 +213,14 @@ class ClientLink:
         return self._step(block.positions, block.structure, block.hidden)
 
     def _step(self, positions: tuple[int, ...], structure: BlockStructure, hidden: torch.Tensor) -> Step:
-        self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype)
+        also = tuple(self._also)  # left by blocks in flight: committed by this step too
+        self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype, also, len(also))
         return self._sent
 
     def on_welcome(self, welcome: Welcome) -> None:
         """The server answered the hello: carry on, end a stale session, or rebuild a fresh one."""
-        cloud_committed = self.committed - len(self.keep)  # the keep list's rows are still pending there
+        # the keep list's rows are still pending there, and so are those of blocks resolved after it
+        cloud_committed = self.committed - len(self.keep) - sum(len(a.rows) for a in self._also)
         self.welcome = welcome
         self.max_in_flight = welcome.max_in_flight if welcome.version >= PIPELINE_VERSION else 1
         in_step = welcome.committed == cloud_committed and welcome.next_seq == self.seq and not self._rebuild
@@ -229,6 +232,7 @@ class ClientLink:
             return
         self._move("welcome_fresh")
         self.session_id, self.seq, self.keep, self._to_resolve, self._rebuild = welcome.session_id, welcome.next_seq, (), False, False
+        self._also = []
         self._replay = torch.cat(self._history) if self._history else None
         self._replay_at = 0
 
@@ -253,6 +257,7 @@ class ClientLink:
                 "it is out of step or misbehaving, so its output cannot be trusted."
             )
         self._move("block_result")
+        self._also = []
         self.seq += 1
         self._sent, self._pending, self._block, self._attempts = None, self._block.hidden, None, 0
         return Answered(result)
@@ -302,10 +307,14 @@ class ClientLink:
         the keep list); False otherwise. Shortening the keep list drops them there with no round trip."""
         if rows <= 0:
             return True
-        if rows > len(self.keep) or not self._history:
+        last = self._also[-1].rows if self._also else self.keep
+        if rows > len(last) - bool(self._also) or not self._history:  # a block resolved after `keep` keeps its root
             return False
         self._move("uncommit")
-        self.keep = self.keep[: len(self.keep) - rows]
+        if self._also:
+            self._also[-1] = Assumed(self._also[-1].seq, last[: len(last) - rows])
+        else:
+            self.keep = self.keep[: len(self.keep) - rows]
         self.committed -= rows
         self._history[-1] = self._history[-1][: self._history[-1].shape[0] - rows]
         return True
@@ -341,11 +350,12 @@ class ClientLink:
         self._move("send_ahead")
         block, assume = self._block, self._assume
         keep = self.keep if self._to_resolve else ()  # else the step assumes the oldest pending block
-        assumed = tuple(Assumed(f.seq, rows) for f, rows in zip(self._live, assume))
-        step = Step(self.seq, keep, block.positions, block.structure, block.hidden, self.wire_dtype, assumed)
+        assumed = tuple(self._also) + tuple(Assumed(f.seq, rows) for f, rows in zip(self._live, assume))
+        step = Step(self.seq, keep, block.positions, block.structure, block.hidden, self.wire_dtype, assumed,
+                    len(self._also))
         flight = _Flight(self.seq, block.hidden, self.committed)
         self.seq += 1
-        self.keep, self._to_resolve = (), False
+        self.keep, self._to_resolve, self._also = (), False, []
         self._flight.append(flight)
         self._live.append(flight)
         self._block = self._assume = None
@@ -376,12 +386,15 @@ class ClientLink:
     def resolve(self, rows: list[int]) -> None:
         """Accept `rows` of the oldest live block (answered): the next step tells the cloud (keep)."""
         flight = self._live[0]
-        assert flight.answered and not self._to_resolve, "resolve answered blocks one step at a time"
+        assert flight.answered, "resolve answered blocks only"
         self._move("resolve")
         self._live.pop(0)
         if rows:
             self._history.append(flight.hidden[rows])
-        self.keep, self._to_resolve = tuple(rows), True
+        if self._to_resolve:  # no step went since the last resolution: the next one commits both
+            self._also.append(Assumed(flight.seq, tuple(rows)))
+        else:
+            self.keep, self._to_resolve = tuple(rows), True
         self.committed += len(rows)
 
     def drop_live(self) -> None:
@@ -433,9 +446,9 @@ class PendingBlock:
 class StepPlan:
     """What a valid step does to its session, oldest pending block first."""
 
-    resolve: tuple[int, ...] | None  # rows of the oldest pending block to commit; None: it stays pending
+    resolves: tuple[tuple[int, ...], ...]  # rows to commit of each of the oldest pending blocks, in order
     pending: tuple[PendingBlock, ...]  # the pending blocks the step builds on; every other one is dropped
-    committed: int  # committed rows once `resolve` is applied
+    committed: int  # committed rows once `resolves` are applied
 
 
 def check_step(
@@ -452,30 +465,40 @@ def check_step(
     that may be pending at once, the step's own included (1 before v3).
 
     A step resolves the oldest pending block with its keep list, unless it assumes that block (then its keep
-    list is empty); it builds on the pending blocks it assumes, which must be the next ones in order, each
-    still valid (run under the same assumptions), and drops every later one.
+    list is empty), and then the next `resolved` ones with their rows in `assume`; it builds on the pending
+    blocks it assumes after those, which must be the next ones in order, each still valid (run under the
+    same assumptions), and drops every later one.
     """
     if step.seq != next_seq:
         raise ProtocolError(f"step seq {step.seq} is out of order; the session expects {next_seq}.")
     if step.wire_dtype != wire_dtype:
         raise ProtocolError(f"step tensor is {step.wire_dtype}, but the session uses {wire_dtype}.")
-    if len(step.assume) >= max_in_flight:
+    if len(step.assume) - step.resolved >= max_in_flight:
         raise ProtocolError(
             f"this session allows {max_in_flight} block(s) in flight, so a step may assume at most "
             f"{max_in_flight - 1} earlier one(s); send fewer ahead (a v3 hello asks for blocks in flight)."
         )
     rest: list[PendingBlock | None] = list(pending)
-    resolve = None
-    if step.assume and rest and step.assume[0].seq == rest[0].seq:
+    resolves: list[tuple[int, ...]] = []
+    if step.assume and rest and step.assume[0].seq == rest[0].seq and not step.resolved:
         if step.keep:
             raise ProtocolError(f"a step that assumes block {rest[0].seq} cannot also keep rows of it.")
     else:
-        resolve = step.keep
         oldest = rest.pop(0) if rest else None
-        _check_path(resolve, oldest.positions if oldest else (), committed, "keep")
-        committed += len(resolve)
-        rest = [_after_resolution(block, oldest.seq, resolve) for block in rest] if oldest else rest
-    return StepPlan(resolve, _check_assumptions(step, rest, committed, max_position), committed)
+        _check_path(step.keep, oldest.positions if oldest else (), committed, "keep")
+        committed += len(step.keep)
+        resolves.append(step.keep)
+        rest = [_after_resolution(block, oldest.seq, step.keep) for block in rest] if oldest else rest
+    for settled in step.assume[: step.resolved]:
+        block = rest.pop(0) if rest else None
+        if block is None or block.seq != settled.seq or block.assume:
+            raise ProtocolError(f"the step resolves block {settled.seq}, which is not the next valid block in flight.")
+        _check_path(settled.rows, block.positions, committed, "assume")
+        committed += len(settled.rows)
+        resolves.append(settled.rows)
+        rest = [_after_resolution(later, block.seq, settled.rows) for later in rest]
+    kept = _check_assumptions(step, step.assume[step.resolved :], rest, committed, max_position)
+    return StepPlan(tuple(resolves), kept, committed)
 
 
 def _after_resolution(block: PendingBlock | None, seq: int, kept: tuple[int, ...]) -> PendingBlock | None:
@@ -485,17 +508,17 @@ def _after_resolution(block: PendingBlock | None, seq: int, kept: tuple[int, ...
     return PendingBlock(block.seq, block.positions, block.assume[1:])
 
 
-def _check_assumptions(step: Step, rest: list[PendingBlock | None], committed: int, max_position: int):
+def _check_assumptions(step: Step, assume, rest: list[PendingBlock | None], committed: int, max_position: int):
     live = [b.seq for b in rest if b is not None]
-    named = [a.seq for a in step.assume]
+    named = [a.seq for a in assume]
     if named != [b.seq if b is not None else None for b in rest[: len(named)]]:
         raise ProtocolError(
             f"the step assumes blocks {named}, but the valid blocks in flight on this session are {live}; "
             "assume them oldest first, and never a block whose own assumption failed."
         )
     base = committed
-    for i, (assumed, block) in enumerate(zip(step.assume, rest)):
-        if block.assume != step.assume[:i]:
+    for i, (assumed, block) in enumerate(zip(assume, rest)):
+        if block.assume != assume[:i]:
             raise ProtocolError(
                 f"block {block.seq} ran assuming other rows of the blocks before it than this step assumes; "
                 "its assumption fails under this step's, so do not build on it."
@@ -511,7 +534,7 @@ def _check_assumptions(step: Step, rest: list[PendingBlock | None], committed: i
         raise ProtocolError(f"matrix block positions must lie in [{base}, {base + q}).")
     if max(step.positions) >= max_position:
         raise ProtocolError(f"position {max(step.positions)} exceeds the model's context of {max_position} tokens.")
-    return tuple(rest[: len(step.assume)])
+    return tuple(rest[: len(assume)])
 
 
 def _check_path(rows: tuple[int, ...], positions: tuple[int, ...], committed: int, name: str) -> None:

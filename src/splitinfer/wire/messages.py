@@ -135,6 +135,7 @@ class Step:
     hidden: torch.Tensor  # [q, d]
     wire_dtype: str = "float16"
     assume: tuple[Assumed, ...] = ()  # v3: earlier blocks in flight, oldest first, this block assumes accepted
+    resolved: int = 0  # v3: the first `resolved` of `assume` are already resolved: commit them after `keep`
 
     def encode(self) -> bytes:
         spec, raw = encode_tensor(self.hidden, self.wire_dtype)
@@ -148,6 +149,8 @@ class Step:
         }
         if self.assume:  # absent otherwise, so a step without assumptions is the v1 step byte for byte
             header["assume"] = [{"seq": a.seq, "keep": keep_runs(a.rows)} for a in self.assume]
+        if self.resolved:
+            header["resolved"] = self.resolved
         return encode_frame(header, raw)
 
 
@@ -340,7 +343,8 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         keep = _decode_keep(header.get("keep"), limits.max_block_rows)
         structure = _decode_structure(header.get("structure"), q)
         assume = _decode_assume(header.get("assume"), seq, limits.max_block_rows)
-        return Step(seq, tuple(keep), tuple(positions), structure, hidden, header["tensor"]["dtype"], assume)
+        resolved = check_int(header.get("resolved", 0), "resolved", 0, len(assume))
+        return Step(seq, tuple(keep), tuple(positions), structure, hidden, header["tensor"]["dtype"], assume, resolved)
     if kind == "close":
         return Close()
     if kind == "probe":
