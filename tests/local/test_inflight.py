@@ -3,10 +3,13 @@ tiny Llama, Mistral and Qwen2, with forced mispredictions, a dropped link, an ol
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from splitinfer.cloud import sessions as sessions_module
-from splitinfer.cloud.server import ServerThread
+from splitinfer.cloud.server import ServerConfig, ServerThread
+from splitinfer.cloud.sessions import SessionConfig
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser
@@ -110,6 +113,23 @@ def test_a_dropped_link_with_blocks_in_flight_recovers_with_identical_output(ser
     tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 2, drop)
     assert tokens == expected
     assert sum(r.recoveries for r in session.records) == 2
+
+
+def test_ttl_expiry_with_blocks_in_flight_recovers_with_identical_output(served):
+    shards, _, expected = served
+    local = load_local(shards / "local")
+    config = ServerConfig(port=0, sessions=SessionConfig(ttl_s=0.2), sweep_interval_s=0.05)
+    with ServerThread(load_cloud(shards / "cloud"), config) as server:
+
+        def idle(i, session):
+            if i == 6:
+                assert session.link.flying
+                time.sleep(0.6)  # longer than the TTL: the server drops the session, blocks in flight and all
+                assert len(server.server.table) == 0
+
+        tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 2, idle)
+    assert tokens == expected
+    assert sum(r.recoveries for r in session.records) == 1
 
 
 def test_an_old_server_gets_one_block_at_a_time(served, monkeypatch):

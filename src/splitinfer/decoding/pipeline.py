@@ -96,7 +96,9 @@ def _next_block(strategy: Strategy, history: list[int], flying: list[_Flying]) -
     return _Flying(draft.to_block(base[-1]), draft, base)
 
 
-def _fill(verifier: InFlightVerifier, strategy: Strategy, history: list[int], flying: list[_Flying], depth: int) -> None:
+def _fill(
+    verifier: InFlightVerifier, strategy: Strategy, history: list[int], flying: list[_Flying], depth: int
+) -> None:
     while len(flying) < depth:
         nxt = _next_block(strategy, history, flying)
         if nxt is None:

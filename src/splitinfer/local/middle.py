@@ -144,8 +144,8 @@ class RemoteMiddle:
         payload = step.encode()
         t1 = time.perf_counter()
         if self.welcome is not None and len(payload) > self.welcome.max_message_bytes:
-            raise ProtocolError(f"a {len(payload)}-byte step exceeds the server's {self.welcome.max_message_bytes}-byte "
-                                "limit; send smaller blocks.")
+            limit = self.welcome.max_message_bytes
+            raise ProtocolError(f"a {len(payload)}-byte step exceeds the server's {limit}-byte limit; send smaller blocks.")
         if self._ws is None:
             raise TransportError("not connected")
         try:

@@ -381,7 +381,7 @@ class SplitSession:
         try:
             return self.middle.open(resume_id=resume_id, version=self.link.version)
         except VersionMismatch:
-            log.info("the server predates blocks in flight (protocol v%d); sending one block at a time", PIPELINE_VERSION)
+            log.info("the server predates blocks in flight (protocol v%d); one block at a time", PIPELINE_VERSION)
             self.link.version, self._pipelining = None, False
             return self.middle.open(resume_id=resume_id)
 

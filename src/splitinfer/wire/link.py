@@ -13,7 +13,8 @@ touches a socket, runs no model and never sleeps, so every rule here is testable
 Server (`ServerLink`, `check_resume`, `check_step`): the rules a server applies to what a peer sends:
 hello before any step, a resume that keeps the session's dtype and head depth, steps in seq order, keep
 lists that name a contiguous path continuing the committed sequence, positions that follow from the
-block's structure, and (v3) assumptions that name the blocks in flight in order, each of them still valid. cloud/server.py and cloud/sessions.py call them; they hold the state (sessions,
+block's structure, and (v3) assumptions that name the blocks in flight in order, each of them still valid.
+cloud/server.py and cloud/sessions.py call them; they hold the state (sessions,
 caches), this module holds the rules.
 
 Both ends' transitions are in the one table `TRANSITIONS`; an event it does not list for the current
@@ -51,7 +52,8 @@ class Server(Enum):
     CLOSED = "closed"
 
 
-_AWAITING = (Client.OPENING, Client.REPLAY_SENT, Client.BLOCK_SENT, Client.FLYING)  # a reply is due: only here can a loss show
+# a reply is due: only here can a loss show
+_AWAITING = (Client.OPENING, Client.REPLAY_SENT, Client.BLOCK_SENT, Client.FLYING)
 
 # (state, event) -> next state, for both ends. Client events are the link's own decisions ("send_*") and
 # what came back; server events are the kinds of message a peer sent.
@@ -231,8 +233,8 @@ class ClientLink:
             self._move("welcome_stale")
             return
         self._move("welcome_fresh")
-        self.session_id, self.seq, self.keep, self._to_resolve, self._rebuild = welcome.session_id, welcome.next_seq, (), False, False
-        self._also = []
+        self.session_id, self.seq, self.keep = welcome.session_id, welcome.next_seq, ()
+        self._to_resolve, self._rebuild, self._also = False, False, []
         self._replay = torch.cat(self._history) if self._history else None
         self._replay_at = 0
 
