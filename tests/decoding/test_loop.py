@@ -119,17 +119,3 @@ def test_decoding_imports_nothing_from_the_client_or_the_cloud():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
-
-
-def test_a_draft_holds_its_top_path_back_below_its_deepest_likely_node():
-    from splitinfer.decoding.draft import Draft
-    from splitinfer.decoding.pipeline import split_draft
-
-    # root -> 10 (0.9) -> 11 (0.6) -> 12 (0.3); root -> 20 (0.05); 11 -> 13 (0.2)
-    draft = Draft(tokens=[10, 20, 11, 12, 13], parents=[0, 0, 1, 3, 3], scores=[0.9, 0.05, 0.6, 0.3, 0.2])
-    trimmed, kept, root = split_draft(draft, 0.5)
-    assert root == 11 and kept == [0, 1]  # the next block assumes 10 is kept and 11 comes next
-    assert (trimmed.tokens, trimmed.parents, trimmed.scores) == ([10, 20], [0, 0], [0.9, 0.05])
-    assert split_draft(Draft(tokens=[10], parents=[0], scores=[0.4]), 0.5) is None
-    trimmed, kept, root = split_draft(Draft(tokens=[10], parents=[0], scores=[0.7]), 0.5)
-    assert (trimmed.tokens, kept, root) == ([], [0], 10)

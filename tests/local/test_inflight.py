@@ -45,8 +45,7 @@ class Scripted(Strategy):
         tokens = self._next(history, 1 + self.proposed % 3)
         if tokens and self.proposed % 4 == 0:
             tokens[-1] = (tokens[-1] + 1) % 96  # a draft the model rejects at its last node
-        score = 0.9 if self.proposed % 2 else 0.3  # likely drafts are split between blocks in flight, others not
-        return Draft(tokens=tokens, parents=list(range(len(tokens))), scores=[score] * len(tokens))
+        return Draft(tokens=tokens, parents=list(range(len(tokens))), scores=[0.9] * len(tokens))
 
     def predict(self, history, nodes):
         self.predicted += 1

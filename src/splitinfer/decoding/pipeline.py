@@ -2,10 +2,8 @@
 
     send a block below the root
     while fewer than D blocks are out and the strategy can guess what follows the newest one:
-        assume the newest block keeps its draft's top path down to a node, and that node is the next root:
-        the deepest node at least SPLIT_P likely, held back from the block that sent it (the chain goes on
-        in the next block), or else the whole top path and the strategy's best guess after it;
-        send the next block below that root, assuming those kept rows
+        assume its draft's top path is accepted whole and the strategy's best guess after it is the next
+        root; send the next block below that root, assuming those kept rows
     receive the oldest block, accept, resolve (commit its path)
     if the next block in flight assumed another path or another root: drop it and every later one
 
@@ -30,12 +28,6 @@ import torch
 from ..masks import BlockStructure
 from .draft import Block, Draft, accept, children_of
 from .strategies import Strategy
-
-# A block that another will follow in flight leaves out its top path below the deepest node at least this
-# likely (its calibrated path score): that node becomes the next block's root, so the next block's
-# assumption holds with about that probability. Below it, the top path's whole acceptance and a guess after
-# it (strategy.predict) would have to hold together, which is far less likely.
-SPLIT_P = 0.5
 
 
 class InFlightVerifier(Protocol):
@@ -71,7 +63,6 @@ class _Flying:
     draft: Draft
     history: list[int]  # what the block was proposed from: its last token is the block's root
     kept: list[int] | None = None  # the rows the next block in flight assumes it keeps
-    next_root: int | None = None  # the next block's root, held back from this block's draft
 
     @property
     def root(self) -> int:
@@ -87,45 +78,11 @@ def top_path(block: Block, draft: Draft) -> list[int]:
     return path
 
 
-def split_draft(draft: Draft, min_p: float) -> tuple[Draft, list[int], int] | None:
-    """Hold the top path back from a draft below its deepest node at least `min_p` likely: (the draft without
-    that node's subtree, the block rows the next block assumes kept, that node's token: the next root). None
-    when not even the top path's first node is that likely, or when the draft has side rows."""
-    if draft.side is not None and draft.side.tokens:
-        return None
-    tokens, parents = draft.block(-1)  # row 0 stands for the root
-    children = children_of(tokens, parents)
-    path = [0]
-    while children.get(path[-1]):
-        path.append(max(children[path[-1]].values(), key=lambda row: draft.scores[row - 1]))
-    likely = [i for i in range(1, len(path)) if draft.scores[path[i] - 1] >= min_p]
-    if not likely:
-        return None
-    cut = path[likely[-1]]
-    removed: set[int] = set()
-    rows = {0: 0}
-    out = Draft()
-    for row in range(1, len(tokens)):
-        if row == cut or parents[row] in removed:
-            removed.add(row)
-            continue
-        rows[row] = len(out.tokens) + 1
-        out.tokens.append(tokens[row])
-        out.parents.append(rows[parents[row]])
-        out.scores.append(draft.scores[row - 1])
-        out.sources.append(draft.sources[row - 1] if draft.sources else "")
-        out.keys.append(draft.keys[row - 1] if draft.keys else None)
-    return out, [rows[r] for r in path[: likely[-1]]], tokens[cut]
-
-
-def _next_block(strategy: Strategy, history: list[int], flying: list[_Flying], more: bool) -> _Flying | None:
-    """The next block to send: below the root when nothing is in flight, else below the root assumed to follow
-    the newest block; None when the strategy has no guess. `more`: another block may follow this one."""
+def _next_block(strategy: Strategy, history: list[int], flying: list[_Flying]) -> _Flying | None:
+    """The next block to send: below the root when nothing is in flight, else below the guessed root after the
+    newest block's top path; None when the strategy has no guess."""
     if not flying:
         base = list(history)
-    elif flying[-1].next_root is not None:
-        newest = flying[-1]
-        base = newest.history + [newest.block.tokens[r] for r in newest.kept[1:]] + [newest.next_root]
     else:
         newest = flying[-1]
         kept = top_path(newest.block, newest.draft)
@@ -136,19 +93,14 @@ def _next_block(strategy: Strategy, history: list[int], flying: list[_Flying], m
         newest.kept = kept
         base = assumed + [guess.tokens[0]]
     draft = strategy.propose(base)
-    split = split_draft(draft, SPLIT_P) if more else None
-    if split is None:
-        return _Flying(draft.to_block(base[-1]), draft, base)
-    draft, kept, next_root = split
-    return _Flying(draft.to_block(base[-1]), draft, base, kept, next_root)
+    return _Flying(draft.to_block(base[-1]), draft, base)
 
 
 def _fill(
     verifier: InFlightVerifier, strategy: Strategy, history: list[int], flying: list[_Flying], depth: int
 ) -> None:
     while len(flying) < depth:
-        # Every block holds its likely tail back: its follower goes once there is room, if not at once.
-        nxt = _next_block(strategy, history, flying, depth > 1)
+        nxt = _next_block(strategy, history, flying)
         if nxt is None:
             return
         block = nxt.block
