@@ -87,6 +87,22 @@ def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
     assert len(server.server.table) == 0 or all(s.busy == 0 for s in server.server.table._sessions.values())
 
 
+class Unlikely(Scripted):
+    """Guesses right, but with scores too low to be worth a block ahead."""
+
+    def predict(self, history, nodes):
+        guess = self._next(history, 1) or [history[-1]]
+        return Draft(tokens=guess, parents=[0], scores=[0.1])
+
+
+def test_unlikely_guesses_are_not_sent_ahead(served):
+    shards, server, expected = served
+    local = load_local(shards / "local")
+    tokens, session = run(local, remote(local, server.url), Unlikely(PROMPT + expected), 2)
+    assert tokens == expected and session.in_flight == 2
+    assert all(r.assumed == 0 and r.kind == "decode" for r in session.records if r.kind != "prefill")
+
+
 def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choose=None):
     session = SplitSession(local, middle, config(depth))
     tokens: list[int] = []
