@@ -1,9 +1,14 @@
-"""The KV cache object both sides use: committed rows, one pending block, keep-these-rows, truncate.
+"""The KV cache object both sides use: committed rows, pending blocks, keep-these-rows, truncate.
 
 A forward pass over a block of q rows writes the block's keys and values after the `length` committed
 rows and leaves them *pending*. Once the client knows which block rows were accepted, `keep(rows)` moves
 those rows into place and drops the rest (lazy commit, DESIGN.md decision 5). Committed rows always hold
 positions 0..length-1, because an accepted path is contiguous.
+
+With blocks in flight, a block can run before the one before it is resolved: `hold()` keeps the pending
+block pending and lets the next block be written after it. Held blocks are resolved oldest first (`keep`
+then moves the kept rows into place and shifts every later pending row down after them), and
+`drop_newer(n)` forgets every pending block but the n oldest held ones (their assumption failed).
 
 The object duck-types the single method HF attention layers call on a cache (`update`); it knows nothing
 about masks, positions or the network.
@@ -23,6 +28,8 @@ class KVCache:
         self.num_layers = num_layers
         self.length = 0  # committed rows
         self.pending = 0  # rows of the last block, not yet kept or dropped
+        self.held: list[int] = []  # rows of earlier pending blocks, oldest first, stored before the last block
+        self._held_rows = 0  # sum(held)
         self._capacity = initial_capacity
         self._keys: list[torch.Tensor | None] = [None] * num_layers
         self._values: list[torch.Tensor | None] = [None] * num_layers
@@ -32,12 +39,13 @@ class KVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key, value: [1, kv_heads, q, head_dim]
         q = key.shape[2]
-        end = self.length + q
+        start = self.length + self._held_rows
+        end = start + q
         keys, values = self._keys[layer_idx], self._values[layer_idx]
         if keys is None or keys.shape[2] < end:
             keys, values = self._grow(layer_idx, key, value, end)
-        keys[:, :, self.length : end] = key
-        values[:, :, self.length : end] = value
+        keys[:, :, start:end] = key
+        values[:, :, start:end] = value
         self.pending = q
         return keys[:, :, :end], values[:, :, :end]
 
@@ -65,26 +73,56 @@ class KVCache:
         values = value.new_empty(shape)
         old_k, old_v = self._keys[layer_idx], self._values[layer_idx]
         if old_k is not None:
-            keys[:, :, : self.length] = old_k[:, :, : self.length]
-            values[:, :, : self.length] = old_v[:, :, : self.length]
+            kept = self.length + self._held_rows
+            keys[:, :, :kept] = old_k[:, :, :kept]
+            values[:, :, :kept] = old_v[:, :, :kept]
         self._keys[layer_idx], self._values[layer_idx] = keys, values
         return keys, values
 
+    @property
+    def held_rows(self) -> int:
+        """Rows of the held blocks (pending, waiting for their resolution behind the last block)."""
+        return self._held_rows
+
+    def hold(self) -> None:
+        """Keep the last block pending; the next block is written after it (a block in flight)."""
+        if self.pending:
+            self.held.append(self.pending)
+            self._held_rows += self.pending
+            self.pending = 0
+
     @torch.inference_mode()  # the buffers are inference tensors (created under inference mode)
     def keep(self, rows: Sequence[int]) -> None:
-        """Commit the given rows of the pending block (ascending block indices); drop the others."""
+        """Commit the given rows (ascending block indices) of the oldest pending block, drop its others; the
+        oldest pending block is the oldest held one if any, else the last block."""
         rows = list(rows)
-        assert all(0 <= r < self.pending for r in rows), (rows, self.pending)
+        size = self.held[0] if self.held else self.pending
+        assert all(0 <= r < size for r in rows), (rows, size)
         assert rows == sorted(set(rows)), rows
         n = len(rows)
-        if n and rows != list(range(n)):
+        later = self._held_rows - size + self.pending if self.held else 0  # pending rows stored after this block
+        if (n and rows != list(range(n))) or (later and n != size):
             index = torch.tensor(rows, dtype=torch.long) + self.length
             for buffers in (self._keys, self._values):
-                for i, buf in enumerate(buffers):
-                    if buf is not None:
-                        moved = buf.index_select(2, index.to(buf.device))
-                        buf[:, :, self.length : self.length + n] = moved
+                for buf in buffers:
+                    if buf is None:
+                        continue
+                    if n and rows != list(range(n)):
+                        buf[:, :, self.length : self.length + n] = buf.index_select(2, index.to(buf.device))
+                    if later and n != size:
+                        start = self.length + size
+                        buf[:, :, self.length + n : self.length + n + later] = buf[:, :, start : start + later].clone()
         self.length += n
+        if self.held:
+            self._held_rows -= self.held.pop(0)
+        else:
+            self.pending = 0
+
+    def drop_newer(self, blocks: int) -> None:
+        """Keep the `blocks` oldest held blocks pending; forget every later pending block."""
+        assert 0 <= blocks <= len(self.held), (blocks, self.held)
+        self.held = self.held[:blocks]
+        self._held_rows = sum(self.held)
         self.pending = 0
 
     def commit_all(self) -> None:
@@ -95,12 +133,14 @@ class KVCache:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
         self.pending = 0
+        self.held, self._held_rows = [], 0
 
     def release(self) -> None:
         """Free the buffers (the session is gone); the cache is empty afterwards and may be reused."""
         self._keys = [None] * self.num_layers
         self._values = [None] * self.num_layers
         self.length = self.pending = 0
+        self.held, self._held_rows = [], 0
 
     def nbytes(self) -> int:
         """Bytes held by the buffers (allocated capacity, not only used rows)."""

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class StepRecord:
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill" or "decode"; with blocks in flight "dropped" (its assumption failed) or "unused"
     rows: int  # block rows sent
     accepted: int  # tokens this step committed to the output (0 for prefill chunks)
     local_ms: float = 0.0
@@ -25,6 +25,7 @@ class StepRecord:
     bytes_up: int = 0
     bytes_down: int = 0
     recoveries: int = 0  # reconnects / re-prefills this step needed
+    assumed: int = 0  # earlier blocks in flight this block was sent assuming accepted (0: sent after them)
 
     @property
     def network_ms(self) -> float:

@@ -96,3 +96,23 @@ def test_results_table_goes_between_the_readme_markers_and_nowhere_else(tmp_path
     readme.write_text("no markers")
     with pytest.raises(ConfigError, match="markers"):
         replace_results(readme, report, tmp_path / "speculative.md")
+
+
+def test_blocks_in_flight_are_reported_against_their_bound():
+    # D = 1: 4 steps of 100 ms (L), the cloud the busiest stage at 70 ms (t); D = 2: same tokens in 250 ms,
+    # 3 blocks sent ahead used and 1 dropped (p = 0.75).
+    one = _timed(_run("tree", "a", "code", [2, 2, 2, 2], 0.4, generated=9), 20.0, 70.0, 10.0)
+    two = _timed(_run("tree@D2", "a", "code", [2, 2, 2, 2], 0.25, generated=9), 20.0, 70.0, 10.0)
+    two["in_flight"], two["ahead"] = 2, {"sent_ahead_used": 3, "dropped": 1}
+    seq = _timed(_run("sequential", "a", "code", [1] * 8, 0.8), 20.0, 50.0, 0.0)
+    summary = summarize([seq, one, two], {"a": {"category": "code", "accepted_per_step": 1.0}})
+    rows = {r["in_flight"]: r for r in summary["in_flight"]}
+    assert set(rows) == {1, 2} and all(r["strategy"] == "tree" for r in rows.values())
+    assert (rows[2]["L_ms"], rows[2]["t_ms"], rows[2]["p"], rows[2]["a"]) == (100.0, 70.0, 0.75, 2.0)
+    # 1000 * 2 / (0.25 * 100 + 0.75 * max(70, 100 / 2))
+    assert rows[2]["bound_tokens_per_s"] == pytest.approx(2000 / 77.5, abs=1e-3)
+    assert rows[1]["bound_tokens_per_s"] == pytest.approx(20.0, abs=1e-3) and rows[1]["p"] == 0.0
+    assert rows[2]["vs_one_in_flight"] == pytest.approx(0.4 / 0.25, abs=1e-3)
+    report = {"model": "m", "command": "c", "setup": "s", "prompts": ["a"], "max_new_tokens": 9, "repeats": 1,
+              "torch": "t", "summary": summary, "divergences": []}
+    assert "| tree | 80 | 2 | 2.0 | 0.75 | 100.0 | 70.0 | 25.806 |" in markdown(report)

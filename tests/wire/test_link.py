@@ -9,9 +9,13 @@ from splitinfer.errors import ProtocolError
 from splitinfer.masks import BlockStructure
 from splitinfer.wire import link as link_module
 from splitinfer.wire.link import (
-    TRANSITIONS, Answered, Block, Client, ClientLink, Open, Replayed, Server, ServerLink, check_resume, check_step,
+    TRANSITIONS, Answered, Block, Client, ClientLink, Open, PendingBlock, Replayed, Server, ServerLink, check_resume,
+    check_step,
 )
-from splitinfer.wire.messages import Close, Hello, Probe, Result, Step, Welcome
+from splitinfer.wire.messages import (
+    PIPELINE_VERSION, Assumed, Close, Hello, Limits, Probe, Result, Step, Welcome, decode_client_message,
+    decode_server_message,
+)
 
 D = 4
 LIMIT = 1 << 20
@@ -238,7 +242,134 @@ def test_max_rows_follows_the_welcome():
     assert link.max_rows(512, 256) == 10 and link.max_rows(5, 256) == 5 and link.max_rows(0, 256) == 1
 
 
+# -- blocks in flight (v3) ---------------------------------------------------------------------------------
+
+
+def pipelined(max_in_flight: int = 3) -> ClientLink:
+    """A v3 link after a 5-row prefill, the prefill's rows resolved but not yet told to the cloud."""
+    link = ClientLink("float32", max_retries=3, replay_rows=4)
+    link.submit(block(0, 5))
+    assert link.next_send() == Open(None)
+    link.on_welcome(Welcome("s1", 0, False, 1 << 24, 1024, 0, PIPELINE_VERSION, max_in_flight))
+    prefill = link.next_send()
+    link.on_result(answer(prefill, 0))
+    link.commit(list(range(5)))
+    return link
+
+
+def ahead(link: ClientLink, start: int, q: int, assume: list[tuple[int, ...]]) -> Step:
+    link.submit_ahead(block(start, q), assume)
+    message = link.next_send()
+    assert isinstance(message, Step) and link.state is Client.FLYING
+    return message
+
+
+def test_blocks_in_flight_assume_the_live_blocks_and_resolve_oldest_first():
+    link = pipelined()
+    assert link.max_in_flight == 3
+    a = ahead(link, 5, 3, [])  # nothing live: it resolves the prefill
+    assert (a.seq, a.keep, a.assume, a.positions) == (1, (0, 1, 2, 3, 4), (), (5, 6, 7))
+    b = ahead(link, 8, 2, [(0, 1, 2)])  # assumes a keeps its whole chain
+    assert (b.seq, b.keep, b.assume, b.positions) == (2, (), (Assumed(1, (0, 1, 2)),), (8, 9))
+    assert isinstance(link.on_result(answer(a, 5)), Answered) and link.state is Client.FLYING
+    link.resolve([0, 1, 2])
+    assert (link.committed, link.live, link.flying) == (8, 1, 1)
+    c = ahead(link, 10, 1, [(0, 1)])
+    assert (c.seq, c.keep, c.assume) == (3, (0, 1, 2), (Assumed(2, (0, 1)),))
+    assert isinstance(link.on_result(answer(b, 5)), Answered)  # sent before a was resolved
+    link.resolve([0])  # b kept less than c assumed: c is invalid
+    link.drop_live()
+    assert link.on_result(answer(c, 8)) is None and link.state is Client.READY  # its reply is discarded
+    d = send_block(link, 9, 1)  # one block at a time again: it resolves b and drops c on the cloud
+    assert (d.seq, d.keep, d.assume, d.positions) == (4, (0,), (), (9,))
+
+
+def test_blocks_resolved_with_no_step_between_are_committed_by_the_next_step():
+    link = pipelined()
+    a = ahead(link, 5, 2, [])
+    b = ahead(link, 7, 1, [(0, 1)])
+    link.on_result(answer(a, 5))
+    link.resolve([0, 1])
+    link.on_result(answer(b, 5))
+    link.resolve([0])  # nothing could be sent after a: the next step commits both
+    assert link.uncommit(1) is False and link.committed == 8
+    c = send_block(link, 8, 1)  # one block at a time from here
+    assert (c.keep, c.assume, c.resolved) == ((0, 1), (Assumed(b.seq, (0,)),), 1)
+    link.on_result(answer(c, 8))
+    link.commit([0])
+    assert send_block(link, 9, 1).assume == ()
+
+
+def test_the_last_block_in_flight_lands_then_resolves():
+    link = pipelined()
+    a = ahead(link, 5, 2, [])
+    assert isinstance(link.on_result(answer(a, 5)), Answered) and link.state is Client.READY
+    link.resolve([0, 1])
+    assert (link.committed, link.keep) == (7, (0, 1)) and link.uncommit(1) and link.keep == (0,)
+
+
+def test_a_loss_with_blocks_in_flight_rebuilds_the_session():
+    link = pipelined()
+    a = ahead(link, 5, 3, [])
+    ahead(link, 8, 1, [(0, 1, 2)])
+    link.on_result(answer(a, 5))
+    link.resolve([0, 1])
+    assert link.lost() == 0 and (link.live, link.flying) == (0, 0)
+    assert link.next_send() == Open("s1")
+    link.on_welcome(Welcome("s1", 5, True, 1 << 24, 1024, 2, PIPELINE_VERSION, 3))  # in step, yet rebuilt
+    assert link.state is Client.STALE and link.next_send() == Close()
+    link.submit_ahead(block(7, 1), [])
+    assert link.next_send() == Open(None)
+    link.on_welcome(Welcome("s2", 0, False, 1 << 24, 1024, 0, PIPELINE_VERSION, 3))
+    sent = replay(link)
+    assert torch.equal(torch.cat([s.hidden for s in sent]), block(0, 7).hidden)
+    again = link.next_send()
+    assert (again.keep, again.assume, again.positions) == ((0, 1, 2), (), (7,)) and link.state is Client.FLYING
+
+
+def test_rows_left_unemitted_can_be_forgotten_after_a_loss():
+    link = pipelined()
+    a = ahead(link, 5, 3, [])
+    ahead(link, 8, 1, [(0, 1, 2)])
+    link.on_result(answer(a, 5))
+    link.resolve([0, 1, 2])
+    link.lost()  # decoding ended inside a's path as the link went, with b still in flight
+    assert link.uncommit(2) and (link.committed, link.keep) == (6, (0,))
+    link.next_send()
+    link.on_welcome(Welcome("s2", 0, False, 1 << 24, 1024, 0, PIPELINE_VERSION, 3))
+    assert torch.equal(torch.cat([s.hidden for s in replay(link)]), block(0, 6).hidden)
+
+
+def test_an_old_server_allows_one_block_in_flight():
+    link = ClientLink("float32")
+    link.submit(block(0, 2))
+    link.next_send()
+    link.on_welcome(Welcome("s1", 0, False, 1 << 24, 1024, 0, 2, 3))  # a v2 welcome: no blocks in flight
+    assert link.max_in_flight == 1
+
+
+def test_v3_fields_round_trip_and_stay_out_of_older_messages():
+    limits = Limits(hidden_size=D)
+    assumed = (Assumed(3, (0, 1)), Assumed(4, (0,)))
+    message = Step(5, (), (9,), BlockStructure.chain(), torch.zeros(1, D), "float32", assumed)
+    assert decode_client_message(message.encode(), limits).assume == assumed
+    plain = Step(5, (0,), (9,), BlockStructure.chain(), torch.zeros(1, D), "float32")
+    assert b"assume" not in plain.encode() and decode_client_message(plain.encode(), limits).assume == ()
+    v3 = Welcome("s", 0, False, 1 << 20, 64, 0, PIPELINE_VERSION, 3)
+    assert decode_server_message(v3.encode(), limits).max_in_flight == 3
+    assert b"max_in_flight" not in Welcome("s", 0, False, 1 << 20, 64).encode()
+    for bad, match in [(Assumed(5, (0,)), "earlier steps"), (Assumed(3, ()), "at least its root")]:
+        wrong = Step(5, (), (9,), BlockStructure.chain(), torch.zeros(1, D), "float32", (bad,))
+        with pytest.raises(ProtocolError, match=match):
+            decode_client_message(wrong.encode(), limits)
+
+
 SCENARIOS = [
+    test_blocks_in_flight_assume_the_live_blocks_and_resolve_oldest_first,
+    test_the_last_block_in_flight_lands_then_resolves,
+    test_blocks_resolved_with_no_step_between_are_committed_by_the_next_step,
+    test_a_loss_with_blocks_in_flight_rebuilds_the_session,
+    test_rows_left_unemitted_can_be_forgotten_after_a_loss,
     test_a_new_session_numbers_steps_and_carries_the_keep_list,
     test_a_lost_connection_resumes_the_session_in_step,
     lambda: test_a_resumed_session_out_of_step_is_ended_and_rebuilt(dict(committed=7, next_seq=3)),
@@ -291,11 +422,14 @@ def test_the_server_wants_hello_before_any_step():
             link.check(message)
 
 
+PENDING = (PendingBlock(2, (5, 6, 6)),)  # the previous block: a tree of root 5 with two children at 6
+
+
 def test_a_valid_step_returns_the_committed_rows_after_its_keep_list():
-    pending = (5, 6, 6)  # the previous block: a tree of root 5 with two children at 6
-    assert check_step(step(3, (0, 2), (7, 8)), 3, "float32", 5, 3, pending, LIMIT) == 7
+    plan = check_step(step(3, (0, 2), (7, 8)), 3, "float32", 5, PENDING, LIMIT)
+    assert (plan.resolves, plan.pending, plan.committed) == (((0, 2),), (), 7)
     matrix = BlockStructure.matrix(torch.eye(2, dtype=torch.bool).numpy())
-    assert check_step(step(0, (), (1, 0), matrix), 0, "float32", 0, 0, (), LIMIT) == 0
+    assert check_step(step(0, (), (1, 0), matrix), 0, "float32", 0, (), LIMIT).committed == 0
 
 
 @pytest.mark.parametrize(
@@ -313,13 +447,13 @@ def test_a_valid_step_returns_the_committed_rows_after_its_keep_list():
 )
 def test_steps_that_break_the_session_rules_are_refused(bad, match):
     with pytest.raises(ProtocolError, match=match):
-        check_step(bad, 3, "float32", 5, 3, (5, 6, 6), LIMIT)
+        check_step(bad, 3, "float32", 5, PENDING, LIMIT)
 
 
 def test_a_step_past_the_model_context_is_refused():
-    assert check_step(step(3, (0, 1), (7,)), 3, "float32", 5, 3, (5, 6, 6), 8) == 7
+    assert check_step(step(3, (0, 1), (7,)), 3, "float32", 5, PENDING, 8).committed == 7
     with pytest.raises(ProtocolError, match="position 7 exceeds the model's context of 7 tokens"):
-        check_step(step(3, (0, 1), (7,)), 3, "float32", 5, 3, (5, 6, 6), 7)
+        check_step(step(3, (0, 1), (7,)), 3, "float32", 5, PENDING, 7)
 
 
 def test_a_resume_keeps_the_dtype_and_the_head_depth():
@@ -328,3 +462,47 @@ def test_a_resume_keeps_the_dtype_and_the_head_depth():
         check_resume(HELLO, "float16", 3, 3)
     with pytest.raises(ProtocolError, match=r"cannot change its head depth on resume \(3 -> 4\)"):
         check_resume(HELLO, "float32", 3, 4)
+
+
+# -- the server's rules for blocks in flight ---------------------------------------------------------------
+
+A = PendingBlock(2, (5, 6, 6))  # a tree: root 5, two children at 6
+B = PendingBlock(3, (7, 8), (Assumed(2, (0, 1)),))  # ran assuming A keeps rows 0 and 1
+
+
+def ahead_step(seq, keep, positions, assume) -> Step:
+    return Step(seq, keep, positions, BlockStructure.chain(), torch.zeros(len(positions), D), "float32", assume)
+
+
+def test_a_step_may_assume_the_pending_blocks_and_resolve_the_oldest():
+    plan = check_step(ahead_step(3, (), (7, 8), (Assumed(2, (0, 1)),)), 3, "float32", 5, (A,), LIMIT, 3)
+    assert (plan.resolves, plan.pending, plan.committed) == ((), (A,), 5)
+    plan = check_step(ahead_step(4, (0, 1), (8,), (Assumed(3, (0,)),)), 4, "float32", 5, (A, B), LIMIT, 3)
+    assert (plan.resolves, plan.pending, plan.committed) == (((0, 1),), (PendingBlock(3, (7, 8)),), 7)
+    plan = check_step(ahead_step(4, (0, 2), (7,), ()), 4, "float32", 5, (A, B), LIMIT, 3)
+    assert (plan.resolves, plan.pending, plan.committed) == (((0, 2),), (), 7)  # B's assumption failed: dropped
+    both = (Assumed(2, (0, 1)), Assumed(3, (0, 1)))
+    assert check_step(ahead_step(4, (), (9,), both), 4, "float32", 5, (A, B), LIMIT, 3).pending == (A, B)
+
+
+@pytest.mark.parametrize(
+    "bad, pending, match",
+    [
+        (ahead_step(4, (0, 2), (8,), (Assumed(3, (0,)),)), (A, B), r"valid blocks in flight on this session are \[\]"),
+        (ahead_step(3, (0,), (7,), (Assumed(2, (0, 1)),)), (A,), "cannot also keep rows of it"),
+        (ahead_step(4, (), (9,), (Assumed(3, (0, 1)),)), (A, B), "assume them oldest first"),
+        (ahead_step(3, (), (7,), (Assumed(2, (1,)),)), (A,), "assume: kept rows must form a contiguous path"),
+        (ahead_step(3, (), (7,), (Assumed(2, (0, 3)),)), (A,), "beyond the assumed block of 3 rows"),
+        (ahead_step(3, (), (8,), (Assumed(2, (0, 1)),)), (A,), r"committed length \(7\)"),
+        (ahead_step(4, (), (8,), (Assumed(2, (0, 2)), Assumed(3, (0,)))), (A, B), "ran assuming other rows"),
+        (ahead_step(4, (), (8, 9, 10), (Assumed(2, (0,)), Assumed(3, (0,)), Assumed(3, (0,)))), (A, B), "at most 2"),
+    ],
+)
+def test_bad_or_inconsistent_assumptions_are_refused(bad, pending, match):
+    with pytest.raises(ProtocolError, match=match):
+        check_step(bad, bad.seq, "float32", 5, pending, LIMIT, 3)
+
+
+def test_a_session_without_v3_refuses_assumptions():
+    with pytest.raises(ProtocolError, match=r"allows 1 block\(s\) in flight"):
+        check_step(ahead_step(3, (), (7,), (Assumed(2, (0, 1)),)), 3, "float32", 5, (A,), LIMIT)

@@ -10,6 +10,14 @@ counts its accepted tokens per model call. Each generation starts with a fresh s
 about the text of one prompt (or of an earlier repetition of it) is reused. What is shared, as in any use
 of one client, is the client's measurement of what a verified block costs on this deployment (its
 StepCosts: rows and milliseconds of recent tree steps), which says nothing about the text.
+
+The blocks-in-flight axis (`--in-flight 1,2,3`) runs each speculative strategy with D blocks in flight,
+labelled `tree@D2` and so on, and reports each against the bound 1000 a / ((1 - p) L + p max(t, L / D)):
+a the pooled emitted tokens per resolved block of that run, p the share of its blocks sent ahead whose
+assumption held, L one block's latency and t the busiest stage per block, both measured on the same
+strategy's D = 1 runs (decode wall time per step; the larger of local + drafting and cloud compute).
+A shard whose cloud holds one layer (`prepare --head-layers` + `--tail-layers` = N - 1) is the fast-cloud
+scenario: the cloud's compute is a millisecond or two, as on a GPU, and the client is the slow side.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from .. import __version__
 from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
 from ..clients import open_client
-from ..local.session import ClientConfig, SplitSession
+from ..local.session import MAX_IN_FLIGHT, ClientConfig, SplitSession
 from ..decoding.strategies import STRATEGIES
 from ..errors import ConfigError
 from ..model.shards import load_whole_hf
@@ -92,7 +100,10 @@ def run_speculative_bench(args) -> dict:
     local = open_client(local_only=True, shards=shards)
     reference = prompt_lookup_reference(shards, prompts, local, args.max_new_tokens)
     print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()}, file=sys.stderr)
-    runs, local_runs = _measure(args, shards, prompts, strategies, rtts, local)
+    depths = [int(x) for x in str(getattr(args, "in_flight", "1")).split(",") if x.strip()]
+    if not depths or any(not 1 <= d <= MAX_IN_FLIGHT for d in depths):
+        raise ConfigError(f"--in-flight takes comma-separated depths between 1 and {MAX_IN_FLIGHT}, e.g. 1,2,3.")
+    runs, local_runs = _measure(args, shards, prompts, strategies, rtts, local, depths)
     divergences = find_divergences(runs, local)
     device = args.cloud_device or "cpu"
     table = local.recycling_table
@@ -117,6 +128,7 @@ def run_speculative_bench(args) -> dict:
         "rtts_ms": rtts,
         "prompts": [p["id"] for p in prompts],
         "prompt_lookup": reference,
+        "in_flight": depths,
         "summary": summarize(runs, reference, local_runs),
         "divergences": divergences,
         "runs": runs,
@@ -130,8 +142,15 @@ def run_speculative_bench(args) -> dict:
     return report
 
 
-def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient):
-    """(split runs, local-only runs): every configuration once per prompt and repetition, interleaved."""
+def label(strategy: str, depth: int) -> str:
+    """A configuration's name in the tables: the strategy, and its blocks in flight when more than one."""
+    return strategy if depth == 1 else f"{strategy}@D{depth}"
+
+
+def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient,
+             depths: list[int] = (1,)):
+    """(split runs, local-only runs): every configuration once per prompt and repetition, interleaved.
+    Sequential decoding has nothing to send ahead, so it runs with one block in flight only."""
     runs: list[dict] = []
     local_runs: list[dict] = []
     extra = ("--device", args.cloud_device) if args.cloud_device else ()
@@ -140,32 +159,38 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
         wire = ClientConfig(wire_dtype=args.wire_dtype) if args.wire_dtype else ClientConfig()
         args.wire_dtype = wire.wire_dtype
-        clients = {rtt: open_client(shard=shards / "local", server=target, config=wire, allow_public_weights=True)
-                   for rtt, target in targets.items()}
-        configs = [(s, rtt) for rtt in rtts for s in strategies]
+        clients = {(rtt, d): open_client(shard=shards / "local", server=target, allow_public_weights=True,
+                                         config=ClientConfig(wire_dtype=wire.wire_dtype, in_flight=d))
+                   for rtt, target in targets.items() for d in sorted(set(depths) | {1})}
+        configs = [(s, rtt, d) for rtt in rtts for d in sorted(set(depths) | {1}) for s in strategies
+                   if d == 1 or s != "sequential"]
         local.generate(prompts[0]["prompt"], max_new_tokens=16, strategy="sequential")
-        for strategy, rtt in configs:
-            clients[rtt].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
+        for strategy, rtt, d in configs:
+            clients[(rtt, d)].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
         for rep in range(args.repeats):
             for p in prompts:
                 result = local.generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True),
                                         strategy="sequential")
                 local_runs.append(_record("local-only", 0.0, rep, p, result))
-            for strategy, rtt in configs:
+            for strategy, rtt, d in configs:
                 for p in prompts:
-                    result = clients[rtt].generate(
+                    result = clients[(rtt, d)].generate(
                         p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True), strategy=strategy
                     )
-                    runs.append(_record(strategy, rtt, rep, p, result))
+                    runs.append(_record(label(strategy, d), rtt, rep, p, result, d))
     return runs, local_runs
 
 
-def _record(strategy: str, rtt: float, rep: int, p: dict, result) -> dict:
+def _record(strategy: str, rtt: float, rep: int, p: dict, result, depth: int = 1) -> dict:
     """One generation: its tokens, rate, per-step acceptance, and per-step time split for the bound."""
     decode = [s for s in result.steps if s["kind"] == "decode"]
+    ahead = {"sent_ahead_used": sum(s.get("assumed", 0) > 0 for s in decode),
+             "dropped": sum(s["kind"] == "dropped" for s in result.steps)}
     blocks_ms = sum(s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"] for s in decode)
     record = {
         "strategy": strategy,
+        "in_flight": depth,
+        "ahead": ahead,
         "rtt_ms": rtt,
         "repeat": rep,
         "prompt_id": p["id"],
@@ -285,6 +310,45 @@ def _config_row(strategy: str, rtt: float, mine: list[dict], sequential_tps: dic
     }
 
 
+def _latency_and_busiest(runs: list[dict]) -> tuple[float, float]:
+    """(L, t), ms per decode step of one-block-at-a-time runs: the decode wall time per step, and the busier
+    stage per step, the client (local compute, serialization, drafting) or the cloud (its compute)."""
+    steps = max(sum(len(r["accepted"]) for r in runs), 1)
+    latency = sum(r["stats"]["decode_s"] for r in runs) * 1e3 / steps
+    local = sum(r["time_ms"]["local"] + r["time_ms"]["drafting"] for r in runs) / steps
+    cloud = sum(r["time_ms"]["cloud"] for r in runs) / steps
+    return latency, max(local, cloud)
+
+
+def in_flight_rows(runs: list[dict]) -> list[dict]:
+    """Per strategy with a blocks-in-flight axis, round trip and D: the measured rate against the bound
+    1000 a / ((1 - p) L + p max(t, L / D)), L and t from the strategy's D = 1 runs at that round trip."""
+    by_config: dict[tuple[str, float], list[dict]] = {}
+    for r in runs:
+        by_config.setdefault((r["strategy"], r["rtt_ms"]), []).append(r)
+    pipelined = {name.split("@D")[0] for name, _ in by_config if "@D" in name}
+    rows = []
+    for (name, rtt), mine in by_config.items():
+        strategy = name.split("@D")[0]
+        base = by_config.get((strategy, rtt), [])
+        if strategy not in pipelined or not base or not all("time_ms" in r for r in base):
+            continue
+        depth = mine[0].get("in_flight", 1)
+        latency, busiest = _latency_and_busiest(base)
+        used = sum(r.get("ahead", {}).get("sent_ahead_used", 0) for r in mine)
+        dropped = sum(r.get("ahead", {}).get("dropped", 0) for r in mine)
+        p = used / (used + dropped) if used + dropped else 0.0
+        a = _pooled(mine)
+        step = (1 - p) * latency + p * max(busiest, latency / depth)
+        rate = _set_rate(mine)
+        rows.append({"strategy": strategy, "rtt_ms": rtt, "in_flight": depth, "a": round(a, 3),
+                     "L_ms": round(latency, 3), "t_ms": round(busiest, 3), "p": round(p, 3),
+                     "bound_tokens_per_s": round(1000 * a / step, 3) if step > 0 else 0.0,
+                     "tokens_per_s_whole_set": round(rate, 3),
+                     "vs_one_in_flight": round(rate / _set_rate(base), 3) if _set_rate(base) else None})
+    return sorted(rows, key=lambda r: (r["strategy"], r["rtt_ms"], r["in_flight"]))
+
+
 def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) -> dict:
     """Per (strategy, round trip): rates, speed-ups against sequential and local-only, acceptance, bound."""
     by_config: dict[tuple[str, float], list[dict]] = {}
@@ -310,6 +374,7 @@ def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) ->
         }
     return {
         "rows": rows,
+        "in_flight": in_flight_rows(runs),
         "local_only": local_only,
         "prompt_lookup_mean_accepted": round(pld_mean, 3),
         "prompt_lookup_per_category": {c: round(statistics.mean(v), 3) for c, v in sorted(pld_categories.items())},
@@ -416,9 +481,26 @@ def markdown(report: dict) -> str:
             f"{r['mean_accepted_per_step']} | {r['mean_accepted_pooled']} | {r['max_accepted_per_step']} | "
             f"{r['median_rows_per_step']} | {r['median_bytes_per_step']} | {r['vs_prompt_lookup']}x |"
         )
+    lines += _in_flight_lines(summary)
     lines += _category_tables(summary, categories)
     lines += _divergence_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _in_flight_lines(summary: dict) -> list[str]:
+    rows = summary.get("in_flight") or []
+    if not rows:
+        return []
+    lines = ["", "Blocks in flight: measured tok/s (whole set) against the bound 1000 a / ((1 - p) L + p max(t, L / D)); "
+             "a emitted tokens per resolved block, p the share of blocks sent ahead whose assumption held, L and t "
+             "(ms per block: decode wall time, busiest stage) measured on the same strategy's D = 1 runs:", "",
+             "| strategy | added RTT ms | D | a | p | L ms | t ms | bound tok/s | measured tok/s | x D = 1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['strategy']} | {r['rtt_ms']:g} | {r['in_flight']} | {r['a']} | {r['p']} | {r['L_ms']} | "
+                     f"{r['t_ms']} | {r['bound_tokens_per_s']} | {r['tokens_per_s_whole_set']} | "
+                     f"{r['vs_one_in_flight']}x |")
+    return lines
 
 
 def _category_tables(summary: dict, categories: list[str]) -> list[str]:

@@ -12,6 +12,10 @@ adapter and the mask:
   sliding window, in-block structure) in its top-left corner; padding keys are masked for real rows.
   Padding query rows see key 0 only, so no softmax row is empty; their outputs are discarded.
 
+A block in flight (protocol v3) is written after the pending blocks it builds on (`Block.prefix`): its
+key columns are the committed rows, those pending rows, then its own, and its mask sees the pending rows
+it assumes kept (wire/inflight.py); a batched pass places that mask in the session's corner the same way.
+
 All blocks of one call run the same layers (`stack`): sessions with different head depths (split-point
 randomisation) go through separate calls, grouped by the caller (sessions.py, scheduler.py).
 This module knows nothing about sessions, validation or scheduling: it takes blocks and returns rows.
@@ -33,6 +37,7 @@ import torch
 from ..kv import KVCache
 from ..masks import attention_mask
 from ..model.stack import LayerStack
+from ..wire.inflight import Prefix, prefix_mask
 
 if TYPE_CHECKING:
     from ..model.shards import CloudHalf
@@ -46,6 +51,18 @@ class Block:
     positions: torch.Tensor  # [q] long, absolute positions
     allowed: np.ndarray  # [q, q] bool, in-block visibility
     cache: KVCache  # the session's cache; the block is left pending in it
+    prefix: Prefix | None = None  # the pending rows (held in the cache) this block is written after
+
+    def mask(self, dtype: torch.dtype, window: int | None) -> torch.Tensor:
+        """The block's lone-step additive mask [1, 1, q, L + h + q]."""
+        if self.prefix is None:
+            return attention_mask(self.cache.length, self.positions, self.allowed, dtype, window=window)
+        return prefix_mask(self.cache.length, self.prefix, self.positions, self.allowed, dtype, window=window)
+
+    @property
+    def key_len(self) -> int:
+        """Key columns the block attends over: committed rows, held pending rows, its own rows."""
+        return self.cache.length + self.cache.held_rows + self.positions.shape[0]
 
 
 class _BatchCache:
@@ -79,7 +96,7 @@ def batch_mask(
     mask = torch.full((len(blocks), 1, query_len, key_len), torch.finfo(dtype).min, dtype=dtype, device=device)
     for b, block in enumerate(blocks):
         q = block.positions.shape[0]
-        lone = attention_mask(block.cache.length, block.positions, block.allowed, dtype, window=window)
+        lone = block.mask(dtype, window)
         mask[b, 0, :q, : lone.shape[-1]] = lone[0, 0]
         mask[b, 0, q:, 0] = 0.0  # padding rows: one visible key keeps softmax defined
     return mask
@@ -93,15 +110,19 @@ def forward_blocks(stack: LayerStack, blocks: Sequence[Block]) -> list[torch.Ten
     """
     if not blocks:
         return []
-    if len(blocks) == 1:
+    if len(blocks) == 1 and blocks[0].prefix is None:
         block = blocks[0]
         return [stack(block.hidden[None], block.positions, block.allowed, block.cache)[0]]
+    if len(blocks) == 1:
+        block = blocks[0]
+        masks = {w: block.mask(block.hidden.dtype, w) for w in set(stack.windows)}
+        return [stack.run_layers(block.hidden[None], block.positions[None], masks, block.cache)[0]]
     rows = [block.hidden.shape[0] for block in blocks]
     for block, q in zip(blocks, rows):
         assert block.hidden.dim() == 2 and block.positions.shape == (q,), (block.hidden.shape, block.positions.shape)
         assert block.cache.pending == 0, "keep or drop the previous block before running a new one"
     query_len = max(rows)
-    key_len = max(block.cache.length + q for block, q in zip(blocks, rows))
+    key_len = max(block.key_len for block in blocks)
     first = blocks[0].hidden
     hidden = first.new_zeros((len(blocks), query_len, first.shape[1]))  # [B, Q, d]
     # Padding rows repeat the block's last position: any valid position works, their outputs are dropped.

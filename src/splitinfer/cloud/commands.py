@@ -7,6 +7,8 @@ heavy is imported at module level.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import argparse
 import asyncio
 import logging
@@ -144,8 +146,9 @@ def _serve_tp(args, config) -> int:
         worker_loop(half)
         return 0
     passes = Rank0Passes(half)
+    one_block = replace(config, sessions=replace(config.sessions, max_in_flight=1))  # no prefixes broadcast
     try:
-        _run_server(CloudServer(half, config, passes), args)
+        _run_server(CloudServer(half, one_block, passes), args)
     finally:
         passes.stop_workers()
     return 0

@@ -9,6 +9,12 @@ was lost in a restart is rebuilt by the client (re-prefill). What a peer may sen
 lists, positions, what a resume may not change) is the link protocol's rule (wire/link.py), applied here
 to each session's state.
 
+Blocks in flight (a v3 hello): a session keeps every block it ran whose rows the client has not resolved,
+in order, with its KV rows held after the committed ones (kv.py `hold`). A step resolves the oldest (its
+keep list) unless it assumes it, builds on the pending blocks it assumes (they must be the next ones, each
+still valid) and drops the rest; its rows see the committed rows and the assumed rows of the blocks it
+builds on (wire/inflight.py). Budgets and metrics count committed and pending rows separately.
+
 Under split-point randomisation the hello pins the session's head depth k inside the shard's range; the
 session then runs layers [k, N-m) only (`CloudHalf.stack_for`), its cache and budget cover those layers,
 and a resume cannot change k. Steps of sessions with different k never share a forward pass.
@@ -28,8 +34,9 @@ import torch
 from ..errors import CapacityError, ProtocolError, SessionError, ShardMismatch, SplitInferError, VersionMismatch
 from ..kv import KVCache
 from ..model.shards import CloudHalf
-from ..wire.link import check_resume, check_step
-from ..wire.messages import SUPPORTED_VERSIONS, Hello, Result, Step, Welcome
+from ..wire.inflight import Prefix
+from ..wire.link import PendingBlock, check_resume, check_step
+from ..wire.messages import PIPELINE_VERSION, SUPPORTED_VERSIONS, Hello, Result, Step, Welcome
 from .batch import Block, LocalPasses
 
 log = logging.getLogger("splitinfer.cloud")
@@ -45,10 +52,13 @@ class SessionConfig:
     max_kv_bytes: int | None = None  # KV buffer bytes over all sessions (allocated, not only used); None: no limit
     evict_idle_s: float = 2.0  # a session idle this long may be evicted to make room (its client re-prefills)
     max_sessions_per_owner: int | None = None  # sessions one token may hold at once, so one client cannot take all
+    max_in_flight: int = 4  # blocks a v3 session may have pending at once (the client's in-flight depth)
 
     def __post_init__(self):
         if self.ttl_s <= 0 or self.max_sessions < 1 or self.max_cached_tokens < 1 or self.max_block_rows < 1:
             raise ValueError("session TTL, max sessions, cached-token budget and block rows must all be positive.")
+        if not 1 <= self.max_in_flight <= 9:
+            raise ValueError("blocks in flight per session must be between 1 and 9.")
         if (self.max_kv_bytes is not None and self.max_kv_bytes < 1) or self.evict_idle_s < 0:
             raise ValueError("the KV byte budget must be positive and the eviction idle time not negative.")
 
@@ -60,18 +70,20 @@ class CloudSession:
     wire_dtype: str
     last_used: float
     next_seq: int = 0
-    pending_positions: tuple[int, ...] = ()
+    pending: tuple[PendingBlock, ...] = ()  # blocks run but not resolved by the client, oldest first
+    max_in_flight: int = 1  # blocks it may have pending at once: 1 unless its hello spoke v3
     owner: str = "anonymous"  # identity (token digest) that opened it; no other identity may use it
     head_layers: int = 0  # k: the client runs layers [0, k), this session runs [k, N-m); fixed for its life
     kv_bytes_per_token: int = 0  # KV bytes of one row over the layers this session runs
     reserved_rows: int = 0  # KV rows counted against the budget (those of the last step, committed + block)
     reserved_bytes: int = 0  # KV buffer bytes counted against the byte budget
+    reserved_pending: int = 0  # of reserved_rows, rows of earlier blocks still in flight (not committed)
     busy: int = 0  # steps queued or running (guarded by the table lock); a busy session is never evicted
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def rows(self) -> int:
-        return self.cache.length + self.cache.pending
+        return self.cache.length + self.cache.held_rows + self.cache.pending
 
 
 class SessionTable:
@@ -152,6 +164,7 @@ class SessionTable:
                     id=secrets.token_urlsafe(18), cache=self.passes.new_cache(head_layers),
                     wire_dtype=hello.wire_dtype, last_used=now,
                     owner=owner, head_layers=head_layers, kv_bytes_per_token=runs.kv_bytes_per_token(),
+                    max_in_flight=self.config.max_in_flight if hello.version >= PIPELINE_VERSION else 1,
                 )
                 self._sessions[session.id] = session
                 resumed = False
@@ -163,6 +176,7 @@ class SessionTable:
             max_block_rows=self.config.max_block_rows,
             next_seq=session.next_seq,
             version=hello.version,  # the version the hello spoke: a v1 client gets the v1 welcome it knows
+            max_in_flight=session.max_in_flight,
         )
         return session, welcome
 
@@ -191,18 +205,29 @@ class SessionTable:
             log.info("expired %d idle session(s)", len(gone))
         return gone
 
-    def _check_step(self, session: CloudSession, step: Step) -> None:
-        """The protocol's rules for a step (wire/link.py), then the KV budget for the rows it brings."""
+    def _apply_step(self, session: CloudSession, step: Step) -> Prefix | None:
+        """The protocol's rules for a step (wire/link.py), the KV budget for the rows it brings, then its
+        resolution and drops on the cache. Returns the pending rows the block is written after, if any."""
         cache = session.cache
-        committed = check_step(
-            step, session.next_seq, session.wire_dtype, cache.length, cache.pending, session.pending_positions,
-            self.max_position,
+        plan = check_step(
+            step, session.next_seq, session.wire_dtype, cache.length, session.pending, self.max_position,
+            session.max_in_flight,
         )
-        self._reserve(session, committed + len(step.positions))
+        held = sum(len(b.positions) for b in plan.pending)
+        self._reserve(session, plan.committed + held + len(step.positions), held)
+        for rows in plan.resolves:
+            cache.keep(rows)
+        cache.drop_newer(len(plan.pending))
+        session.pending = plan.pending
+        if not plan.pending:
+            return None
+        blocks = [(b.positions, a.rows) for b, a in zip(plan.pending, step.assume[step.resolved :])]
+        return Prefix.of(blocks, self._device)
 
     # -- KV budget: reservation, eviction, numbers for metrics -----------------------------------------
-    def _reserve(self, session: CloudSession, rows: int) -> None:
-        """Count `session` at `rows` KV rows, evicting idle sessions (least recently used first) if needed."""
+    def _reserve(self, session: CloudSession, rows: int, pending: int = 0) -> None:
+        """Count `session` at `rows` KV rows (`pending` of them in blocks in flight, not counting the new
+        block), evicting idle sessions (least recently used first) if needed."""
         need_bytes = session.cache.projected_nbytes(rows, session.kv_bytes_per_token or self.kv_bytes_per_token)
         budget_bytes, budget_rows = self.config.max_kv_bytes, self.config.max_cached_tokens
         with self._lock:
@@ -220,7 +245,7 @@ class SessionTable:
                         f"the server's KV budget of {limit} is in use (this step needs {rows} rows, "
                         f"{need_bytes} bytes); retry later or on another replica."
                     )
-            session.reserved_rows, session.reserved_bytes = rows, need_bytes
+            session.reserved_rows, session.reserved_bytes, session.reserved_pending = rows, need_bytes, pending
 
     def _evict_one_locked(self, keep: CloudSession | None) -> bool:
         """Drop the least recently used idle session other than `keep`; False if none may go. Hold the lock."""
@@ -255,6 +280,9 @@ class SessionTable:
         return {
             "sessions": len(sessions),
             "kv_tokens": sum(s.rows for s in sessions),
+            "kv_committed_tokens": sum(s.cache.length for s in sessions),
+            "kv_pending_tokens": sum(s.cache.held_rows + s.cache.pending for s in sessions),
+            "kv_reserved_pending_tokens": sum(s.reserved_pending for s in sessions),
             "kv_reserved_tokens": sum(s.reserved_rows for s in sessions),
             "kv_reserved_bytes": sum(s.reserved_bytes for s in sessions),
             "kv_allocated_bytes": sum(s.cache.nbytes() for s in sessions),
@@ -287,14 +315,14 @@ class SessionTable:
                         alive = self._sessions.get(session.id) is session
                     if not alive:
                         raise SessionError("the session was evicted or closed on this server; re-prefill.")
-                    self._check_step(session, step)
-                    session.cache.keep(step.keep)
+                    prefix = self._apply_step(session, step)
                 except SplitInferError as exc:
                     outcomes[i] = exc
                     continue
                 hidden = step.hidden.to(self._device, self._dtype)  # [q, d]
                 positions = torch.tensor(step.positions, dtype=torch.long, device=self._device)
-                blocks.append(Block(hidden, positions, step.structure.allowed(len(step.positions)), session.cache))
+                allowed = step.structure.allowed(len(step.positions))
+                blocks.append(Block(hidden, positions, allowed, session.cache, prefix))
                 ready.append(i)
                 depths.append(session.head_layers)
             start = time.perf_counter()
@@ -308,7 +336,9 @@ class SessionTable:
             compute_ms = (time.perf_counter() - start) * 1e3  # the whole batch's pass, shared by its steps
             for i, out in zip(ready, outs):
                 session, step, received_at = items[i]
-                session.pending_positions = step.positions
+                session.cache.hold()  # pending until a later step resolves or drops it
+                assumed = step.assume[step.resolved :]  # the first `resolved` were committed by the step
+                session.pending = (*session.pending, PendingBlock(step.seq, step.positions, assumed))
                 session.next_seq += 1
                 session.last_used = self.clock()
                 outcomes[i] = Result(

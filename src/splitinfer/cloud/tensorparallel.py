@@ -61,6 +61,14 @@ class MirroredCache(KVCache):
         super().truncate(length)
         self._passes.record(["truncate", self.id, int(length)])
 
+    def hold(self) -> None:
+        super().hold()
+        self._passes.record(["hold", self.id])
+
+    def drop_newer(self, blocks: int) -> None:
+        super().drop_newer(blocks)
+        self._passes.record(["drop_newer", self.id, int(blocks)])
+
     def release(self) -> None:
         super().release()
         self._passes.record(["release", self.id], now=True)
@@ -126,6 +134,8 @@ class Rank0Passes(LocalPasses):
 
     def run(self, head_layers: int, blocks: Sequence[Block]) -> list[torch.Tensor]:
         assert all(isinstance(b.cache, MirroredCache) for b in blocks), "caches must come from new_cache"
+        # A block in flight's prefix is not broadcast: serve --tp admits one block per session at a time.
+        assert all(b.prefix is None for b in blocks), "serve --tp runs sessions with max_in_flight = 1"
         import torch.distributed as dist
 
         spec = {"depth": head_layers, "blocks": [[b.cache.id, int(b.positions.shape[0])] for b in blocks]}
@@ -162,6 +172,10 @@ def _apply(caches: dict[int, KVCache], slots: int, op: list) -> None:
         cache.keep(op[2])
     elif kind == "truncate":
         cache.truncate(op[2])
+    elif kind == "hold":
+        cache.hold()
+    elif kind == "drop_newer":
+        cache.drop_newer(op[2])
     else:
         raise RuntimeError(f"rank 0 sent an unknown cache change {kind!r}; the ranks run different versions.")
 

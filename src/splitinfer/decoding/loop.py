@@ -11,6 +11,11 @@
 With `choose = argmax` the emitted tokens are exactly those of sequential greedy decoding. Each emitted
 token's log-probability comes from the logits row that predicted it: the parent's row.
 
+A verifier that may keep several blocks in flight (`in_flight` > 1, the split session with a v3 server)
+decodes through pipeline.py instead, with the same acceptance and the same output; strategies that read
+the final features (a learned draft head) need each block's features before drafting the next, so they go
+one block at a time.
+
 The loop knows the verifier only through its Protocol (verifier.py) and a strategy only through
 propose/observe and the block its draft lays out; it keeps no telemetry (the verifier records its steps).
 """
@@ -23,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from .draft import accept
+from .pipeline import decode_in_flight
 from .sampling import greedy
 from .strategies import Strategy
 from .verifier import Verifier
@@ -65,6 +71,9 @@ def decode(
 
     root = choose(first_logits)
     finish = emit_all([root], [first_logits])
+    depth = getattr(verifier, "in_flight", 1)
+    if finish is None and depth > 1 and not strategy.uses_features:
+        return decode_in_flight(verifier, history, root, emit_all, strategy, choose, depth)
     while finish is None:
         t0 = time.perf_counter()
         block = strategy.propose(history).to_block(root)

@@ -48,6 +48,15 @@ class Strategy:
         """After a verified block: its tokens and parents, logits [q, vocab], the accepted rows, the
         tokens emitted by this step (accepted drafts + the next root) and the step's wall time."""
 
+    def predict(self, history: list[int], nodes: int) -> Draft:
+        """Up to `nodes` guesses below history[-1], without drafting state changing: what follows a block
+        still in flight (decoding/pipeline.py). None by default: such strategies send one block at a time."""
+        return Draft()
+
+    def recall(self, draft: Draft) -> None:
+        """Before `observe` with blocks in flight: the draft of the block observed (later ones were proposed
+        since)."""
+
 
 class Sequential(Strategy):
     name = "sequential"
@@ -275,6 +284,18 @@ class Tree(Strategy):
         self.last_draft = trie.best(n)
         self._draft_ms = draft_ms
         return self.last_draft
+
+    def predict(self, history, nodes):
+        trie = TokenTrie()
+        indexes = (self.index,) if self.memory is None else (self.memory.index, self.index)
+        propose_suffix(indexes, history, trie, self.config.suffix_depth, self.calibration.continue_prob,
+                       self.index.max_occurrences)
+        self.recycling.propose(history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
+                               weight=self.calibration.recycling_weight)
+        return trie.best(nodes)
+
+    def recall(self, draft):
+        self.last_draft = draft
 
     def observe(self, tokens, parents, logits, path, emitted, step_ms):
         if self.drafter is not None:

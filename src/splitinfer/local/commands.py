@@ -26,6 +26,8 @@ CLIENT_OPTIONS = (
                            "default: the OS's secret RNG)"),
     Opt("drafter", choices=("auto", "off"), help="the learned draft head in the local shard's drafter/ directory: "
                                                  "auto uses it when present and made for this model"),
+    Opt("in_flight", choices=(1, 2, 3), help="blocks in flight at once: 2 or 3 send the next block before the "
+                                             "previous one's result is back (needs a v3 server; else 1)"),
 )
 # 0 (greedy) is the command line's default temperature; SamplingConfig is only built when sampling.
 SAMPLING_OPTIONS = (

@@ -1,7 +1,9 @@
 """The WebSocket transport to a `splitinfer serve` process: it moves the link's messages and times them.
 
 `RemoteMiddle` implements wire/transport.py's `Middle` (`open(resume_id) -> Welcome`,
-`step(Step) -> (Result, StepIO)`, `close()`) and `probe` for path measurement. It decodes everything
+`step(Step) -> (Result, StepIO)`, `close()`) and `probe` for path measurement. For blocks in flight it
+also sends a step without waiting for its reply (`post`) and takes replies in the order the steps went
+(`collect`): the server answers one connection's steps in order. It decodes everything
 the server returns as strictly as the server decodes requests (an untrusted server must not be able to
 crash or confuse the client) and raises errors from errors.py: `SessionError` when the server lost the
 session, `TransportError` when the connection failed. Whether a reply fits the session (its seq, its rows,
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import ssl
 import time
+from collections import deque
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
@@ -56,6 +59,7 @@ class RemoteMiddle:
         self.welcome: Welcome | None = None
         self._ws: ClientConnection | None = None
         self._probe_seq = 0
+        self._posted: deque[tuple[float, float, int]] = deque()  # (sent at, encode ms, bytes) of posted steps
 
     def _exchange(self, payload: bytes):
         reply = self._exchange_raw(payload)
@@ -64,10 +68,12 @@ class RemoteMiddle:
             raise error_from_code(message.code, f"server: {message.message}")
         return message
 
-    def open(self, resume_id: str | None = None) -> Welcome:
+    def open(self, resume_id: str | None = None, version: int | None = None) -> Welcome:
+        """Send a hello (protocol `version`, default the oldest that carries it) and return the welcome."""
         self.connect()
         hello = Hello(
-            self.fingerprint, self.cloud_layers, self.wire_dtype, session_id=resume_id, head_layers=self.head_layers
+            self.fingerprint, self.cloud_layers, self.wire_dtype, session_id=resume_id, head_layers=self.head_layers,
+            version=version,
         )
         welcome = self._exchange(hello.encode())
         if not isinstance(welcome, Welcome):
@@ -132,6 +138,46 @@ class RemoteMiddle:
         io = StepIO((t2 - t1) * 1e3, ((t1 - t0) + (t3 - t2)) * 1e3, len(payload), len(reply_view))
         return message, io
 
+    def post(self, step: Step) -> None:
+        """Send a step without waiting for its reply (a block in flight); `collect` takes the replies in order."""
+        t0 = time.perf_counter()
+        payload = step.encode()
+        t1 = time.perf_counter()
+        if self.welcome is not None and len(payload) > self.welcome.max_message_bytes:
+            limit = self.welcome.max_message_bytes
+            raise ProtocolError(f"a {len(payload)}-byte step exceeds the server's {limit}-byte limit; send smaller blocks.")
+        if self._ws is None:
+            raise TransportError("not connected")
+        try:
+            self._ws.send(payload)
+        except (ConnectionClosed, OSError) as exc:
+            self._drop()
+            raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
+        self._posted.append((t1, (t1 - t0) * 1e3, len(payload)))
+
+    def collect(self) -> tuple[Result, StepIO]:
+        """The reply to the oldest posted step; its round trip runs from its post to now, so it includes the
+        time its reply waited behind the replies to earlier steps."""
+        sent_at, encode_ms, bytes_up = self._posted.popleft()
+        if self._ws is None:
+            raise TransportError("not connected")
+        try:
+            reply = self._ws.recv(timeout=self.reply_timeout_s)
+        except TimeoutError as exc:
+            self._drop()
+            raise TransportError(f"no reply from {self.url} within {self.reply_timeout_s:g} s.") from exc
+        except (ConnectionClosed, OSError) as exc:
+            self._drop()
+            raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
+        t2 = time.perf_counter()
+        message = decode_server_message(reply, self.limits)
+        t3 = time.perf_counter()
+        if isinstance(message, Error):
+            raise error_from_code(message.code, f"server: {message.message}")
+        if not isinstance(message, Result):
+            raise ProtocolError("the server's reply does not answer the step that was sent.")
+        return message, StepIO((t2 - sent_at) * 1e3, encode_ms + (t3 - t2) * 1e3, bytes_up, len(reply))
+
     def probe(self, up: int, down: int) -> float:
         """Send `up` bytes, get `down` back, no session and no compute; returns the round trip in ms."""
         if self._ws is None:
@@ -166,6 +212,7 @@ class RemoteMiddle:
             raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
 
     def _drop(self) -> None:
+        self._posted.clear()  # their replies can never come on another connection
         if self._ws is not None:
             try:
                 self._ws.close()

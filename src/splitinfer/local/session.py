@@ -8,6 +8,15 @@ after a loss) is the link's decision (wire/link.py); this module only carries it
 middle (wire/transport.py) and sleeps between reconnects. The local caches are never touched by a
 recovery, so the output does not change.
 
+Blocks in flight (`ClientConfig.in_flight` > 1, a v3 server, a middle that can `post`): `send_block` runs
+the head on a block that assumes the unresolved blocks before it kept given rows (the head cache holds
+them, wire/inflight.py builds the mask) and sends it without waiting; `receive_block` takes the oldest
+reply through the tail; `resolve` commits its kept rows on both local caches and tells the link;
+`drop_unresolved` forgets the blocks whose assumption failed. The tail cache only ever sees resolved
+blocks, in order, so it never holds more than one pending block. A loss with blocks in flight drops them
+all and rebuilds the cloud session from the committed history; the decoding loop sends again from there.
+A server from before v3 refuses the hello, and the session goes on one block at a time.
+
 Its head depth k is the one its middle pins in the hello (split-point randomisation; the client draws it
 per session), or the shard's fixed split; it runs layers [0, k) and never changes k, reconnects included.
 
@@ -21,18 +30,30 @@ import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..errors import SessionError, TransportError
+from ..errors import ConfigError, SessionError, TransportError, VersionMismatch
 from ..masks import BlockStructure
 from ..model.shards import LocalHalf
 from ..telemetry import StepRecord
-from ..wire.link import Answered, Block, ClientLink, Open
-from ..wire.messages import Close
+from ..wire.inflight import Prefix, prefix_mask
+from ..wire.link import Answered, Block, Client, ClientLink, Open
+from ..wire.messages import PIPELINE_VERSION, Close
 from ..wire.transport import Middle
 
 log = logging.getLogger("splitinfer.local")
 DRAFTER_MODES = ("auto", "off")
+MAX_IN_FLIGHT = 3
+
+
+@dataclass
+class _Ahead:
+    """A block sent ahead and not resolved yet, as the local side keeps it."""
+
+    positions: tuple[int, ...]
+    allowed: np.ndarray  # [q, q] bool
+    record: StepRecord
 
 
 @dataclass(frozen=True)
@@ -48,10 +69,15 @@ class ClientConfig:
     # The learned draft head in the local shard's drafter/ directory: "auto" uses it when present and made
     # for this model, "off" never loads it.
     drafter: str = "auto"
+    # Blocks in flight at once (1-3): with 2 or more, the next block goes out before the previous one's result
+    # is back, assuming its most likely outcome; needs a server that speaks protocol v3 (else 1 is used).
+    in_flight: int = 1
 
     def __post_init__(self):
         if self.drafter not in DRAFTER_MODES:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_MODES)}, not {self.drafter!r}")
+        if not 1 <= self.in_flight <= MAX_IN_FLIGHT:
+            raise ConfigError(f"--in-flight must be between 1 and {MAX_IN_FLIGHT} blocks, not {self.in_flight}.")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -76,6 +102,11 @@ class SplitSession:
         self._device = next(local.embed.parameters()).device
         self._pending_q = 0
         self._features: torch.Tensor | None = None  # [q, d] tail output of the last block, before the final norm
+        # Blocks in flight need a transport that sends without waiting; others go one block at a time.
+        self._pipelining = config.in_flight > 1 and callable(getattr(middle, "post", None))
+        if self._pipelining:
+            self.link.version = PIPELINE_VERSION
+        self._ahead: list[_Ahead] = []  # blocks sent ahead and not resolved, oldest first
 
     @property
     def length(self) -> int:
@@ -177,6 +208,132 @@ class SplitSession:
         self._features = torch.cat(features)
         return torch.cat(parts)
 
+    # -- blocks in flight ----------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        """Blocks this session may have in flight at once: the configured number where the transport and the
+        server allow it (known once the session is open), else 1."""
+        if not self._pipelining or self.link.welcome is None:
+            return 1
+        return min(self.config.in_flight, self.link.max_in_flight)
+
+    def send_block(
+        self, tokens: list[int], structure: BlockStructure, depths: list[int] | None, assume: list[list[int]]
+    ) -> bool:
+        """Run the head on a block and send it without waiting for the unresolved blocks before it; `assume`
+        holds the rows it assumes kept of each of them, oldest first. False when the link was lost: every
+        block in flight is gone (nothing was sent), and the next block must assume none."""
+        q = len(tokens)
+        depths = structure.depths(q) if depths is None else depths
+        base = self.length + sum(len(rows) for rows in assume)
+        positions = [base + d for d in depths] if depths is not None else list(range(base, base + q))
+        record = StepRecord(kind="decode", rows=q, accepted=0, assumed=len(assume))
+        t0 = time.perf_counter()
+        pos = torch.tensor(positions, dtype=torch.long, device=self._device)
+        allowed = structure.allowed(q)
+        prefix = Prefix.of([(a.positions, tuple(rows)) for a, rows in zip(self._ahead, assume)], self._device)
+        with torch.inference_mode():
+            embedded = self.local.embed(torch.tensor([tokens], dtype=torch.long, device=self._device))
+            masks = {
+                w: prefix_mask(self.head_cache.length, prefix, pos, allowed, embedded.dtype, w)
+                for w in set(self.head.windows)
+            }
+            hidden = self.head.run_layers(embedded, pos[None], masks, self.head_cache)  # [1, q, d]
+        self.head_cache.hold()
+        record.local_ms = (time.perf_counter() - t0) * 1e3
+        self.records.append(record)
+        self._ahead.append(_Ahead(tuple(positions), allowed, record))
+        self.link.submit_ahead(Block(tuple(positions), structure, hidden[0]), assume)
+        while True:
+            try:
+                message = self.link.next_send()
+                if isinstance(message, Open):
+                    self.link.on_welcome(self._open(message.resume_id))
+                elif isinstance(message, Close):
+                    self.middle.close(end_session=True)
+                elif self.link.state is Client.FLYING:
+                    self.middle.post(message)
+                    return True
+                else:  # history re-sent into a fresh session
+                    self.link.on_result(self.middle.step(message)[0])
+            except (SessionError, TransportError) as exc:
+                if not self._lost(exc, record):
+                    return False
+
+    def _lost(self, exc: Exception, record: StepRecord) -> bool:
+        """After a loss: True when the block being sent is still submitted (the loss came before it could go),
+        False when every block in flight, that one included, is gone."""
+        attempt = self.link.lost()
+        if attempt is None:
+            raise exc
+        delay = self.config.backoff_s(attempt)
+        log.warning("cloud session lost (%s); reconnecting in %.2f s", exc, delay)
+        time.sleep(delay)
+        record.recoveries += 1
+        if self.link.live or self.link.submitted:
+            return True
+        self._forget_ahead()
+        return False
+
+    def receive_block(self) -> torch.Tensor | None:
+        """The oldest unresolved block's logits [q, vocab] float32 (through the tail); None when the link was
+        lost and every block in flight with it."""
+        ahead = self._ahead[0]
+        while True:
+            try:
+                result, io = self.middle.collect()
+                answer = self.link.on_result(result)
+            except (SessionError, TransportError) as exc:
+                self._lost(exc, ahead.record)
+                return None
+            if answer is not None:  # else the reply to a block dropped meanwhile
+                break
+        record = ahead.record
+        record.bytes_up, record.bytes_down = io.bytes_up, io.bytes_down
+        record.round_trip_ms, record.serialize_ms = io.round_trip_ms, io.serialize_ms
+        record.cloud_compute_ms, record.server_ms = result.compute_ms, result.handle_ms
+        t0 = time.perf_counter()
+        pos = torch.tensor(ahead.positions, dtype=torch.long, device=self._device)
+        with torch.inference_mode():
+            returned = result.hidden.to(self._device, self.local.embed.weight.dtype)[None]
+            out = self.local.tail(returned, pos, ahead.allowed, self.tail_cache)
+            logits = self.local.logits(out)
+        self._features = out[0]
+        record.local_ms += (time.perf_counter() - t0) * 1e3
+        return logits
+
+    def resolve(self, rows: list[int]) -> None:
+        """Accept `rows` of the oldest unresolved block (received): kept on both local caches now, on the
+        cloud with the next step."""
+        ahead = self._ahead.pop(0)
+        self.head_cache.keep(rows)  # the oldest held block
+        self.tail_cache.keep(rows)
+        self.link.resolve(rows)
+        ahead.record.accepted = len(rows)
+
+    def drop_unresolved(self, kind: str = "dropped") -> None:
+        """Forget every unresolved block; telemetry counts their steps as `kind`: "dropped" when their
+        assumption failed, "unused" when decoding ended first."""
+        for ahead in self._ahead:
+            ahead.record.kind = kind
+        self.link.drop_live()
+        self._forget_ahead()
+
+    def _forget_ahead(self) -> None:
+        self._ahead = []
+        self.head_cache.drop_newer(0)
+
+    def settle(self) -> None:
+        """Drop what is still in flight and take the replies still due, so that the connection is in step for
+        the next block sent one at a time. A loss here is left for the next step to recover."""
+        self.drop_unresolved("unused")
+        while self.link.flying:
+            try:
+                self.link.on_result(self.middle.collect()[0])
+            except (SessionError, TransportError):
+                self.link.lost()  # the next step reconnects and rebuilds the cloud session
+                return
+
     # -- the link's messages over the middle, with reconnects ------------------------------------------
     def _through_link(self, block: Block, record: StepRecord) -> torch.Tensor:
         """The cloud's [q, d] answer to `block`, reconnecting (with backoff) as often as the link allows."""
@@ -199,7 +356,7 @@ class SplitSession:
         """Send what the link asks for and hand it the reply; the block's answer, or None before it."""
         message = self.link.next_send()
         if isinstance(message, Open):
-            self.link.on_welcome(self.middle.open(resume_id=message.resume_id))
+            self.link.on_welcome(self._open(message.resume_id))
             return None
         if isinstance(message, Close):
             self.middle.close(end_session=True)
@@ -217,6 +374,16 @@ class SplitSession:
         record.cloud_compute_ms += result.compute_ms
         record.server_ms += result.handle_ms
         return reply
+
+    def _open(self, resume_id: str | None):
+        if self.link.version is None:
+            return self.middle.open(resume_id=resume_id)
+        try:
+            return self.middle.open(resume_id=resume_id, version=self.link.version)
+        except VersionMismatch:
+            log.info("the server predates blocks in flight (protocol v%d); one block at a time", PIPELINE_VERSION)
+            self.link.version, self._pipelining = None, False
+            return self.middle.open(resume_id=resume_id)
 
     def close(self) -> None:
         """End the cloud session (best effort) and the link; safe to call more than once."""

@@ -3,14 +3,18 @@
 Client (`ClientLink`): one conversation's cloud session as the client sees it. It decides the hello
 (a new session, or resume the last one), judges the welcome against what the client committed, numbers
 the steps (seq), carries the lazy-commit keep list, re-sends the committed history into a fresh session
-after a loss, and checks that every result answers the step it was sent for. A driver
+after a loss, and checks that every result answers the step it was sent for. With blocks in flight
+(protocol v3, `submit_ahead`) it sends steps before the earlier ones are answered, names the earlier
+unresolved blocks each one assumes accepted, resolves them oldest first and drops the ones whose
+assumption failed; a loss with blocks in flight rebuilds the session from the committed history. A driver
 (local/session.py) asks `next_send()` what to send, sends it, and feeds the reply back; the link never
 touches a socket, runs no model and never sleeps, so every rule here is testable with plain tensors.
 
 Server (`ServerLink`, `check_resume`, `check_step`): the rules a server applies to what a peer sends:
 hello before any step, a resume that keeps the session's dtype and head depth, steps in seq order, keep
-lists that name a contiguous path continuing the committed sequence, and positions that follow from the
-block's structure. cloud/server.py and cloud/sessions.py call them; they hold the state (sessions,
+lists that name a contiguous path continuing the committed sequence, positions that follow from the
+block's structure, and (v3) assumptions that name the blocks in flight in order, each of them still valid.
+cloud/server.py and cloud/sessions.py call them; they hold the state (sessions,
 caches), this module holds the rules.
 
 Both ends' transitions are in the one table `TRANSITIONS`; an event it does not list for the current
@@ -26,7 +30,7 @@ import torch
 
 from ..errors import ProtocolError
 from ..masks import BlockStructure
-from .messages import Close, Hello, Probe, Result, Step, Welcome
+from .messages import PIPELINE_VERSION, Assumed, Close, Hello, Probe, Result, Step, Welcome
 
 
 class Client(Enum):
@@ -38,6 +42,7 @@ class Client(Enum):
     READY = "ready"  # the cloud holds exactly what this client committed; a block may go
     BLOCK_SENT = "block_sent"  # the block's step sent, its result awaited
     PENDING = "pending"  # the block came back; it waits for the rows to commit
+    FLYING = "flying"  # blocks in flight (v3): steps sent before the earlier ones were answered
     CLOSED = "closed"
 
 
@@ -47,7 +52,8 @@ class Server(Enum):
     CLOSED = "closed"
 
 
-_AWAITING = (Client.OPENING, Client.REPLAY_SENT, Client.BLOCK_SENT)  # a reply is due: only here can a loss show
+# a reply is due: only here can a loss show
+_AWAITING = (Client.OPENING, Client.REPLAY_SENT, Client.BLOCK_SENT, Client.FLYING)
 
 # (state, event) -> next state, for both ends. Client events are the link's own decisions ("send_*") and
 # what came back; server events are the kinds of message a peer sent.
@@ -64,6 +70,13 @@ TRANSITIONS: dict[tuple[Client | Server, str], Client | Server] = {
     (Client.BLOCK_SENT, "block_result"): Client.PENDING,
     (Client.PENDING, "commit"): Client.READY,
     (Client.READY, "uncommit"): Client.READY,  # rows still in the keep list leave it
+    (Client.IDLE, "uncommit"): Client.IDLE,  # after a loss too: the resume or the rebuild then lacks them
+    (Client.READY, "send_ahead"): Client.FLYING,  # a block that may assume earlier unresolved ones
+    (Client.FLYING, "send_ahead"): Client.FLYING,
+    (Client.FLYING, "ahead_result"): Client.FLYING,  # more steps are still in flight
+    (Client.FLYING, "landed"): Client.READY,  # the last step in flight was answered
+    (Client.FLYING, "resolve"): Client.FLYING,  # the oldest answered block's kept rows are known
+    (Client.READY, "resolve"): Client.READY,
     **{(state, "lost"): Client.IDLE for state in _AWAITING},  # session or connection gone: reconnect
     **{(state, "close"): Client.CLOSED for state in Client},
     (Server.AWAIT_HELLO, "hello"): Server.OPEN,
@@ -122,6 +135,17 @@ class Block:
     hidden: torch.Tensor  # [q, d] head outputs
 
 
+@dataclass(eq=False)
+class _Flight:
+    """A block sent ahead (v3): its head outputs, and what its reply must report."""
+
+    seq: int
+    hidden: torch.Tensor  # [q, d] head outputs
+    committed: int  # the cloud's committed rows once this step's keep list is applied
+    wanted: bool = True  # False once dropped: its reply, when it comes, is discarded
+    answered: bool = False
+
+
 class ClientLink:
     """The client's side of one cloud session. See the module docstring for what it decides."""
 
@@ -142,6 +166,14 @@ class ClientLink:
         self._pending: torch.Tensor | None = None  # [q, d] the answered block's head outputs
         self._sent: Step | None = None  # the step awaiting its result
         self._attempts = 0  # losses since the last answered block
+        self.version: int | None = None  # the hello's version: PIPELINE_VERSION to ask for blocks in flight
+        self.max_in_flight = 1  # blocks this session may have in flight at once (the welcome's; 1 before v3)
+        self._assume: tuple[tuple[int, ...], ...] | None = None  # the submitted block's assumed rows, per live block
+        self._flight: list[_Flight] = []  # steps sent ahead and not answered yet, oldest first
+        self._live: list[_Flight] = []  # blocks sent ahead, neither resolved nor dropped, oldest first
+        self._to_resolve = False  # the cloud's oldest pending block is resolved here; the next step says so
+        self._also: list[Assumed] = []  # blocks resolved here after that one, in order: the next step commits them too
+        self._rebuild = False  # blocks in flight were lost: open a fresh session rather than resume
 
     def _move(self, event: str) -> None:
         self.state = transition(self.state, event)
@@ -175,33 +207,42 @@ class ClientLink:
             return self._step(positions, BlockStructure.chain(), rows)
         if self.state is Client.REPLAYING:
             self._move("replayed")
+        if self._assume is not None:
+            return self._send_ahead()
         self._move("send_block")
         block = self._block
         assert block is not None, "submit a block first"
         return self._step(block.positions, block.structure, block.hidden)
 
     def _step(self, positions: tuple[int, ...], structure: BlockStructure, hidden: torch.Tensor) -> Step:
-        self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype)
+        also = tuple(self._also)  # left by blocks in flight: committed by this step too
+        self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype, also, len(also))
         return self._sent
 
     def on_welcome(self, welcome: Welcome) -> None:
         """The server answered the hello: carry on, end a stale session, or rebuild a fresh one."""
-        cloud_committed = self.committed - len(self.keep)  # the keep list's rows are still pending there
+        # the keep list's rows are still pending there, and so are those of blocks resolved after it
+        cloud_committed = self.committed - len(self.keep) - sum(len(a.rows) for a in self._also)
         self.welcome = welcome
-        if welcome.resumed and welcome.committed == cloud_committed and welcome.next_seq == self.seq:
+        self.max_in_flight = welcome.max_in_flight if welcome.version >= PIPELINE_VERSION else 1
+        in_step = welcome.committed == cloud_committed and welcome.next_seq == self.seq and not self._rebuild
+        if welcome.resumed and in_step:
             self._move("welcome_in_step")
             return
-        if welcome.resumed:  # the server ran a step whose reply never came back: its state is not ours
+        if welcome.resumed:  # the server ran steps whose replies never came back: its state is not ours
             self._move("welcome_stale")
             return
         self._move("welcome_fresh")
         self.session_id, self.seq, self.keep = welcome.session_id, welcome.next_seq, ()
+        self._to_resolve, self._rebuild, self._also = False, False, []
         self._replay = torch.cat(self._history) if self._history else None
         self._replay_at = 0
 
     def on_result(self, result: Result) -> Answered | Replayed:
         """The reply to the step in flight. Raises ProtocolError when it does not answer that step, or when
         the server's committed rows are not this client's (an untrusted server must agree)."""
+        if self.state is Client.FLYING:
+            return self._ahead_answered(result)
         sent = self._sent
         assert sent is not None, "no step in flight"
         if result.seq != sent.seq:
@@ -218,6 +259,7 @@ class ClientLink:
                 "it is out of step or misbehaving, so its output cannot be trusted."
             )
         self._move("block_result")
+        self._also = []
         self.seq += 1
         self._sent, self._pending, self._block, self._attempts = None, self._block.hidden, None, 0
         return Answered(result)
@@ -227,6 +269,7 @@ class ClientLink:
         rows = sent.hidden.shape[0]
         self.seq += 1
         self.keep = tuple(range(rows))
+        self._to_resolve = True
         self._replay_at += rows
         self._sent = None
         done = self._replay_at >= self._replay.shape[0]
@@ -238,6 +281,9 @@ class ClientLink:
     def lost(self) -> int | None:
         """The session or the connection was lost: the 0-based reconnect attempt (for the backoff), or
         None when `max_retries` reconnects were spent on this block and the loss should be raised."""
+        if self.state is Client.FLYING:  # which of the steps in flight the server ran is unknown: rebuild
+            self._rebuild = True
+            self._flight, self._live, self._assume, self._block = [], [], None, None
         self._move("lost")
         self._sent = None
         if self._replay is not None:  # a partly rebuilt session is useless; the next one starts over
@@ -254,6 +300,7 @@ class ClientLink:
         if rows:
             self._history.append(self._pending[rows])
         self.keep = tuple(rows)
+        self._to_resolve = True
         self.committed += len(rows)
         self._pending = None
 
@@ -262,16 +309,102 @@ class ClientLink:
         the keep list); False otherwise. Shortening the keep list drops them there with no round trip."""
         if rows <= 0:
             return True
-        if rows > len(self.keep) or not self._history:
+        last = self._also[-1].rows if self._also else self.keep
+        if rows > len(last) - bool(self._also) or not self._history:  # a block resolved after `keep` keeps its root
             return False
         self._move("uncommit")
-        self.keep = self.keep[: len(self.keep) - rows]
+        if self._also:
+            self._also[-1] = Assumed(self._also[-1].seq, last[: len(last) - rows])
+        else:
+            self.keep = self.keep[: len(self.keep) - rows]
         self.committed -= rows
         self._history[-1] = self._history[-1][: self._history[-1].shape[0] - rows]
         return True
 
     def close(self) -> None:
         self._move("close")
+
+    # -- blocks in flight (v3) ----------------------------------------------------------------------
+    @property
+    def live(self) -> int:
+        """Blocks sent ahead that are neither resolved nor dropped (answered or not)."""
+        return len(self._live)
+
+    @property
+    def submitted(self) -> bool:
+        """A block is submitted and not sent yet."""
+        return self._block is not None
+
+    @property
+    def flying(self) -> int:
+        """Steps sent ahead whose replies have not come yet (dropped ones included)."""
+        return len(self._flight)
+
+    def submit_ahead(self, block: Block, assume: list[tuple[int, ...]]) -> None:
+        """The next block, sent without waiting for the live blocks' replies: `assume` holds the rows it
+        assumes kept of each live block, oldest first (every live block, its positions following from them)."""
+        assert self._block is None and self.state is not Client.PENDING, "commit the previous block first"
+        assert len(assume) == len(self._live), (len(assume), len(self._live))
+        assert len(self._live) < self.max_in_flight, "the session's blocks in flight are all out"
+        self._block, self._assume = block, tuple(tuple(rows) for rows in assume)
+
+    def _send_ahead(self) -> Step:
+        self._move("send_ahead")
+        block, assume = self._block, self._assume
+        keep = self.keep if self._to_resolve else ()  # else the step assumes the oldest pending block
+        assumed = tuple(self._also) + tuple(Assumed(f.seq, rows) for f, rows in zip(self._live, assume))
+        step = Step(self.seq, keep, block.positions, block.structure, block.hidden, self.wire_dtype, assumed,
+                    len(self._also))
+        flight = _Flight(self.seq, block.hidden, self.committed)
+        self.seq += 1
+        self.keep, self._to_resolve, self._also = (), False, []
+        self._flight.append(flight)
+        self._live.append(flight)
+        self._block = self._assume = None
+        return step
+
+    def _ahead_answered(self, result: Result) -> Answered | None:
+        """The reply to the oldest step in flight; None when that block was dropped meanwhile."""
+        flight = self._flight[0]
+        if result.seq != flight.seq:
+            raise ProtocolError("the server's reply does not answer the oldest step in flight.")
+        if result.hidden.shape[0] != flight.hidden.shape[0]:
+            raise ProtocolError(
+                f"the server returned {result.hidden.shape[0]} rows for a {flight.hidden.shape[0]}-row block."
+            )
+        self._flight.pop(0)
+        self._move("ahead_result" if self._flight else "landed")
+        self._attempts = 0
+        if not flight.wanted:
+            return None
+        if result.committed != flight.committed:
+            raise ProtocolError(
+                f"the server reports {result.committed} committed rows where this client has {flight.committed}; "
+                "it is out of step or misbehaving, so its output cannot be trusted."
+            )
+        flight.answered = True
+        return Answered(result)
+
+    def resolve(self, rows: list[int]) -> None:
+        """Accept `rows` of the oldest live block (answered): the next step tells the cloud (keep)."""
+        flight = self._live[0]
+        assert flight.answered, "resolve answered blocks only"
+        self._move("resolve")
+        self._live.pop(0)
+        if rows:
+            self._history.append(flight.hidden[rows])
+        if self._to_resolve:  # no step went since the last resolution: the next one commits both
+            self._also.append(Assumed(flight.seq, tuple(rows)))
+        else:
+            self.keep, self._to_resolve = tuple(rows), True
+        self.committed += len(rows)
+
+    def drop_live(self) -> None:
+        """Forget every live block (their assumption failed, or decoding ended): the next step builds on none
+        of them, which drops them on the cloud, and their replies are discarded when they come."""
+        for flight in self._live:
+            flight.wanted = False
+        self._live = []
 
 
 # -- server ---------------------------------------------------------------------------------------------
@@ -302,35 +435,115 @@ def check_resume(hello: Hello, wire_dtype: str, head_layers: int, asked_head_lay
         )
 
 
+@dataclass(frozen=True)
+class PendingBlock:
+    """A block the cloud ran whose rows the client has not resolved yet."""
+
+    seq: int
+    positions: tuple[int, ...]
+    assume: tuple[Assumed, ...] = ()  # the earlier pending blocks it ran assuming accepted (v3)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a valid step does to its session, oldest pending block first."""
+
+    resolves: tuple[tuple[int, ...], ...]  # rows to commit of each of the oldest pending blocks, in order
+    pending: tuple[PendingBlock, ...]  # the pending blocks the step builds on; every other one is dropped
+    committed: int  # committed rows once `resolves` are applied
+
+
 def check_step(
     step: Step,
     next_seq: int,
     wire_dtype: str,
     committed: int,
-    pending_rows: int,
-    pending_positions: tuple[int, ...],
+    pending: tuple[PendingBlock, ...],
     max_position: int,
-) -> int:
-    """A step against its session: seq, dtype, keep list, positions. Returns the committed rows once the
-    keep list is applied. committed: rows the session holds; pending_rows and pending_positions: the
-    previous block's rows still in its cache and their positions."""
+    max_in_flight: int = 1,
+) -> StepPlan:
+    """A step against its session: seq, dtype, keep list, assumptions, positions. committed: rows the
+    session holds; pending: the blocks it ran that are not resolved, oldest first; max_in_flight: blocks
+    that may be pending at once, the step's own included (1 before v3).
+
+    A step resolves the oldest pending block with its keep list, unless it assumes that block (then its keep
+    list is empty), and then the next `resolved` ones with their rows in `assume`; it builds on the pending
+    blocks it assumes after those, which must be the next ones in order, each still valid (run under the
+    same assumptions), and drops every later one.
+    """
     if step.seq != next_seq:
         raise ProtocolError(f"step seq {step.seq} is out of order; the session expects {next_seq}.")
     if step.wire_dtype != wire_dtype:
         raise ProtocolError(f"step tensor is {step.wire_dtype}, but the session uses {wire_dtype}.")
-    if any(r >= pending_rows for r in step.keep):
-        raise ProtocolError(f"keep names rows beyond the previous block of {pending_rows} rows.")
-    for j, row in enumerate(step.keep):
-        if pending_positions[row] != committed + j:
-            raise ProtocolError("kept rows must form a contiguous path that continues the committed sequence.")
-    committed += len(step.keep)
+    if len(step.assume) - step.resolved >= max_in_flight:
+        raise ProtocolError(
+            f"this session allows {max_in_flight} block(s) in flight, so a step may assume at most "
+            f"{max_in_flight - 1} earlier one(s); send fewer ahead (a v3 hello asks for blocks in flight)."
+        )
+    rest: list[PendingBlock | None] = list(pending)
+    resolves: list[tuple[int, ...]] = []
+    if step.assume and rest and step.assume[0].seq == rest[0].seq and not step.resolved:
+        if step.keep:
+            raise ProtocolError(f"a step that assumes block {rest[0].seq} cannot also keep rows of it.")
+    else:
+        oldest = rest.pop(0) if rest else None
+        _check_path(step.keep, oldest.positions if oldest else (), committed, "keep")
+        committed += len(step.keep)
+        resolves.append(step.keep)
+        rest = [_after_resolution(block, oldest.seq, step.keep) for block in rest] if oldest else rest
+    for settled in step.assume[: step.resolved]:
+        block = rest.pop(0) if rest else None
+        if block is None or block.seq != settled.seq or block.assume:
+            raise ProtocolError(f"the step resolves block {settled.seq}, which is not the next valid block in flight.")
+        _check_path(settled.rows, block.positions, committed, "assume")
+        committed += len(settled.rows)
+        resolves.append(settled.rows)
+        rest = [_after_resolution(later, block.seq, settled.rows) for later in rest]
+    kept = _check_assumptions(step, step.assume[step.resolved :], rest, committed, max_position)
+    return StepPlan(tuple(resolves), kept, committed)
+
+
+def _after_resolution(block: PendingBlock | None, seq: int, kept: tuple[int, ...]) -> PendingBlock | None:
+    """`block` once pending block `seq` kept `kept`: its assumption about it settled, or None when it failed."""
+    if block is None or not block.assume or block.assume[0] != Assumed(seq, tuple(kept)):
+        return None
+    return PendingBlock(block.seq, block.positions, block.assume[1:])
+
+
+def _check_assumptions(step: Step, assume, rest: list[PendingBlock | None], committed: int, max_position: int):
+    live = [b.seq for b in rest if b is not None]
+    named = [a.seq for a in assume]
+    if named != [b.seq if b is not None else None for b in rest[: len(named)]]:
+        raise ProtocolError(
+            f"the step assumes blocks {named}, but the valid blocks in flight on this session are {live}; "
+            "assume them oldest first, and never a block whose own assumption failed."
+        )
+    base = committed
+    for i, (assumed, block) in enumerate(zip(assume, rest)):
+        if block.assume != assume[:i]:
+            raise ProtocolError(
+                f"block {block.seq} ran assuming other rows of the blocks before it than this step assumes; "
+                "its assumption fails under this step's, so do not build on it."
+            )
+        _check_path(assumed.rows, block.positions, base, "assume")
+        base += len(assumed.rows)
     q = len(step.positions)
     depths = step.structure.depths(q)
     if depths is not None:
-        if list(step.positions) != [committed + d for d in depths]:
-            raise ProtocolError(f"block positions must be the committed length ({committed}) plus each row's depth.")
-    elif not all(committed <= p < committed + q for p in step.positions):
-        raise ProtocolError(f"matrix block positions must lie in [{committed}, {committed + q}).")
+        if list(step.positions) != [base + d for d in depths]:
+            raise ProtocolError(f"block positions must be the committed length ({base}) plus each row's depth.")
+    elif not all(base <= p < base + q for p in step.positions):
+        raise ProtocolError(f"matrix block positions must lie in [{base}, {base + q}).")
     if max(step.positions) >= max_position:
         raise ProtocolError(f"position {max(step.positions)} exceeds the model's context of {max_position} tokens.")
-    return committed
+    return tuple(rest[: len(assume)])
+
+
+def _check_path(rows: tuple[int, ...], positions: tuple[int, ...], committed: int, name: str) -> None:
+    """`rows` of a pending block at `positions` form a contiguous path continuing `committed` rows."""
+    if any(r >= len(positions) for r in rows):
+        what = "the previous block" if name == "keep" else "the assumed block"
+        raise ProtocolError(f"{name} names rows beyond {what} of {len(positions)} rows.")
+    for j, row in enumerate(rows):
+        if positions[row] != committed + j:
+            raise ProtocolError(f"{name}: kept rows must form a contiguous path that continues the committed sequence.")

@@ -3,7 +3,8 @@
     client -> server   Hello   open or resume a session; pins the cloud shard fingerprint and split (and,
                                under split-point randomisation, the session's head depth k)
                        Step    one block: hidden states [q, d] + positions + block structure, and the
-                               rows of the previous block to keep (lazy KV commit)
+                               rows of the previous block to keep (lazy KV commit); from v3, the earlier
+                               blocks still in flight it assumes accepted, with the rows it assumes kept
                        Close   end the session and free its cache
                        Probe   N payload bytes, asking for M reply bytes (path measurement; no session)
     server -> client   Welcome the session id and the limits the client must respect
@@ -42,7 +43,12 @@ PROTOCOL_VERSION = 1  # the base protocol: every message, and every hello that d
 # feature refuses it with a version error instead of ignoring the field and running the wrong layers.
 # Hellos without it stay v1, byte for byte, so old servers and old clients keep working with new ones.
 SPLIT_PIN_VERSION = 2
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION, SPLIT_PIN_VERSION)
+# A hello that says v3 asks for blocks in flight: its steps may name earlier unresolved blocks they assume
+# accepted (`assume`), and its welcome says how many blocks may be in flight. A server from before refuses
+# the hello with a version error, and the client falls back to one block at a time.
+PIPELINE_VERSION = 3
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION, SPLIT_PIN_VERSION, PIPELINE_VERSION)
+MAX_ASSUMED = 8  # earlier blocks one step may assume; the server's own limit (welcome) is smaller
 MAX_POSITION = 1 << 24
 MAX_ERROR_CHARS = 1000  # error sentences are cut here; peers' values are quoted shorter still
 MAX_PROBE_BYTES = 1 << 30  # decoder bound on a probe's reply size; the server applies its message limit
@@ -94,20 +100,30 @@ class Welcome:
     max_block_rows: int
     next_seq: int = 0  # the seq the server expects next (a resumed client checks it)
     version: int = PROTOCOL_VERSION
+    max_in_flight: int = 1  # blocks a v3 session may have in flight (pending on the server) at once
 
     def encode(self) -> bytes:
-        return encode_frame(
-            {
-                "type": "welcome",
-                "next_seq": self.next_seq,
-                "version": self.version,
-                "session_id": self.session_id,
-                "committed": self.committed,
-                "resumed": self.resumed,
-                "max_message_bytes": self.max_message_bytes,
-                "max_block_rows": self.max_block_rows,
-            }
-        )
+        header = {
+            "type": "welcome",
+            "next_seq": self.next_seq,
+            "version": self.version,
+            "session_id": self.session_id,
+            "committed": self.committed,
+            "resumed": self.resumed,
+            "max_message_bytes": self.max_message_bytes,
+            "max_block_rows": self.max_block_rows,
+        }
+        if self.version >= PIPELINE_VERSION:
+            header["max_in_flight"] = self.max_in_flight
+        return encode_frame(header)
+
+
+@dataclass(frozen=True)
+class Assumed:
+    """An earlier block still in flight that a step builds on, and the rows of it the step assumes kept."""
+
+    seq: int
+    rows: tuple[int, ...]  # ascending block rows: a contiguous path from the block's root
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,6 +134,8 @@ class Step:
     structure: BlockStructure
     hidden: torch.Tensor  # [q, d]
     wire_dtype: str = "float16"
+    assume: tuple[Assumed, ...] = ()  # v3: earlier blocks in flight, oldest first, this block assumes accepted
+    resolved: int = 0  # v3: the first `resolved` of `assume` are already resolved: commit them after `keep`
 
     def encode(self) -> bytes:
         spec, raw = encode_tensor(self.hidden, self.wire_dtype)
@@ -129,6 +147,10 @@ class Step:
             "structure": self.structure.as_dict(),
             "tensor": spec,
         }
+        if self.assume:  # absent otherwise, so a step without assumptions is the v1 step byte for byte
+            header["assume"] = [{"seq": a.seq, "keep": keep_runs(a.rows)} for a in self.assume]
+        if self.resolved:
+            header["resolved"] = self.resolved
         return encode_frame(header, raw)
 
 
@@ -238,6 +260,25 @@ def _decode_keep(value: object, max_rows: int) -> list[int]:
     return rows
 
 
+def _decode_assume(value: object, seq: int, max_rows: int) -> tuple[Assumed, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_ASSUMED:
+        raise ProtocolError(f"field 'assume' must be a list of 1 to {MAX_ASSUMED} {{seq, keep}} objects.")
+    assumed: list[Assumed] = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise ProtocolError("field 'assume' must be a list of {seq, keep} objects.")
+        earlier = check_int(item.get("seq"), "assume.seq", 0)
+        if earlier >= seq or (assumed and earlier <= assumed[-1].seq):
+            raise ProtocolError("assumed blocks must be earlier steps than the step itself, in ascending seq order.")
+        rows = _decode_keep(item.get("keep"), max_rows)
+        if not rows:
+            raise ProtocolError("an assumed block keeps at least its root row; assume only blocks you keep.")
+        assumed.append(Assumed(earlier, tuple(rows)))
+    return tuple(assumed)
+
+
 def _decode_structure(value: object, q: int) -> BlockStructure:
     if not isinstance(value, dict) or value.get("kind") not in STRUCTURE_KINDS:
         raise ProtocolError(f"field 'structure' must be an object with kind in {STRUCTURE_KINDS}.")
@@ -301,7 +342,9 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
             raise ProtocolError(f"field 'positions' has {len(positions)} entries for {q} rows.")
         keep = _decode_keep(header.get("keep"), limits.max_block_rows)
         structure = _decode_structure(header.get("structure"), q)
-        return Step(seq, tuple(keep), tuple(positions), structure, hidden, wire_dtype=header["tensor"]["dtype"])
+        assume = _decode_assume(header.get("assume"), seq, limits.max_block_rows)
+        resolved = check_int(header.get("resolved", 0), "resolved", 0, len(assume))
+        return Step(seq, tuple(keep), tuple(positions), structure, hidden, header["tensor"]["dtype"], assume, resolved)
     if kind == "close":
         return Close()
     if kind == "probe":
@@ -334,6 +377,7 @@ def decode_server_message(data: bytes, limits: Limits) -> ServerMessage:
             max_block_rows=check_int(header.get("max_block_rows"), "max_block_rows", 1),
             next_seq=check_int(header.get("next_seq"), "next_seq", 0),
             version=_check_version(header),
+            max_in_flight=check_int(header.get("max_in_flight", 1), "max_in_flight", 1, MAX_ASSUMED + 1),
         )
     if kind == "error":
         seq = header.get("seq")

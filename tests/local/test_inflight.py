@@ -1,0 +1,170 @@
+"""Blocks in flight over a real WebSocket: greedy output identical to one block at a time for D = 1, 2, 3 on
+tiny Llama, Mistral and Qwen2, with forced mispredictions, a dropped link, an old server, and sampling."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from splitinfer.cloud import sessions as sessions_module
+from splitinfer.cloud.server import ServerConfig, ServerThread
+from splitinfer.cloud.sessions import SessionConfig
+from splitinfer.decoding.draft import Draft
+from splitinfer.decoding.loop import decode
+from splitinfer.decoding.sampling import SamplingConfig, make_chooser
+from splitinfer.decoding.strategies import Strategy
+from splitinfer.local.client import SplitClient
+from splitinfer.local.middle import RemoteMiddle
+from splitinfer.local.session import ClientConfig, SplitSession
+from splitinfer.model.shards import load_cloud, load_local
+
+from tiny import hf_greedy, prepare_tiny
+
+PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71, 3, 17, 42, 5, 88]
+N = 24
+
+
+class Scripted(Strategy):
+    """Drafts from a known continuation, wrong on purpose now and then; and its guesses of the next root (what
+    a block in flight assumes) are wrong every third time, so blocks in flight are dropped and sent again, and
+    missing every seventh time, so two blocks resolve with no step sent between them."""
+
+    name = "scripted"
+
+    def __init__(self, text: list[int]):
+        self.text, self.proposed, self.predicted = text, 0, 0
+
+    def _next(self, history: list[int], n: int) -> list[int]:
+        if history != self.text[: len(history)]:
+            return []
+        return self.text[len(history) : len(history) + n]
+
+    def propose(self, history):
+        self.proposed += 1
+        tokens = self._next(history, 1 + self.proposed % 3)
+        if tokens and self.proposed % 4 == 0:
+            tokens[-1] = (tokens[-1] + 1) % 96  # a draft the model rejects at its last node
+        return Draft(tokens=tokens, parents=list(range(len(tokens))), scores=[0.9] * len(tokens))
+
+    def predict(self, history, nodes):
+        self.predicted += 1
+        if self.predicted % 7 == 0:
+            return Draft()
+        guess = self._next(history, 1) or [history[-1]]
+        if self.predicted % 3 == 0:
+            guess = [(guess[0] + 1) % 96]  # a root the model does not choose: the block in flight is dropped
+        return Draft(tokens=guess, parents=[0], scores=[0.5])
+
+
+def config(depth: int) -> ClientConfig:
+    return ClientConfig(wire_dtype="float32", prefill_chunk=8, retry_backoff_s=0.05, in_flight=depth)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def served(request, tmp_path_factory):
+    model, shards = prepare_tiny(tmp_path_factory.mktemp("inflight"), request.param, 2, 2)
+    expected = hf_greedy(model, PROMPT, N)
+    with ServerThread(load_cloud(shards / "cloud")) as server:
+        yield shards, server, expected
+
+
+def remote(local, url: str) -> RemoteMiddle:
+    split = local.manifest["split"]
+    return RemoteMiddle(url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, "float32")
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
+    shards, server, expected = served
+    client = SplitClient.connect(shards / "local", server.url, config(depth), allow_public_weights=True)
+    for strategy in (Scripted(PROMPT + expected), "tree"):
+        generation = client.generate(PROMPT, max_new_tokens=N, strategy=strategy, stop_ids=set())
+        assert generation.token_ids == expected
+        kinds = [s["kind"] for s in generation.steps]
+        if isinstance(strategy, Scripted):  # forced mispredictions: blocks in flight were dropped
+            assert ("dropped" in kinds) == (depth > 1)
+    assert len(server.server.table) == 0 or all(s.busy == 0 for s in server.server.table._sessions.values())
+
+
+class Unlikely(Scripted):
+    """Guesses right, but with scores too low to be worth a block ahead."""
+
+    def predict(self, history, nodes):
+        guess = self._next(history, 1) or [history[-1]]
+        return Draft(tokens=guess, parents=[0], scores=[0.1])
+
+
+def test_unlikely_guesses_are_not_sent_ahead(served):
+    shards, server, expected = served
+    local = load_local(shards / "local")
+    tokens, session = run(local, remote(local, server.url), Unlikely(PROMPT + expected), 2)
+    assert tokens == expected and session.in_flight == 2
+    assert all(r.assumed == 0 and r.kind == "decode" for r in session.records if r.kind != "prefill")
+
+
+def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choose=None):
+    session = SplitSession(local, middle, config(depth))
+    tokens: list[int] = []
+
+    def emit(token, _logprob):
+        tokens.append(token)
+        hook(len(tokens), session)
+
+    logits = session.prefill(PROMPT)
+    decode(session, list(PROMPT), logits, N, set(), emit, strategy, choose or make_chooser(None))
+    session.close()
+    return tokens, session
+
+
+def test_a_dropped_link_with_blocks_in_flight_recovers_with_identical_output(served):
+    shards, server, expected = served
+    local = load_local(shards / "local")
+
+    def drop(i, session):
+        if i in (5, 13):
+            assert session.link.flying  # blocks are in flight when the link goes
+            session.middle._ws.close()
+
+    tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 2, drop)
+    assert tokens == expected
+    assert sum(r.recoveries for r in session.records) == 2
+
+
+def test_ttl_expiry_with_blocks_in_flight_recovers_with_identical_output(served):
+    shards, _, expected = served
+    local = load_local(shards / "local")
+    config = ServerConfig(port=0, sessions=SessionConfig(ttl_s=0.2), sweep_interval_s=0.05)
+    with ServerThread(load_cloud(shards / "cloud"), config) as server:
+
+        def idle(i, session):
+            if i == 6:
+                assert session.link.flying
+                time.sleep(0.6)  # longer than the TTL: the server drops the session, blocks in flight and all
+                assert len(server.server.table) == 0
+
+        tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 2, idle)
+    assert tokens == expected
+    assert sum(r.recoveries for r in session.records) == 1
+
+
+def test_an_old_server_gets_one_block_at_a_time(served, monkeypatch):
+    shards, server, expected = served
+    monkeypatch.setattr(sessions_module, "SUPPORTED_VERSIONS", (1, 2))  # a server from before v3
+    local = load_local(shards / "local")
+    tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 3)
+    assert tokens == expected
+    assert session.in_flight == 1 and session.link.welcome.version == 1
+    assert all(r.kind != "dropped" for r in session.records)
+
+
+def test_sampling_with_blocks_in_flight_reproduces_one_block_at_a_time(served):
+    shards, server, _ = served
+    local = load_local(shards / "local")
+    sampling = SamplingConfig(temperature=1.0, seed=7)
+    outputs = []
+    for depth in (1, 2):
+        text = PROMPT + run(local, remote(local, server.url), Strategy(), 1, choose=make_chooser(sampling))[0]
+        tokens, _ = run(local, remote(local, server.url), Scripted(text), depth, choose=make_chooser(sampling))
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1]
