@@ -33,10 +33,10 @@ from .draft import TokenTrie
 
 @dataclass(frozen=True)
 class HeadDraftConfig:
-    top_k: int = 4  # children per expanded node
-    beam: int = 4  # nodes expanded per depth
-    max_depth: int = 6
-    max_nodes: int = 24
+    top_k: int = 3  # children per expanded node
+    beam: int = 2  # nodes expanded per depth
+    max_depth: int = 3  # each depth is one head pass and one readout; deeper nodes are rarely accepted
+    max_nodes: int = 10
     min_path_prob: float = 0.05  # expand only nodes at least this likely (calibrated path probability)
     calibration_prior: float = 2.0  # predicted units each calibration ratio starts from, at ratio 1
     calibration_decay: float = 0.98  # weight of history in each ratio

@@ -17,6 +17,7 @@ TRAIN_OPTIONS = (
     Opt("seed", help="seed of the prompts, the sampling and the training"),
     Opt("steps", help="training steps"),
     Opt("batch", help="windows per training step"),
+    Opt("lr", help="peak learning rate (warm-up, then cosine to a tenth)"),
     Opt("window", help="rows per window"),
     Opt("draft_vocab_size", help="token ids the head can draft (the most frequent ones)"),
     Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),
