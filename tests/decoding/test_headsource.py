@@ -52,7 +52,7 @@ def test_incremental_cache_equals_one_pass(tmp_path):
 def test_propose_builds_a_bounded_tree_with_conditional_probabilities(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     local = local_only_client(shards).local
-    drafter = HeadDrafter(random_head(local), HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=10))
+    drafter = HeadDrafter(random_head(local), HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=10, min_path_prob=0.0))
     drafter.start(PROMPT, torch.randn(len(PROMPT), local.config.hidden_size))
     trie = TokenTrie()
     assert drafter.propose(4, trie) == 10 == len(trie)
@@ -91,3 +91,20 @@ def test_the_tree_drafts_with_the_head_only_when_it_pays_and_still_explores(tmp_
     assert [tree._head_pays() for _ in range(8)] == [False, False, False, True] * 2
     tree._ms_per_token = Ratio(1.0, 1.0, prior_ratio=500.0)  # a slow link: every head token is worth drafting
     assert all(tree._head_pays() for _ in range(5))
+
+
+def test_unlikely_nodes_are_not_expanded_and_tested_nodes_calibrate_their_depth(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = local_only_client(shards).local
+    features = torch.randn(len(PROMPT) + 8, local.config.hidden_size)
+    drafter = HeadDrafter(random_head(local), HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=10, min_path_prob=1.0))
+    drafter.start(PROMPT, features[: len(PROMPT)])
+    assert drafter.propose(4, TokenTrie()) == 3  # the root's children only: none is certain enough to expand
+    first = max(drafter._nodes[:3], key=lambda n: n.raw)
+    assert first.key == (1, True)
+    before = drafter._ratio((1, True)).value
+    # The emitted token is the head's first choice: that node hit, its siblings missed.
+    drafter.observe(features[len(PROMPT) : len(PROMPT) + 2], [first.token, 9])
+    assert drafter._ratio((1, True)).value > before
+    assert drafter._ratio((1, False)).value < before
+    assert drafter._nodes == []  # each tree teaches once

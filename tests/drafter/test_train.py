@@ -14,7 +14,7 @@ from splitinfer.drafter.corpus import benchmark_prompts, build_prompts, check_no
 from splitinfer.errors import ConfigError
 from splitinfer.model.drafthead import HEAD_WEIGHTS
 
-TOY = train.TrainConfig(tokens=24, steps=4, max_new_tokens=6, generate_batch=4, batch=2, window=16,
+TOY = train.TrainConfig(tokens=24, prompts=8, steps=4, max_new_tokens=6, generate_batch=4, batch=2, window=16,
                         draft_vocab_size=256, intermediate_size=64, checkpoint_every=2)
 
 

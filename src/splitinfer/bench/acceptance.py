@@ -25,6 +25,7 @@ import json
 import shlex
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -38,15 +39,23 @@ SOURCES = {
     "recycling-warm": "Token Recycling from the shipped table (build-recycling)",
     "tree": "suffix index + Token Recycling from an empty table",
     "tree-warm": "suffix index + Token Recycling from the shipped table",
+    "head": "the learned draft head alone, drafting every step (--head, default: the one installed in the shards)",
+    "tree-warm-head": "suffix index + Token Recycling from the shipped table + the learned draft head, every step",
 }
+NEEDS_HEAD = ("head", "tree-warm-head")
 DEFAULT_SOURCES = "suffix,suffix-memory,recycling,recycling-warm,tree,tree-warm"
 MAX_REPORTED_DEPTH = 12
 
 
-def _strategy_factory(name: str, nodes: int, table, memory):
+def _strategy_factory(name: str, nodes: int, table, memory, head=None):
     """A function making a fresh strategy for one generation of source `name`."""
     from ..decoding.strategies import STRATEGIES, Tree, TreeConfig, make_strategy
 
+    if name in NEEDS_HEAD and head is None:
+        raise ConfigError(f"source {name!r} needs a draft head: install one with `splitinfer prepare`, pass --head, "
+                          "or drop the source.")
+    # Drafting with the head every step measures what it predicts, not whether it paid on this machine.
+    head_only = TreeConfig(fixed_nodes=nodes, suffix_depth=0, recycling_nodes=0, head_explore_every=1)
     suffix_only = TreeConfig(fixed_nodes=nodes, recycling_nodes=0)
     recycling_only = TreeConfig(fixed_nodes=nodes, suffix_depth=0)
     both = TreeConfig(fixed_nodes=nodes)
@@ -57,6 +66,8 @@ def _strategy_factory(name: str, nodes: int, table, memory):
         "recycling-warm": lambda: Tree(recycling_only, recycling_table=table),
         "tree": lambda: Tree(both),
         "tree-warm": lambda: Tree(both, recycling_table=table),
+        "head": lambda: Tree(head_only, head=head),
+        "tree-warm-head": lambda: Tree(replace(both, head_explore_every=1), recycling_table=table, head=head),
     }
     if name in factories:
         if name.endswith("-warm") and table is None:
@@ -129,16 +140,31 @@ def _merge(counts: list[dict]) -> dict:
     }
 
 
+def _load_head(client, directory: Path | None):
+    """The head in `directory` (checked against the model), or the one the client loaded from its shards."""
+    if directory is None:
+        return client.draft_head
+    from ..model.drafthead import load_head, read_head_info
+    from ..model.shards import model_identity
+
+    if read_head_info(directory).get("model_fingerprint") != model_identity(client.local.manifest):
+        raise ConfigError(f"the draft head in {directory} was trained for another model; pass a head for this one.")
+    local = client.local
+    return load_head(directory, local.embed, local.norm, local.lm_head, getattr(local.config, "final_logit_softcapping", None))
+
+
 def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, max_new_tokens: int,
-            table_dir: Path | None = None) -> dict:
+            table_dir: Path | None = None, head_dir: Path | None = None) -> dict:
     """Per source: per-generation counts and their summaries per category and over all prompts.
 
-    table_dir: the recycling table the -warm sources start from (default: the one shipped for the model)."""
+    table_dir: the recycling table the -warm sources start from (default: the one shipped for the model);
+    head_dir: the draft head of the head sources (default: the one installed in the shards)."""
     from ..decoding.warm import RecyclingTable, SuffixMemory
     from ..inprocess import local_only_client
 
     client = local_only_client(shards)
     table = RecyclingTable.load(table_dir) if table_dir is not None else client.recycling_table
+    head = _load_head(client, head_dir)
     stop = client.stop_ids() if client.local.tokenizer is not None else set()
     encoded = {p["id"]: list(p["prompt"]) if isinstance(p["prompt"], list) else client.encode_prompt(p["prompt"], p.get("chat", True))
                for p in prompts}
@@ -146,7 +172,7 @@ def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, m
              for pid, ids in encoded.items()}
     results = {}
     for name in sources:
-        make = _strategy_factory(name, nodes, table, SuffixMemory())
+        make = _strategy_factory(name, nodes, table, SuffixMemory(), head)
         per_prompt = {}
         for p in prompts:
             recorder = DepthRecorder(make())
@@ -226,8 +252,10 @@ def run(args) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "prompts": [p["id"] for p in prompts],
         "recycling_table": args.recycling_table or "shipped",
+        "head": args.head or "installed in the shards",
         "sources": measure(shards, prompts, sources, args.nodes, args.max_new_tokens,
-                           Path(args.recycling_table) if args.recycling_table else None),
+                           Path(args.recycling_table) if args.recycling_table else None,
+                           Path(args.head) if args.head else None),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,6 +274,7 @@ def _options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--nodes", type=int, default=16, help="draft nodes per step for the named sources")
     s.add_argument("--max-new-tokens", type=int, default=96)
     s.add_argument("--recycling-table", help="folder of a recycling table for the -warm sources (default: the shipped one)")
+    s.add_argument("--head", help="folder of a draft head for the head sources (default: the one installed in the shards)")
 
 
 def register(sub) -> None:

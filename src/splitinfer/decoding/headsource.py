@@ -7,6 +7,14 @@ never enter the cache, so nothing has to be undone. The newest pair's prediction
 model's next feature as the head sees it; `propose` grows a tree below the root from it, EAGLE-2 style:
 every depth expands the `beam` nodes of highest path probability into their `top_k` children, for at
 most `max_depth` levels and `max_nodes` nodes, and adds each node with its conditional probability.
+Expansion stops where no node of a level reaches `min_path_prob`: on text the head cannot predict,
+drafting costs one or two head passes instead of `max_depth`.
+
+The head's softmax is not a calibrated probability (it is over- or under-confident by depth and by rank
+among siblings), and the trie ranks its nodes against the other sources' by these numbers. So each node's
+probability is the head's times a `Ratio` (calibration.py) keyed by (depth, whether it is its parent's
+first choice), learned from every step: a proposed node whose path to it matches the emitted tokens was
+tested by them, whether or not the block carried it (predicted += head probability, accepted += hit).
 
 Only the trusted side runs this: the head's input features come from its own tail layers.
 """
@@ -19,15 +27,20 @@ from dataclasses import dataclass
 import torch
 
 from ..model.drafthead import DraftHead, HeadCache
+from .calibration import Ratio
 from .draft import TokenTrie
 
 
 @dataclass(frozen=True)
 class HeadDraftConfig:
-    top_k: int = 4  # children per expanded node
-    beam: int = 4  # nodes expanded per depth
-    max_depth: int = 6
-    max_nodes: int = 24
+    top_k: int = 3  # children per expanded node
+    beam: int = 2  # nodes expanded per depth
+    max_depth: int = 3  # each depth is one head pass and one readout; deeper nodes are rarely accepted
+    max_nodes: int = 10
+    min_path_prob: float = 0.05  # expand only nodes at least this likely (calibrated path probability)
+    calibration_prior: float = 2.0  # predicted units each calibration ratio starts from, at ratio 1
+    calibration_decay: float = 0.98  # weight of history in each ratio
+    calibration_depths: int = 4  # deeper nodes share the last depth's ratios
 
 
 @dataclass
@@ -35,8 +48,10 @@ class _Node:
     token: int
     parent: int  # index of the parent node, -1 below the tip
     depth: int  # 1 for the root's children
-    prob: float  # conditional probability given the parent
+    prob: float  # conditional probability given the parent, calibrated
     path_prob: float
+    raw: float  # the head's own probability
+    key: tuple[int, bool]  # (depth, first choice) of its calibration ratio
 
 
 class HeadDrafter:
@@ -45,7 +60,27 @@ class HeadDrafter:
         self.config = config
         self.draft_ms = 0.0  # wall time of the last `propose`
         self.drafted = 0  # nodes it added
+        self.ratios: dict[tuple[int, bool], Ratio] = {}
+        self._nodes: list[_Node] = []  # the last proposed tree, until its step is observed
         self._reset(0)
+
+    def _ratio(self, key: tuple[int, bool]) -> Ratio:
+        if key not in self.ratios:
+            self.ratios[key] = Ratio(self.config.calibration_prior, self.config.calibration_decay, floor=0.05, cap=4.0)
+        return self.ratios[key]
+
+    def _calibrate(self, emitted: list[int]) -> None:
+        """Learn from the last proposed tree: a node was tested when its ancestors' tokens are the emitted
+        ones before its depth."""
+        matched = {-1: True}
+        for i, node in enumerate(self._nodes):
+            matched[i] = False
+            if node.depth > len(emitted) or not matched[node.parent]:
+                continue
+            hit = node.token == emitted[node.depth - 1]
+            matched[i] = hit
+            self._ratio(node.key).update(node.raw, float(hit))
+        self._nodes = []
 
     def _reset(self, position: int) -> None:
         self.cache = HeadCache()
@@ -66,6 +101,7 @@ class HeadDrafter:
         """features: [k + 1, d] of the accepted path's rows (root first); emitted: the k accepted drafts and
         the next root, the token that followed each of those rows."""
         self.pending = None
+        self._calibrate(emitted)
         self._extend(features, emitted)
 
     def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
@@ -103,7 +139,10 @@ class HeadDrafter:
         tree_keys = tree_values = None
         rows: dict[int, int] = {}  # expanded node -> its row among the tree's keys
         while level and len(nodes) < self.config.max_nodes and nodes[level[0]].depth < self.config.max_depth:
-            expand = sorted(level, key=lambda i: -nodes[i].path_prob)[: self.config.beam]
+            expand = [i for i in sorted(level, key=lambda i: -nodes[i].path_prob)[: self.config.beam]
+                      if nodes[i].path_prob >= self.config.min_path_prob]
+            if not expand:
+                break
             predicted, keys, values = self._run(nodes, expand, rows, tree_keys, tree_values)
             for i in expand:
                 rows[i] = len(rows)
@@ -115,6 +154,7 @@ class HeadDrafter:
         for i in best:
             tokens, probs = self._path(nodes, i)
             trie.add_path(tokens, probs, "head")
+        self._nodes = nodes
         self.drafted = len(best)
         self.draft_ms = (time.perf_counter() - t0) * 1e3
         return self.drafted
@@ -128,9 +168,11 @@ class HeadDrafter:
         for parent, row_ids, row_ps in zip(parents, ids, top.values.tolist()):
             depth = 1 if parent < 0 else nodes[parent].depth + 1
             base = 1.0 if parent < 0 else nodes[parent].path_prob
-            for token, p in zip(row_ids, row_ps):
+            for rank, (token, p) in enumerate(zip(row_ids, row_ps)):
+                key = (min(depth, self.config.calibration_depths), rank == 0)
+                calibrated = min(p * self._ratio(key).value, 1.0)
                 added.append(len(nodes))
-                nodes.append(_Node(token, parent, depth, p, base * p))
+                nodes.append(_Node(token, parent, depth, calibrated, base * calibrated, p, key))
         return added
 
     def _run(self, nodes, expand, rows, tree_keys, tree_values):

@@ -12,9 +12,12 @@ from ..options import Opt, add_options, config_from_args, defer
 TRAIN_OPTIONS = (
     Opt("device", help="where to generate and train: cpu, cuda or cuda:N"),
     Opt("tokens", help="generated tokens to train on"),
+    Opt("prompts", help="prompts drawn from the offline corpus (generation stops at --tokens)"),
+    Opt("depth", help="draft depths trained on the head's own predictions"),
     Opt("seed", help="seed of the prompts, the sampling and the training"),
     Opt("steps", help="training steps"),
     Opt("batch", help="windows per training step"),
+    Opt("lr", help="peak learning rate (warm-up, then cosine to a tenth)"),
     Opt("window", help="rows per window"),
     Opt("draft_vocab_size", help="token ids the head can draft (the most frequent ones)"),
     Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),

@@ -39,13 +39,19 @@ TOPICS = (
     "a lighthouse keeper", "a lost cat", "the first snow of winter", "a robot learning to paint", "a dragon who "
     "is afraid of fire", "two friends on a long train ride", "a city under the sea", "an old clock", "a garden "
     "at night", "a baker who wakes up early", "a mountain village", "a message in a bottle", "the last day of "
-    "summer", "a shy astronaut", "a library that never closes", "a river that changes course",
+    "summer", "a shy astronaut", "a library that never closes", "a river that changes course", "a fox and a crow",
+    "a girl who collects stones", "a ship in a storm", "an old man and his dog", "a kite that flies away", "a "
+    "forgotten toy", "a quiet forest", "a rainy afternoon in the city", "a boy who talks to trees", "a tiny "
+    "island", "a broken bicycle", "a wizard who lost his hat", "a bear who cannot sleep", "a market at dawn",
 )
 SUBJECTS = (
     "photosynthesis", "how vaccines work", "compound interest", "the water cycle", "why the sky is blue",
     "how a refrigerator works", "the difference between weather and climate", "what inflation is", "how "
     "batteries store energy", "the rules of chess", "how bees make honey", "what a database index is",
     "how airplanes stay in the air", "the causes of tides", "how to read a map", "what recursion is",
+    "how the heart pumps blood", "why leaves change colour", "how a bicycle stays upright", "what gravity is",
+    "how rainbows form", "how the internet sends messages", "what a budget is", "how plants grow from seeds",
+    "why we sleep", "how volcanoes erupt", "what electricity is", "how to take good notes", "what a habit is",
 )
 CHATS = (
     "Hi! How are you today?", "I feel a bit tired this week. Any advice?", "What should I cook for dinner "
@@ -53,6 +59,16 @@ CHATS = (
     "What do you like to talk about?", "Tell me something interesting.", "How can I get better at waking up "
     "early?", "My friend forgot my birthday. What should I do?", "What's a fun thing to do on a rainy day?",
     "Can you help me plan a small party?", "I want to start running. Where do I begin?",
+    "I can't decide what book to read next.", "How do I make new friends in a new city?", "What is a good "
+    "way to relax after work?", "I keep procrastinating. How do I stop?", "What's your favourite season and "
+    "why?", "How do I stay motivated when learning something hard?", "Any tips for a long flight?", "I had a "
+    "great day today!", "What should I name my new puppy?", "How can I save a little money each month?",
+    "I'm bored. Suggest something to do.", "How do I say no politely?", "What makes a good teacher?",
+)
+# Appended to synthetic instructions so one subject yields many different replies.
+STYLES = (
+    "", "", " Keep it short.", " Use simple words.", " Answer in a friendly tone.", " Use a numbered list.",
+    " Write two paragraphs.", " Make it a little funny.", " Be clear and concise.", " Add an example.",
 )
 TASKS = (
     "reverses a string", "counts the vowels in a sentence", "checks whether a number is prime", "merges two "
@@ -66,6 +82,9 @@ SYNTHETIC = (
     ("Explain {x}.", SUBJECTS), ("Give three facts about {x}.", SUBJECTS), ("{x}", CHATS),
     ("Write a Python function that {x}.", TASKS), ("Write a JavaScript function that {x}.", TASKS),
     ("Write a Python function that {x}, with a docstring and a test.", TASKS),
+    ("Tell me a bedtime story about {x}.", TOPICS), ("Write a letter from {x}.", TOPICS),
+    ("What can you tell me about {x}?", SUBJECTS), ("Why is {x} important?", SUBJECTS),
+    ("Write a dialogue between two people about {x}.", SUBJECTS), ("Write a haiku about {x}.", TOPICS),
 )
 
 
@@ -93,7 +112,7 @@ def stdlib_texts(rng: random.Random) -> list[str]:
     return texts
 
 
-def system_texts(rng: random.Random, limit: int = 400) -> list[str]:
+def system_texts(rng: random.Random, limit: int = 1500) -> list[str]:
     """Excerpts of license texts and package documentation under /usr/share (plain or gzip)."""
     paths = sorted(Path("/usr/share/common-licenses").glob("*")) + sorted(Path("/usr/share/doc").glob("*/*"))
     texts = []
@@ -127,7 +146,7 @@ def build_prompts(count: int, seed: int) -> list[str]:
     texts = stdlib_texts(rng) + system_texts(rng)
     rng.shuffle(texts)
     from_text = [rng.choice(TEXT_INSTRUCTIONS).format(text=t) for t in texts[: count // 2]]
-    synthetic = [template.format(x=rng.choice(fill)) for template, fill in
+    synthetic = [template.format(x=rng.choice(fill)) + rng.choice(STYLES) for template, fill in
                  (rng.choice(SYNTHETIC) for _ in range(count - len(from_text)))]
     prompts = from_text + synthetic
     rng.shuffle(prompts)

@@ -2,15 +2,19 @@
 
 Three stages, each kept in the output directory so a run can stop and resume where it was:
 1. data.pt: chat prompts from offline text (drafter/corpus.py), the whole model's greedy and sampled
-   continuations of them (batched), and the final features before the final norm of every row, captured
-   while generating; its sha256 goes into the manifest.
-2. checkpoint.pt every `checkpoint_every` steps: head, optimiser, RNG state, loss curve, wall time.
-3. The head (head.safetensors + head.json) and manifest.json (data hash, seed, steps, losses, wall time,
-   model fingerprint, token count).
+   continuations of them (batched, prompts of similar length together), and the final features before
+   the final norm of every row, captured while generating; its sha256 goes into the manifest. While it is
+   being collected, data.partial.pt holds the batches done so far.
+2. checkpoint.pt every `checkpoint_every` steps: head, optimiser, RNG state, loss curves, wall time.
+3. The head (head.safetensors + head.json) and manifest.json (data hash, seed, steps, losses, held-out
+   losses and teacher-forced accuracy by depth, wall times, model fingerprint, token count).
 
-Loss per pair (f_t, x_{t+1}): SmoothL1 between the predicted and the true feature f_{t+1} (scaled by the
-data's feature spread) + 0.1 x cross-entropy of the draft-vocabulary logits against x_{t+2}; input
-features get a little uniform noise so the head tolerates its own prediction errors when chained.
+Every `heldout_every`-th sequence is held out of training: the held-out loss is recorded at each
+checkpoint, and the manifest gives accuracy by depth on those sequences and on the model's greedy replies
+to data/heldout.jsonl. Training windows cover each reply and the end of its prompt. The head is unrolled
+`depth` passes on its own predictions (drafter/unroll.py); each pass's loss is SmoothL1 to the true next
+feature (scaled by the data's feature spread) + `ce_weight` x cross-entropy against the model's own
+distribution over the draft vocabulary at that feature. Pass 0's input features get a little uniform noise.
 """
 
 from __future__ import annotations
@@ -30,29 +34,38 @@ from ..model.drafthead import DraftHead, DraftHeadConfig
 from ..model.shards import load_whole_hf, model_identity, read_manifest
 from ..progress import progress
 from .corpus import build_prompts
+from .unroll import accuracy, soft_cross_entropy, unroll, window_tensors
 
 DATA = "data.pt"
+PARTIAL = "data.partial.pt"  # the batches generated so far, while collecting
 # The options that shape the data (the rest only shape training, and may change on a resume).
-DATA_FIELDS = ("tokens", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share")
+DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share")
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "manifest.json"
+REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    tokens: int = 8_000  # generated tokens (continuations) to train on
+    tokens: int = 48_000  # generated tokens (continuations) to train on
+    prompts: int = 1250  # prompts drawn; generation stops at `tokens`, so a larger target only goes further
     steps: int = 300
     seed: int = 0
     device: str = "cpu"
     max_new_tokens: int = 128  # per continuation
-    generate_batch: int = 16
+    generate_batch: int = 32  # prompts per batched generate (similar lengths together)
     sampled_share: float = 0.5  # share of batches sampled (temperature 0.8) rather than greedy
     batch: int = 4  # windows per step
-    window: int = 128  # pairs per window
+    window: int = 144  # rows per window: a whole reply of max_new_tokens and the prompt rows before it
+    prompt_rows: int = 16  # prompt rows a window starts with, as context for the reply's first drafts
     lr: float = 1e-3
     draft_vocab_size: int = 8192
     intermediate_size: int = 768
     noise: float = 0.05  # uniform input-feature noise, relative to each row's RMS
+    depth: int = 2  # passes of the head on its own predictions per window (training-time test)
+    depth_decay: float = 0.8  # weight of pass e's loss: depth_decay ** e
+    ce_weight: float = 1.0  # weight of the cross-entropy against the model's readout, beside the feature loss
+    heldout_every: int = 25  # every n-th generated sequence is held out of training and measures it
     checkpoint_every: int = 50
 
 
@@ -97,18 +110,40 @@ def _eos_ids(config, tokenizer) -> list[int]:
     return ids
 
 
-def collect_data(model, tokenizer, config: TrainConfig) -> dict:
-    """Prompts -> continuations and features until `config.tokens` generated tokens are collected."""
+def _length_batches(prompts: list[list[int]], size: int, seed: int) -> list[list[list[int]]]:
+    """Batches of prompts of similar length (little left padding), in an order shuffled for `seed` so that
+    stopping at the token target does not favour short prompts."""
+    import random
+
+    ordered = sorted(prompts, key=len)
+    batches = [ordered[i : i + size] for i in range(0, len(ordered), size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def collect_data(model, tokenizer, config: TrainConfig, out: Path) -> dict:
+    """Prompts -> continuations and features until `config.tokens` generated tokens are collected (or the
+    prompts run out). The
+    batches so far are saved to out/data.partial.pt after each one, and a rerun goes on from there (each
+    batch's prompts and seed depend only on its index, so the data are the same)."""
     from ..local.text import chat_prompt_ids
 
-    count = max(1, math.ceil(config.tokens / (0.7 * config.max_new_tokens)))
-    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in build_prompts(count, config.seed)]
-    sequences, generated = [], 0
-    with progress(total=config.tokens, desc="generate", unit="tok", enabled=True) as bar:
-        for index, start in enumerate(range(0, len(prompts), config.generate_batch)):
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in build_prompts(config.prompts, config.seed)]
+    partial = out / PARTIAL
+    saved = torch.load(partial, weights_only=False) if partial.exists() else None
+    # The batches are the same whatever the token target, so any target may go on from saved batches.
+    same = {k: getattr(config, k) for k in DATA_FIELDS if k != "tokens"}
+    if saved is not None and {k: saved["config"].get(k) for k in same} == same:
+        sequences, generated, done, wall = saved["sequences"], saved["generated"], saved["batches"], saved["wall_s"]
+    else:
+        sequences, generated, done, wall = [], 0, 0, 0.0
+    started = time.perf_counter() - wall
+    with progress(total=config.tokens, initial=generated, desc="generate", unit="tok", enabled=True) as bar:
+        for index, batch in enumerate(_length_batches(prompts, config.generate_batch, config.seed)):
             if generated >= config.tokens:
                 break
-            batch = prompts[start : start + config.generate_batch]
+            if index < done:
+                continue
             # Spread the sampled batches evenly among the greedy ones.
             sampled = math.floor((index + 1) * config.sampled_share) > math.floor(index * config.sampled_share)
             rows = _generate_batch(model, tokenizer, batch, config, sampled, config.seed * 100_003 + index)
@@ -117,8 +152,30 @@ def collect_data(model, tokenizer, config: TrainConfig) -> dict:
             new = sum(len(s["tokens"]) for s in sequences[-len(batch):]) - sum(len(p) for p in batch)
             generated += new
             bar.update(new)
+            torch.save({"config": {k: getattr(config, k) for k in DATA_FIELDS}, "sequences": sequences,
+                        "generated": generated, "batches": index + 1, "wall_s": time.perf_counter() - started},
+                       partial.with_suffix(".tmp"))
+            partial.with_suffix(".tmp").replace(partial)
     digest = hashlib.sha256(json.dumps([s["tokens"] for s in sequences]).encode()).hexdigest()
-    return {"sequences": sequences, "generated_tokens": generated, "sha256": digest, "prompts": len(sequences)}
+    return {"sequences": sequences, "generated_tokens": generated, "sha256": digest, "prompts": len(sequences),
+            "generate_wall_s": round(time.perf_counter() - started, 1)}
+
+
+def heldout_replies(model, tokenizer, config: TrainConfig) -> list[dict]:
+    """The model's greedy replies (and features) to the packaged held-out prompts (data/heldout.jsonl):
+    chat prompts through the chat template, the others as plain text to continue."""
+    from importlib import resources
+
+    from ..local.text import chat_prompt_ids
+
+    lines = resources.files("splitinfer.data").joinpath("heldout.jsonl").read_text().splitlines()
+    prompts = []
+    for record in (json.loads(line) for line in lines if line.strip()):
+        chat = record.get("chat", True)
+        prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": record["prompt"]}]) if chat
+                       else tokenizer(record["prompt"])["input_ids"])
+    rows = _generate_batch(model, tokenizer, prompts, config, sampled=False, seed=config.seed)
+    return [{"tokens": tokens, "prompt_len": len(p), "features": f} for p, (tokens, f) in zip(prompts, rows)]
 
 
 def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch.Tensor:
@@ -131,40 +188,63 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch
 
 
 # -- 2. training ----------------------------------------------------------------------------------
-def _windows(sequences: list[dict], window: int) -> list[tuple[int, int]]:
-    """(sequence, start) of every window of up to `window` pairs; each needs 3 rows (f_t, x_t+1, x_t+2)."""
-    return [(i, start) for i, s in enumerate(sequences) for start in range(0, max(1, len(s["tokens"]) - 2), window)
+def split_heldout(sequences: list[dict], every: int) -> tuple[list[dict], list[dict]]:
+    """(training, held-out): every `every`-th sequence is held out from training and measures it."""
+    return ([s for i, s in enumerate(sequences) if i % every != every - 1],
+            [s for i, s in enumerate(sequences) if i % every == every - 1])
+
+
+def _windows(sequences: list[dict], window: int, prompt_rows: int) -> list[tuple[int, int]]:
+    """(sequence, start) of every window of up to `window` rows over each reply and the last `prompt_rows`
+    rows of its prompt (the head drafts replies); each needs 3 rows (f_t, x_t+1, x_t+2)."""
+    return [(i, start) for i, s in enumerate(sequences)
+            for start in range(max(0, s["prompt_len"] - prompt_rows), max(1, len(s["tokens"]) - 2), window)
             if len(s["tokens"]) - start >= 3]
 
 
-def _batch(sequences: list[dict], picks: list[tuple[int, int]], window: int, vocab_index: torch.Tensor, device: str):
-    """Padded tensors for a step: features f_t, tokens x_t+1, targets f_t+1 and draft ids of x_t+2, mask."""
-    d = sequences[0]["features"].shape[1]
-    b = len(picks)
-    feats, targets = torch.zeros(b, window, d), torch.zeros(b, window, d)
-    tokens, ce = torch.zeros(b, window, dtype=torch.long), torch.full((b, window), -100, dtype=torch.long)
-    mask = torch.zeros(b, window, dtype=torch.bool)
-    for row, (i, start) in enumerate(picks):
-        s = sequences[i]
-        x, f = torch.tensor(s["tokens"]), s["features"].float()
-        n = min(window, len(x) - 2 - start, f.shape[0] - 1 - start)
-        feats[row, :n], targets[row, :n] = f[start : start + n], f[start + 1 : start + 1 + n]
-        tokens[row, :n] = x[start + 1 : start + 1 + n]
-        ce[row, :n] = vocab_index[x[start + 2 : start + 2 + n]]
-        mask[row, :n] = True
-    return [t.to(device) for t in (feats, tokens, targets, ce, mask)]
+def _window_loss(head: DraftHead, batch, config: TrainConfig, scale: float, noise: torch.Tensor | None):
+    """Loss of the unrolled passes (drafter/unroll.py), weighted `depth_decay`**e: SmoothL1 to the true
+    next feature (scaled by the data's spread) + `ce_weight` x cross-entropy against the model's own
+    readout of that feature (its distribution over the draft vocabulary). -> (loss, feature, ce, top-1
+    per pass) with the last three as floats."""
+    feats, tokens, rows = batch
+    n = feats.shape[1] - config.depth
+    loss, feature_sum, ce_sum, top1 = 0.0, 0.0, 0.0, []
+    for e, p in enumerate(unroll(head, feats, tokens, rows, config.depth, noise)):
+        target = feats[:, e + 1 : e + 1 + n][p.valid]
+        logits = head.logits(p.predicted[p.valid])
+        with torch.no_grad():
+            target_logits = head.logits(target)
+        feature_loss = F.smooth_l1_loss(p.predicted[p.valid] * scale, target * scale)
+        ce_loss = soft_cross_entropy(logits, target_logits)
+        loss = loss + config.depth_decay**e * (feature_loss + config.ce_weight * ce_loss)
+        feature_sum += feature_loss.item() / config.depth
+        ce_sum += ce_loss.item() / config.depth
+        top1.append(round(float((logits.argmax(-1) == target_logits.argmax(-1)).float().mean()), 4))
+    return loss, feature_sum, ce_sum, top1
 
 
 def _step_loss(head: DraftHead, batch, config: TrainConfig, scale: float, gen: torch.Generator):
-    feats, tokens, targets, ce, mask = batch
-    rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = (torch.rand(feats.shape, generator=gen, device="cpu").to(feats.device) - 0.5) * 2 * config.noise * rms
-    n = feats.shape[1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=feats.device).tril()
-    predicted, _, _ = head(feats + noise, tokens, torch.arange(n, device=feats.device), causal)
-    feature_loss = F.smooth_l1_loss(predicted[mask] * scale, targets[mask] * scale)
-    ce_loss = F.cross_entropy(head.logits(predicted).flatten(0, 1), ce.flatten(), ignore_index=-100)
-    return feature_loss + 0.1 * ce_loss, feature_loss.item(), ce_loss.item()
+    feats = batch[0]
+    n = feats.shape[1] - config.depth
+    rms = feats[:, :n].pow(2).mean(-1, keepdim=True).sqrt()
+    noise = (torch.rand(feats[:, :n].shape, generator=gen, device="cpu").to(feats.device) - 0.5) * 2 * config.noise * rms
+    loss, feature_loss, ce_loss, _ = _window_loss(head, batch, config, scale, noise)
+    return loss, feature_loss, ce_loss
+
+
+@torch.no_grad()
+def heldout_loss(head: DraftHead, sequences: list[dict], config: TrainConfig, scale: float, windows: int = 16) -> dict:
+    """Loss and top-1 agreement with the model per pass on the first `windows` held-out windows (no noise)."""
+    picks = _windows(sequences, config.window, config.prompt_rows)[:windows]
+    if not picks:
+        return {}
+    was_training = head.training
+    head.eval()
+    _, feature, ce, top1 = _window_loss(head, window_tensors(sequences, picks, config.window, config.depth, config.device),
+                                        config, scale, None)
+    head.train(was_training)
+    return {"feature": round(feature, 5), "ce": round(ce, 5), "top1_by_depth": top1}
 
 
 def _lr(config: TrainConfig, step: int) -> float:
@@ -180,28 +260,28 @@ def _save_checkpoint(path: Path, head, optimiser, gen, state: dict) -> None:
     tmp.replace(path)
 
 
-def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path, vocab_index: torch.Tensor) -> dict:
+def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path) -> dict:
     """Train `head` for `config.steps`, resuming from out/checkpoint.pt; returns the training state."""
-    sequences = data["sequences"]
-    windows = _windows(sequences, config.window)
+    sequences, heldout = split_heldout(data["sequences"], config.heldout_every)
+    windows = _windows(sequences, config.window, config.prompt_rows)
     all_features = torch.cat([s["features"][:256].float() for s in sequences[:64]])
     scale = 1.0 / float(all_features.std())
     optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(config.seed)
-    state = {"step": 0, "losses": [], "wall_s": 0.0}
+    state = {"step": 0, "losses": [], "heldout": [], "wall_s": 0.0}
     if (out / CHECKPOINT).exists():
         saved = torch.load(out / CHECKPOINT, weights_only=False)
         head.load_state_dict(saved["head"])
         optimiser.load_state_dict(saved["optimiser"])
         gen.set_state(saved["rng"])
-        state = {k: saved[k] for k in state}
+        state = {k: saved.get(k, state[k]) for k in state}
     head.train()
     started = time.perf_counter() - state["wall_s"]
     with progress(total=config.steps, initial=state["step"], desc="train", unit="step", enabled=True) as bar:
         while state["step"] < config.steps:
             step = state["step"]
             picks = [windows[int(i)] for i in torch.randint(len(windows), (config.batch,), generator=gen)]
-            batch = _batch(sequences, picks, config.window, vocab_index, config.device)
+            batch = window_tensors(sequences, picks, config.window, config.depth, config.device)
             for group in optimiser.param_groups:
                 group["lr"] = _lr(config, step)
             loss, feature_loss, ce_loss = _step_loss(head, batch, config, scale, gen)
@@ -215,6 +295,7 @@ def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path, voca
             bar.update(1)
             bar.set_postfix(feature=f"{feature_loss:.4f}", ce=f"{ce_loss:.3f}")
             if state["step"] % config.checkpoint_every == 0 or state["step"] == config.steps:
+                state["heldout"].append({"step": state["step"]} | heldout_loss(head, heldout, config, scale))
                 _save_checkpoint(out / CHECKPOINT, head, optimiser, gen, state)
     head.eval()
     return state
@@ -243,11 +324,10 @@ def load_or_collect(shards: Path, config: TrainConfig, out: Path):
         if {k: data["config"][k] for k in DATA_FIELDS} != {k: getattr(config, k) for k in DATA_FIELDS}:
             raise ConfigError(f"{out} holds data made with other options; use another --out or the same options.")
     else:
-        started = time.perf_counter()
-        data = collect_data(model, tokenizer, config)
-        data |= {"config": asdict(config), "generate_wall_s": round(time.perf_counter() - started, 1)}
+        data = collect_data(model, tokenizer, config, out) | {"config": asdict(config)}
         torch.save(data, out / DATA)
-    return model, data
+        (out / PARTIAL).unlink(missing_ok=True)
+    return model, tokenizer, data
 
 
 def run_training(shards: str | Path, out: str | Path, config: TrainConfig = TrainConfig()) -> dict:
@@ -257,16 +337,15 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
         raise ConfigError(f"{shards} is not a prepared shards directory (OUT/local + OUT/cloud); run `splitinfer prepare`.")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    model, data = load_or_collect(shards, config, out)
+    model, tokenizer, data = load_or_collect(shards, config, out)
     vocab = model.config.vocab_size
-    draft_vocab = draft_vocabulary(data["sequences"], config.draft_vocab_size, vocab)
-    vocab_index = torch.full((vocab,), -100, dtype=torch.long)
-    vocab_index[draft_vocab] = torch.arange(len(draft_vocab))
+    training, heldout = split_heldout(data["sequences"], config.heldout_every)
+    draft_vocab = draft_vocabulary(training, config.draft_vocab_size, vocab)
     torch.manual_seed(config.seed)
     head_config = DraftHeadConfig.for_model(model.config, config.draft_vocab_size, config.intermediate_size)
     head = DraftHead(head_config, model.model.embed_tokens, model.model.norm, model.lm_head, draft_vocab.to(config.device),
                      getattr(model.config, "final_logit_softcapping", None)).to(config.device)
-    state = train_head(head, data, config, out, vocab_index)
+    state = train_head(head, data, config, out)
     fingerprint = model_identity(read_manifest(shards / "local", "local"))
     head.save(out, extra={"model_fingerprint": fingerprint})
     manifest = {
@@ -280,6 +359,11 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
         "generate_wall_s": data["generate_wall_s"],
         "train_wall_s": round(state["wall_s"], 1),
         "losses": _loss_summary(state["losses"]),
+        "heldout_curve": state["heldout"],
+        # Teacher-forced, the head on its own predictions: generated held-out sequences of the same data,
+        # and the model's greedy replies to data/heldout.jsonl (prompts in no training or benchmark set).
+        "heldout_accuracy": accuracy(head, heldout, REPORTED_DEPTH, config.window),
+        "heldout_prompts_accuracy": accuracy(head, heldout_replies(model, tokenizer, config), REPORTED_DEPTH, config.window),
         "config": asdict(config),
         "head": asdict(head_config),
     }
