@@ -49,7 +49,7 @@ REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 class TrainConfig:
     tokens: int = 48_000  # generated tokens (continuations) to train on
     prompts: int = 1250  # prompts drawn; generation stops at `tokens`, so a larger target only goes further
-    steps: int = 300
+    steps: int = 2400
     seed: int = 0
     device: str = "cpu"
     max_new_tokens: int = 128  # per continuation
@@ -58,7 +58,7 @@ class TrainConfig:
     batch: int = 4  # windows per step
     window: int = 144  # rows per window: a whole reply of max_new_tokens and the prompt rows before it
     prompt_rows: int = 16  # prompt rows a window starts with, as context for the reply's first drafts
-    lr: float = 1e-3
+    lr: float = 1.5e-3
     draft_vocab_size: int = 8192
     intermediate_size: int = 768
     noise: float = 0.05  # uniform input-feature noise, relative to each row's RMS
