@@ -89,18 +89,23 @@ def _run_plan(cloud, plan) -> Counter:
         hidden = (torch.randn(q, D, generator=gen) * item["scale"]).to(torch.float32)
         seq = session.next_seq if item["seq"] is None else item["seq"]
         step = Step(seq, item["keep"], positions, item["structure"], hidden, item["dtype"])
-        before = (session.cache.length, session.cache.pending, session.next_seq)
+        before = _cache_state(session)
         try:
             result = table.run_step(session, step, 0.0)
         except SplitInferError:
             # A refused step changes nothing.
-            assert (session.cache.length, session.cache.pending, session.next_seq) == before
+            assert _cache_state(session) == before
             outcomes["refused"] += 1
             continue
         assert result.hidden.shape == (q, D) and bool(torch.isfinite(result.hidden).all())
-        assert session.cache.pending == q and session.rows <= 64
+        # A block that ran stays uncommitted (held, or the last block) until a later step resolves it.
+        assert session.cache.pending + session.cache.held_rows == q and session.rows <= 64
         outcomes["results"] += 1
     return outcomes
+
+
+def _cache_state(session) -> tuple:
+    return session.cache.length, session.cache.pending, tuple(session.cache.held), session.next_seq
 
 
 def test_session_state_machine_fuzz(cloud):

@@ -122,19 +122,11 @@ class RemoteMiddle:
         t0 = time.perf_counter()
         payload = step.encode()
         t1 = time.perf_counter()
-        if self.welcome is not None and len(payload) > self.welcome.max_message_bytes:
-            raise ProtocolError(
-                f"a {len(payload)}-byte step exceeds the server's {self.welcome.max_message_bytes}-byte limit; "
-                "use a smaller prefill chunk."
-            )
+        self._check_size(payload)
         reply_view = self._exchange_raw(payload)
         t2 = time.perf_counter()
-        message = decode_server_message(reply_view, self.limits)
+        message = self._result(reply_view)
         t3 = time.perf_counter()
-        if isinstance(message, Error):
-            raise error_from_code(message.code, f"server: {message.message}")
-        if not isinstance(message, Result):
-            raise ProtocolError("the server's reply does not answer the step that was sent.")
         io = StepIO((t2 - t1) * 1e3, ((t1 - t0) + (t3 - t2)) * 1e3, len(payload), len(reply_view))
         return message, io
 
@@ -143,9 +135,7 @@ class RemoteMiddle:
         t0 = time.perf_counter()
         payload = step.encode()
         t1 = time.perf_counter()
-        if self.welcome is not None and len(payload) > self.welcome.max_message_bytes:
-            limit = self.welcome.max_message_bytes
-            raise ProtocolError(f"a {len(payload)}-byte step exceeds the server's {limit}-byte limit; send smaller blocks.")
+        self._check_size(payload)
         if self._ws is None:
             raise TransportError("not connected")
         try:
@@ -170,13 +160,25 @@ class RemoteMiddle:
             self._drop()
             raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
         t2 = time.perf_counter()
-        message = decode_server_message(reply, self.limits)
+        message = self._result(reply)
         t3 = time.perf_counter()
+        return message, StepIO((t2 - sent_at) * 1e3, encode_ms + (t3 - t2) * 1e3, bytes_up, len(reply))
+
+    def _check_size(self, payload: bytes) -> None:
+        if self.welcome is not None and len(payload) > self.welcome.max_message_bytes:
+            raise ProtocolError(
+                f"a {len(payload)}-byte step exceeds the server's {self.welcome.max_message_bytes}-byte limit; "
+                "send smaller blocks (a smaller prefill chunk)."
+            )
+
+    def _result(self, reply) -> Result:
+        """The server's answer to a step, or the error it sent raised as what it means."""
+        message = decode_server_message(reply, self.limits)
         if isinstance(message, Error):
             raise error_from_code(message.code, f"server: {message.message}")
         if not isinstance(message, Result):
             raise ProtocolError("the server's reply does not answer the step that was sent.")
-        return message, StepIO((t2 - sent_at) * 1e3, encode_ms + (t3 - t2) * 1e3, bytes_up, len(reply))
+        return message
 
     def probe(self, up: int, down: int) -> float:
         """Send `up` bytes, get `down` back, no session and no compute; returns the round trip in ms."""
