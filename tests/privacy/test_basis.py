@@ -26,7 +26,7 @@ def greedy(model, prompt, n=24):
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_keyed_model_is_the_public_function_in_a_rotated_basis(family):
     model = tiny_model(family)
-    keyed, secret, record = apply_basis(model, BasisConfig(seed=3))
+    keyed, secret, record = apply_basis(model, BasisConfig(seed=3, key="orthogonal"))
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         public = model(ids, output_hidden_states=True)
@@ -49,8 +49,8 @@ def test_keyed_model_is_the_public_function_in_a_rotated_basis(family):
 
 def test_two_deployments_get_different_bases():
     model = tiny_model("llama")
-    a, _, _ = apply_basis(model, BasisConfig(seed=1))
-    b, _, _ = apply_basis(model, BasisConfig(seed=2))
+    a, _, _ = apply_basis(model, BasisConfig(seed=1, key="orthogonal"))
+    b, _, _ = apply_basis(model, BasisConfig(seed=2, key="orthogonal"))
     assert not torch.allclose(a.model.layers[3].mlp.up_proj.weight, b.model.layers[3].mlp.up_proj.weight)
 
 
@@ -62,7 +62,7 @@ def test_unsupported_family_is_refused():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_basis_shards_generate_the_public_tokens(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 2, 2)
-    keyed, _, record = apply_basis(model, BasisConfig(seed=5))
+    keyed, _, record = apply_basis(model, BasisConfig(seed=5, key="orthogonal"))
     out = write_basis_shards(keyed, shards, tmp_path / "keyed", record)
     local, public = read_manifest(out / "local", "local"), read_manifest(shards / "local", "local")
     assert local["residual_basis"]["method"].startswith("orthogonal")

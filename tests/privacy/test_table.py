@@ -38,7 +38,7 @@ def test_table_picks_the_best_attacker_and_the_largest_n(tmp_path):
     assert text in written
     reader = lines["| anyone who reads logs, dumps or a tap behind TLS, without the cloud shard"]
     assert "**100.0%** (A4; prior 10.0%)" in reader and INSTEAD in reader
-    basis = lines["| the same reader, deployment in a secret basis (`privatize --basis`)"]
+    basis = lines["| the same reader, deployment in a secret rotation (`privatize --basis --key orthogonal`)"]
     assert "**12.0%** (A6 inner products" in basis and INSTEAD not in basis and "not measured" in basis
     known = lines["| the host or a log reader holding known (text, activation) pairs, secret basis"]
     assert "**20.0%** (A7 N=10000 + A2" in known  # the largest N, not the best N

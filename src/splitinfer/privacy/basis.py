@@ -55,7 +55,7 @@ class BasisConfig:
     permute_heads: bool = True  # permute attention heads per layer (kv heads with their query groups)
     permute_neurons: bool = True  # permute MLP neurons per layer
     seed: int | None = None  # the secret; None draws one from the OS (never written anywhere)
-    key: str = "orthogonal"  # "orthogonal": a rotation Q; "linear": a general invertible A (keyed RMSNorms)
+    key: str = "linear"  # "linear": a general invertible A (keyed RMSNorms); "orthogonal": a rotation Q (keeps inner products)
     condition: float = 8.0  # linear key: condition number of A (its largest over its smallest singular value)
     metric_block: int = 64  # linear key: block size of the norms' factor (d * block multiply-adds per norm)
 

@@ -251,7 +251,7 @@ def register(subparsers) -> None:
     s.add_argument("--out", required=True, help="new OUT directory: private OUT/local, unchanged OUT/cloud")
     s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")
     s.add_argument("--basis", action="store_true",
-                   help="instead: rewrite both shards in a secret residual basis (same outputs; new cloud shard)")
+                   help="instead: rewrite both shards under a secret key (same outputs; new cloud shard)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)

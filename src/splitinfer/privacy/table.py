@@ -31,9 +31,9 @@ class Threat:
 THREATS = (
     Threat("anyone who reads logs, dumps or a tap behind TLS, without the cloud shard", "activations; public weights",
            "T0", "none"),
-    Threat("the same reader, deployment in a secret basis (`privatize --basis`)",
+    Threat("the same reader, deployment in a secret rotation (`privatize --basis --key orthogonal`)",
            "activations in the secret basis; public weights; its own text (other documents)", "T3", "secret basis"),
-    Threat("the same reader, deployment under a linear key (`privatize --basis --key linear`)",
+    Threat("the same reader, deployment under a secret linear key (`privatize --basis`, the default)",
            "activations under the key; public weights; its own text (other documents)", "T3", "secret linear key"),
     Threat("the cloud host", "activations and the cloud layers (= public weights)", "T0", "none"),
     Threat("the cloud host, secret basis", "activations and this deployment's cloud shard", "T4", "secret basis"),
