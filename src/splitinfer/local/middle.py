@@ -16,6 +16,7 @@ from __future__ import annotations
 import ssl
 import time
 from collections import deque
+from contextlib import contextmanager
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
@@ -138,11 +139,8 @@ class RemoteMiddle:
         self._check_size(payload)
         if self._ws is None:
             raise TransportError("not connected")
-        try:
+        with self._link_errors():
             self._ws.send(payload)
-        except (ConnectionClosed, OSError) as exc:
-            self._drop()
-            raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
         self._posted.append((t1, (t1 - t0) * 1e3, len(payload)))
 
     def collect(self) -> tuple[Result, StepIO]:
@@ -151,14 +149,8 @@ class RemoteMiddle:
         sent_at, encode_ms, bytes_up = self._posted.popleft()
         if self._ws is None:
             raise TransportError("not connected")
-        try:
+        with self._link_errors():
             reply = self._ws.recv(timeout=self.reply_timeout_s)
-        except TimeoutError as exc:
-            self._drop()
-            raise TransportError(f"no reply from {self.url} within {self.reply_timeout_s:g} s.") from exc
-        except (ConnectionClosed, OSError) as exc:
-            self._drop()
-            raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
         t2 = time.perf_counter()
         message = self._result(reply)
         t3 = time.perf_counter()
@@ -203,9 +195,15 @@ class RemoteMiddle:
     def _exchange_raw(self, payload: bytes) -> bytes:
         if self._ws is None:
             raise TransportError("not connected")
-        try:
+        with self._link_errors():
             self._ws.send(payload)
             return self._ws.recv(timeout=self.reply_timeout_s)
+
+    @contextmanager
+    def _link_errors(self):
+        """A timeout or a lost connection drops the socket and becomes a TransportError naming the server."""
+        try:
+            yield
         except TimeoutError as exc:
             self._drop()
             raise TransportError(f"no reply from {self.url} within {self.reply_timeout_s:g} s.") from exc
