@@ -82,15 +82,17 @@ def test_concurrent_sessions_with_rollbacks_give_the_one_process_tokens(servers)
 
 
 def _steps(seed: int, q0: int = 11):
-    """A chunked prefill, a tree block, then a block that keeps a non-prefix of the tree (a rollback)."""
-    torch.manual_seed(seed)
+    """A chunked prefill, a tree block, then a block that keeps a non-prefix of the tree (a rollback). The
+    inputs come from a generator of their own: threads building their steps at once must not share torch's
+    global generator (they did, and CI saw another session's inputs)."""
+    rng = torch.Generator().manual_seed(seed)
     parents = [-1, 0, 0, 1, 2, 2]
     depths = [0, 1, 1, 2, 2, 2]
     return [
-        Step(0, (), tuple(range(q0)), BlockStructure.chain(), torch.randn(q0, 64), "float32"),
+        Step(0, (), tuple(range(q0)), BlockStructure.chain(), torch.randn(q0, 64, generator=rng), "float32"),
         Step(1, tuple(range(q0)), tuple(q0 + d for d in depths), BlockStructure.tree(parents),
-             torch.randn(6, 64), "float32"),
-        Step(2, (0, 2, 5), (q0 + 3, q0 + 4), BlockStructure.chain(), torch.randn(2, 64), "float32"),
+             torch.randn(6, 64, generator=rng), "float32"),
+        Step(2, (0, 2, 5), (q0 + 3, q0 + 4), BlockStructure.chain(), torch.randn(2, 64, generator=rng), "float32"),
     ]
 
 
