@@ -62,8 +62,8 @@ def test_unsupported_family_is_refused():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_basis_shards_generate_the_public_tokens(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 2, 2)
-    keyed, _, record = apply_basis(model, BasisConfig(seed=5, key="orthogonal"))
-    out = write_basis_shards(keyed, shards, tmp_path / "keyed", record)
+    keyed, secret, record = apply_basis(model, BasisConfig(seed=5, key="orthogonal"))
+    out, _ = write_basis_shards(keyed, secret, shards, tmp_path / "keyed", record)
     local, public = read_manifest(out / "local", "local"), read_manifest(shards / "local", "local")
     assert local["residual_basis"]["method"].startswith("orthogonal")
     assert local["split"] == public["split"]
@@ -115,8 +115,8 @@ def test_linear_key_computes_the_public_function_and_hides_inner_products(family
 
 def test_linear_key_shards_load_with_keyed_norms_and_plain_shards_without(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    keyed, _, record = apply_basis(model, BasisConfig(seed=8, key="linear", metric_block=16))
-    out = write_basis_shards(keyed, shards, tmp_path / "keyed", record)
+    keyed, secret, record = apply_basis(model, BasisConfig(seed=8, key="linear", metric_block=16))
+    out, _ = write_basis_shards(keyed, secret, shards, tmp_path / "keyed", record)
     cloud = load_cloud(out / "cloud")
     assert all(isinstance(layer.input_layernorm, KeyedRMSNorm) for layer in cloud.stack.layers)
     assert not any(isinstance(m, KeyedRMSNorm) for m in load_cloud(shards / "cloud").stack.modules())
