@@ -13,16 +13,11 @@ from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
 
-from tiny import prepare_tiny
+from tiny import hf_greedy as reference, prepare_tiny
 
 # Repetition in the prompt gives the suffix index and the n-gram pool something to find.
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71] * 3 + [3, 17]
 NEW = 40
-
-
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
 
 
 class Oracle(Strategy):

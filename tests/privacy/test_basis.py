@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tiny import prepare_tiny, tiny_model
+from tiny import hf_greedy, prepare_tiny, tiny_model
 
 from splitinfer.cli import main
 from splitinfer.errors import ConfigError
@@ -18,11 +18,6 @@ from splitinfer.privacy.basis import BasisConfig, apply_basis, metric_block, wri
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
 
 
-def greedy(model, prompt, n=24):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_keyed_model_is_the_public_function_in_a_rotated_basis(family):
     model = tiny_model(family)
@@ -32,7 +27,7 @@ def test_keyed_model_is_the_public_function_in_a_rotated_basis(family):
         public = model(ids, output_hidden_states=True)
         rotated = keyed(ids, output_hidden_states=True)
     assert torch.allclose(public.logits, rotated.logits, atol=1e-4)
-    assert greedy(model, PROMPT) == greedy(keyed, PROMPT)
+    assert hf_greedy(model, PROMPT, 24) == hf_greedy(keyed, PROMPT, 24)
     for h, h_keyed in zip(public.hidden_states[1:-1], rotated.hidden_states[1:-1]):
         # What crosses the wire is h Q: not h itself, and Q is orthogonal.
         assert torch.allclose((h.double() @ secret.q).float(), h_keyed, atol=1e-4)
@@ -62,14 +57,14 @@ def test_unsupported_family_is_refused():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_basis_shards_generate_the_public_tokens(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 2, 2)
-    keyed, _, record = apply_basis(model, BasisConfig(seed=5, key="orthogonal"))
-    out = write_basis_shards(keyed, shards, tmp_path / "keyed", record)
+    keyed, secret, record = apply_basis(model, BasisConfig(seed=5, key="orthogonal"))
+    out, _ = write_basis_shards(keyed, secret, shards, tmp_path / "keyed", record)
     local, public = read_manifest(out / "local", "local"), read_manifest(shards / "local", "local")
     assert local["residual_basis"]["method"].startswith("orthogonal")
     assert local["split"] == public["split"]
     assert load_cloud(out / "cloud").fingerprint != public["cloud_fingerprint"]  # a cloud shard per deployment
     got = local_only_client(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
-    assert got.token_ids == greedy(model, PROMPT)
+    assert got.token_ids == hf_greedy(model, PROMPT, 24)
 
 
 def test_privatize_basis_cli(tmp_path, capsys):
@@ -97,7 +92,7 @@ def test_linear_key_computes_the_public_function_and_hides_inner_products(family
         public = model(ids, output_hidden_states=True)
         carried = keyed(ids, output_hidden_states=True)
     assert torch.allclose(public.logits, carried.logits, atol=1e-4)
-    assert greedy(model, PROMPT) == greedy(keyed, PROMPT)
+    assert hf_greedy(model, PROMPT, 24) == hf_greedy(keyed, PROMPT, 24)
     a = secret.a
     assert abs(torch.linalg.cond(a).item() - 8.0) < 1e-6 and record["condition_measured"] == 8.0
     for h, h_keyed in zip(public.hidden_states[1:-1], carried.hidden_states[1:-1]):
@@ -115,14 +110,14 @@ def test_linear_key_computes_the_public_function_and_hides_inner_products(family
 
 def test_linear_key_shards_load_with_keyed_norms_and_plain_shards_without(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    keyed, _, record = apply_basis(model, BasisConfig(seed=8, key="linear", metric_block=16))
-    out = write_basis_shards(keyed, shards, tmp_path / "keyed", record)
+    keyed, secret, record = apply_basis(model, BasisConfig(seed=8, key="linear", metric_block=16))
+    out, _ = write_basis_shards(keyed, secret, shards, tmp_path / "keyed", record)
     cloud = load_cloud(out / "cloud")
     assert all(isinstance(layer.input_layernorm, KeyedRMSNorm) for layer in cloud.stack.layers)
     assert not any(isinstance(m, KeyedRMSNorm) for m in load_cloud(shards / "cloud").stack.modules())
     assert read_manifest(out / "local", "local")["residual_basis"]["method"].startswith("linear key")
     got = local_only_client(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
-    assert got.token_ids == greedy(model, PROMPT)
+    assert got.token_ids == hf_greedy(model, PROMPT, 24)
     whole = load_whole_hf(out)
     assert isinstance(whole.model.norm, KeyedRMSNorm)
     with torch.no_grad():

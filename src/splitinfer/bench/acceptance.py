@@ -144,13 +144,12 @@ def _load_head(client, directory: Path | None):
     """The head in `directory` (checked against the model), or the one the client loaded from its shards."""
     if directory is None:
         return client.draft_head
-    from ..model.drafthead import load_head, read_head_info
+    from ..model.drafthead import load_shard_head, read_head_info
     from ..model.shards import model_identity
 
     if read_head_info(directory).get("model_fingerprint") != model_identity(client.local.manifest):
         raise ConfigError(f"the draft head in {directory} was trained for another model; pass a head for this one.")
-    local = client.local
-    return load_head(directory, local.embed, local.norm, local.lm_head, getattr(local.config, "final_logit_softcapping", None))
+    return load_shard_head(directory, client.local)
 
 
 def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, max_new_tokens: int,

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..model.drafthead import DraftHead, DraftHeadConfig
-from ..model.shards import load_whole_hf, model_identity, read_manifest
+from ..model.shards import basis_identity, load_whole_hf, model_identity, read_manifest
 from ..progress import progress
 from .corpus import build_prompts
 from .unroll import accuracy, soft_cross_entropy, unroll, window_tensors
@@ -346,8 +346,9 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
     head = DraftHead(head_config, model.model.embed_tokens, model.model.norm, model.lm_head, draft_vocab.to(config.device),
                      getattr(model.config, "final_logit_softcapping", None)).to(config.device)
     state = train_head(head, data, config, out)
-    fingerprint = model_identity(read_manifest(shards / "local", "local"))
-    head.save(out, extra={"model_fingerprint": fingerprint})
+    local_manifest = read_manifest(shards / "local", "local")
+    fingerprint = model_identity(local_manifest)
+    head.save(out, extra={"model_fingerprint": fingerprint, "basis": basis_identity(local_manifest)})
     manifest = {
         "model_fingerprint": fingerprint,
         "data_sha256": data["sha256"],

@@ -26,7 +26,7 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.strategies import Strategy
 from ..decoding.warm import shipped_recycling_table
 from ..errors import ConfigError
-from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_head, read_head_info
+from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_shard_head, read_head_info
 from ..model.shards import LocalHalf, load_local, local_weights_are_public, model_identity
 from .auth import ClientAuth
 from .conversation import Conversation
@@ -91,7 +91,8 @@ def head_depth_drawer(local: LocalHalf, seed: int | None) -> Callable[[], int | 
 
 def load_draft_head(local: LocalHalf, local_dir: str | Path, mode: str, device: str = "cpu"):
     """The draft head in `local_dir`/drafter (installed by `prepare`), or None: with mode "off", when there
-    is none, or when it was trained for another model (a warning says so)."""
+    is none, or when it was trained for another model (a warning says so). A head for this model made for
+    another residual basis raises ConfigError (load_shard_head)."""
     directory = Path(local_dir) / DRAFTER_DIR
     if mode == "off" or not (directory / HEAD_CONFIG).is_file():
         return None
@@ -99,8 +100,7 @@ def load_draft_head(local: LocalHalf, local_dir: str | Path, mode: str, device: 
     if made_for != model_identity(local.manifest):
         log.warning("ignoring the draft head in %s: it was trained for another model", directory)
         return None
-    softcap = getattr(local.config, "final_logit_softcapping", None)
-    return load_head(directory, local.embed, local.norm, local.lm_head, softcap, device)
+    return load_shard_head(directory, local, device)
 
 
 class SplitClient:

@@ -21,22 +21,30 @@ def parse_split_range(text: str) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def install_shipped_drafter(local_dir: Path) -> str:
-    """Copy the shipped draft head made for this model (package data/drafters/<name>/) into
-    `local_dir`/drafter; a sentence saying what happened."""
+def install_shipped_drafter(local_dir: Path, shipped: Path | None = None) -> str:
+    """Copy the shipped draft head made for this model and the shard's residual basis (package
+    data/drafters/<name>/, or the folders in `shipped`) into `local_dir`/drafter; a sentence saying what
+    happened."""
     from importlib import resources
 
-    from .drafthead import DRAFTER_DIR, HEAD_CONFIG, read_head_info
-    from .shards import model_identity, read_manifest
+    from .drafthead import DRAFTER_DIR, HEAD_CONFIG, head_basis, read_head_info
+    from .shards import basis_identity, model_identity, read_manifest
 
-    identity = model_identity(read_manifest(local_dir, "local"))
-    shipped = resources.files("splitinfer.data").joinpath("drafters")
+    manifest = read_manifest(local_dir, "local")
+    identity = model_identity(manifest)
+    shipped = resources.files("splitinfer.data").joinpath("drafters") if shipped is None else shipped
     candidates = sorted(d.name for d in shipped.iterdir() if d.joinpath(HEAD_CONFIG).is_file()) if shipped.is_dir() else []
     for name in candidates:
         with resources.as_file(shipped.joinpath(name)) as source:
-            if read_head_info(source).get("model_fingerprint") == identity:
-                shutil.copytree(source, local_dir / DRAFTER_DIR, dirs_exist_ok=True)
-                return f"installed the shipped draft head {name!r} in {local_dir / DRAFTER_DIR}"
+            info = read_head_info(source)
+            if info.get("model_fingerprint") != identity:
+                continue
+            if head_basis(info) != basis_identity(manifest):
+                return (f"the shipped draft head {name!r} is for this model's public basis and {local_dir} is in a "
+                        "secret one, so it was not installed; run `splitinfer privatize --basis` from public shards "
+                        "(it re-bases their head with the key).")
+            shutil.copytree(source, local_dir / DRAFTER_DIR, dirs_exist_ok=True)
+            return f"installed the shipped draft head {name!r} in {local_dir / DRAFTER_DIR}"
     shipped_names = ", ".join(candidates) or "none"
     return (f"no shipped draft head matches this model (shipped: {shipped_names}); the tree drafts without one. "
             "Train one with `splitinfer train-drafter` and copy it to LOCAL_SHARD/drafter.")

@@ -7,8 +7,12 @@ to `draft_vocab` (token ids ranked by frequency), so a drafted token costs a sma
 the model's final hidden states before its final norm (what the local tail layers produce).
 
 The embedding, final norm and LM head are the model's, passed in, frozen and never saved; the head's own
-weights are a few MB (safetensors fp16 + a json config). This module knows nothing about trees, tries or
-verification (decoding/headsource.py drafts with it) nor about training (drafter/train.py).
+weights are a few MB (safetensors fp16, float32 once re-based with a key, + a json config). The head
+reads and writes the shard's residual stream, so it is made for one basis: the public one, or the secret
+key of a `privatize --basis` shard (privacy/basis.py re-bases a head with the key; under a linear key its
+two norms are keyed norms). The json record names that basis, and `load_shard_head` refuses a head made
+for another. This module knows nothing about trees, tries or verification (decoding/headsource.py drafts
+with it) nor about training (drafter/train.py).
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
+from .keyed_norm import FACTOR, KeyedRMSNorm
+from .shards import PUBLIC_BASIS, basis_identity
 
 DRAFTER_DIR = "drafter"  # where a head lives inside a local shard
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head.json"
+HEAD_NORMS = ("input_norm", "post_norm")  # the head's norms over its stream: keyed norms under a linear key
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,8 @@ class DraftHead(nn.Module):
         self.down_proj = nn.Linear(inter, d, bias=False)
         # A tuple keeps the model's modules out of this module's parameters and state dict.
         self._model_parts = (embed, norm)
+        # The final norm's dtype from its parameters: a keyed norm (a linear-key shard) has a factor, no gain.
+        self._norm_dtype = next(norm.parameters()).dtype
         if draft_vocab.numel() != config.draft_vocab_size:
             raise ModelError(f"draft vocabulary has {draft_vocab.numel()} ids, the head expects {config.draft_vocab_size}.")
         self.register_buffer("draft_vocab", draft_vocab.long().clone(), persistent=False)
@@ -163,17 +172,36 @@ class DraftHead(nn.Module):
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., d] predicted features -> [..., draft_vocab_size] float32 logits over `draft_vocab`."""
         norm = self._model_parts[1]
-        logits = F.linear(norm(predicted.to(norm.weight.dtype)).float(), self.draft_weight)
+        logits = F.linear(norm(predicted.to(self._norm_dtype)).float(), self.draft_weight)
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
     # -- files -------------------------------------------------------------------------------------
-    def save(self, directory: str | Path, extra: dict | None = None) -> None:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in self.state_dict().items()}
-        tensors["draft_vocab"] = self.draft_vocab.cpu().to(torch.int64).contiguous()
-        save_file(tensors, str(directory / HEAD_WEIGHTS))
-        (directory / HEAD_CONFIG).write_text(json.dumps({"config": asdict(self.config), **(extra or {})}, indent=2))
+    def save(self, directory: str | Path, extra: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
+        """Weights in `dtype` (+ draft_vocab) and the json record: the config plus `extra` (e.g. the
+        model fingerprint and "basis"; a head without "basis" is taken to be in the public one)."""
+        tensors = {k: v.detach().to(dtype) for k, v in self.state_dict().items()}
+        write_head(directory, tensors, self.draft_vocab, {"config": asdict(self.config), **(extra or {})})
+
+
+def write_head(directory: str | Path, tensors: dict[str, torch.Tensor], draft_vocab: torch.Tensor, info: dict) -> None:
+    """Write a head's files: its weights (a state dict), its draft vocabulary and its json record."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
+    tensors["draft_vocab"] = draft_vocab.cpu().to(torch.int64).contiguous()
+    save_file(tensors, str(directory / HEAD_WEIGHTS))
+    (directory / HEAD_CONFIG).write_text(json.dumps(info, indent=2))
+
+
+def read_head_tensors(directory: str | Path, device: str = "cpu") -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the head's state dict as saved, its draft vocabulary [draft_vocab_size] int64)."""
+    tensors = load_file(str(Path(directory) / HEAD_WEIGHTS), device=device)
+    return tensors, tensors.pop("draft_vocab")
+
+
+def head_basis(info: dict) -> str:
+    """The residual basis a head was made for (its json record's "basis"; public when it names none)."""
+    return str(info.get("basis", PUBLIC_BASIS))
 
 
 def read_head_info(directory: str | Path) -> dict:
@@ -187,11 +215,33 @@ def read_head_info(directory: str | Path) -> dict:
 
 def load_head(directory: str | Path, embed: nn.Module, norm: nn.Module, lm_head: nn.Module,
               final_logit_softcapping: float | None = None, device: str = "cpu") -> DraftHead:
-    """The head saved in `directory`, in float32, reading out through the given model parts."""
+    """The head saved in `directory`, in float32, reading out through the given model parts. It does not
+    check the basis the head was made for: `load_shard_head` does."""
     info = read_head_info(directory)
     config = DraftHeadConfig(**info["config"])
-    tensors = load_file(str(Path(directory) / HEAD_WEIGHTS), device=device)
-    draft_vocab = tensors.pop("draft_vocab")
+    tensors, draft_vocab = read_head_tensors(directory, device)
     head = DraftHead(config, embed, norm, lm_head, draft_vocab.to(device), final_logit_softcapping).to(device)
+    for name in HEAD_NORMS:
+        factor = tensors.get(f"{name}.{FACTOR}")
+        if factor is not None:  # a head re-based under a linear key
+            setattr(head, name, KeyedRMSNorm(config.hidden_size, factor.shape[-1], config.rms_eps, device=device))
     head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
     return head.eval().requires_grad_(False)
+
+
+def load_shard_head(directory: str | Path, local, device: str = "cpu") -> DraftHead:
+    """The head in `directory` over a local shard's (`local`, a model.shards.LocalHalf) embedding, final
+    norm and LM head. A head made for another residual basis would draft from features it cannot read
+    (never wrong output, but every draft wasted), so it is refused."""
+    made_for, shard = head_basis(read_head_info(directory)), basis_identity(local.manifest)
+    if made_for != shard:
+        def name(basis: str) -> str:
+            return "the public basis" if basis == PUBLIC_BASIS else f"secret basis {basis[:12]}"
+
+        raise ConfigError(
+            f"the draft head in {directory} was made for {name(made_for)}, but this local shard's residual stream "
+            f"is in {name(shard)}. Run `splitinfer privatize --basis` from the public shards with the head installed "
+            f"(it re-bases the head with the key), or `splitinfer prepare` again; or remove {directory}."
+        )
+    softcap = getattr(local.config, "final_logit_softcapping", None)
+    return load_head(directory, local.embed, local.norm, local.lm_head, softcap, device)

@@ -198,9 +198,28 @@ def read_manifest(directory: Path, role: str) -> dict:
 
 
 def model_identity(manifest: dict) -> str:
-    """What a draft head is trained for: the model (its id and config), whatever its split or shard dtype,
-    since the final features it reads do not depend on where the model is cut."""
+    """What a draft head is trained for: the model (its id and config), whatever its split, shard dtype or
+    residual basis, since the final features it reads do not depend on where the model is cut. A shard in
+    a secret basis carries the identity of the public shards it was made from (its config differs: the LM
+    head is untied); the basis is a second check (`basis_identity`)."""
+    carried = (manifest.get("residual_basis") or {}).get("model_identity")
+    if carried:
+        return str(carried)
     return hashlib.sha256(f"{manifest['model_id']}\n{manifest['files']['config.json']}".encode()).hexdigest()
+
+
+PUBLIC_BASIS = "public"
+
+
+def basis_identity(manifest: dict) -> str:
+    """The residual basis a local shard's stream is in: "public", or the id `privatize --basis` recorded
+    for its key (a keyed shard whose record names no id: a hash of the record, which no head names)."""
+    record = manifest.get("residual_basis")
+    if not isinstance(record, dict):
+        return PUBLIC_BASIS
+    if record.get("basis_id"):
+        return str(record["basis_id"])
+    return "unnamed-" + hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def local_weights_are_public(manifest: dict) -> bool:

@@ -23,14 +23,22 @@ is the factor: d * block multiply-adds per norm and token.
 
 What it protects, and from whom, is measured by the audit (threats T3-T5, docs/privacy.md): a party that
 sees activations but not the cloud shard faces h Q instead of h; the host holding the cloud shard can
-recover Q by matching its weights against the public ones. This module knows HF Llama-style models and
-nothing about shards or the wire; `write_basis_shards` hands the result to model.shards.prepare.
+recover Q by matching its weights against the public ones.
+
+A learned draft head in the public local shard (model/drafthead.py) reads and writes the same stream, so
+`write_basis_shards` re-bases it with the key (`rebase_head`: the same folding, into the head's fc layer,
+norms and projections) and writes it into the new local shard, recorded as made for this basis: it drafts
+what it drafted before, at no extra cost per step beyond the keyed norms', and it and the key stay local.
+This module knows HF Llama-style models and nothing about the wire; `write_basis_shards` hands the result
+to model.shards.prepare.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +94,18 @@ class Basis:
     def inverse(self) -> torch.Tensor:
         """[d, d] float64 map from the keyed basis back to the public one."""
         return torch.linalg.inv(self.a)
+
+    @property
+    def read(self) -> torch.Tensor:
+        """[d, d] float64: what a layer after a stream norm folds in (A, or A F = Q under a linear key)."""
+        return self.a if self.factor is None else self.a @ torch.block_diag(*self.factor)
+
+    @property
+    def identity(self) -> str:
+        """A name for this key in the local manifest, which a draft head re-based with it records too (a
+        one-way hash of the key; both stay on the trusted side)."""
+        digest = hashlib.sha256(b"splitinfer residual basis\n" + self.a.contiguous().numpy().tobytes())
+        return digest.hexdigest()[:32]
 
 
 def secret_seed(seed: int | None) -> int:
@@ -256,12 +276,72 @@ def apply_basis(model: nn.Module, config: BasisConfig = BasisConfig()) -> tuple[
     return out.eval(), Basis(a, head_perms, neuron_perms, factor), record
 
 
-def write_basis_shards(model: nn.Module, shards: Path, out: Path, record: dict) -> Path:
-    """OUT/local and OUT/cloud for `model` (from apply_basis), with the split, dtype and tokenizer of the
-    prepared `shards`. Both shards are new: the cloud shard belongs to this deployment only."""
+# The draft head's linear layers by the stream norm they read after (the gain folded into them), and the
+# layers that write its stream.
+HEAD_READS = {"input_norm": ("q_proj", "k_proj", "v_proj"), "post_norm": ("gate_proj", "up_proj")}
+HEAD_WRITES = ("o_proj", "down_proj")
+
+
+@torch.no_grad()
+def rebase_head(tensors: dict[str, torch.Tensor], secret: Basis) -> dict[str, torch.Tensor]:
+    """A public draft head's state dict (model/drafthead.py) -> the same head in the basis of `secret`, float32.
+
+    The head reads features f and embeddings e, which the keyed shard hands it as f A and e A, and its
+    prediction x is read out through the keyed final norm and LM head, which expect x A. So its own stream
+    is carried as x A: fc [W1 | W2] -> [A^T W1 A^-T | A^T W2 A^-T] and bias b A; every layer after one of
+    its norms takes W diag(g) R and the norm loses its gain (a keyed norm with the key's factor under a
+    linear key); o_proj and down_proj take A^T W. Float64 arithmetic, so only rounding separates the two.
+    """
+    a, read = secret.a, secret.read
+    d = a.shape[0]
+    fc = tensors["fc.weight"].double()  # [d, 2d]: features, then the token's embedding
+    if fc.shape != (d, 2 * d) or any(f"{norm}.weight" not in tensors for norm in HEAD_READS):
+        raise ConfigError("this draft head is not a public head for this model (its shapes differ or its norms are "
+                          "keyed); re-base a head from the public shards, or `splitinfer prepare` again.")
+    inv_t = torch.linalg.inv(a).T
+    out = {"fc.weight": torch.cat([a.T @ fc[:, :d] @ inv_t, a.T @ fc[:, d:] @ inv_t], dim=1),
+           "fc.bias": tensors["fc.bias"].double() @ a}
+    for norm, readers in HEAD_READS.items():
+        gain = tensors[f"{norm}.weight"].double()
+        for name in readers:
+            out[f"{name}.weight"] = tensors[f"{name}.weight"].double() * gain[None] @ read
+        if secret.factor is None:
+            out[f"{norm}.weight"] = torch.ones_like(gain)
+        else:
+            out[f"{norm}.factor"] = secret.factor
+    for name in HEAD_WRITES:
+        out[f"{name}.weight"] = a.T @ tensors[f"{name}.weight"].double()
+    return {k: v.float() for k, v in out.items()}
+
+
+def carry_draft_head(public_local: Path, keyed_local: Path, secret: Basis) -> str:
+    """Re-base the draft head installed in `public_local` (if any) into `keyed_local`, a local shard keyed
+    with `secret`; a sentence saying what happened. The rest of the drafter folder is copied as it is."""
+    from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, head_basis, read_head_info, read_head_tensors, write_head
+    from ..model.shards import PUBLIC_BASIS, basis_identity, model_identity, read_manifest
+
+    source = public_local / DRAFTER_DIR
+    if not (source / HEAD_CONFIG).is_file():
+        return f"no draft head in {public_local} to carry over; the tree drafts without one."
+    info, public = read_head_info(source), read_manifest(public_local, "local")
+    if info.get("model_fingerprint") != model_identity(public) or head_basis(info) != PUBLIC_BASIS:
+        return f"the draft head in {source} is not for this model's public basis; it was left out."
+    keyed = read_manifest(keyed_local, "local")
+    tensors, draft_vocab = read_head_tensors(source)
+    target = keyed_local / DRAFTER_DIR
+    shutil.copytree(source, target)
+    write_head(target, rebase_head(tensors, secret), draft_vocab,
+               {**info, "model_fingerprint": model_identity(keyed), "basis": basis_identity(keyed)})
+    return f"re-based the draft head with the key into {target} (it stays on this machine)."
+
+
+def write_basis_shards(model: nn.Module, secret: Basis, shards: Path, out: Path, record: dict) -> tuple[Path, str]:
+    """OUT/local and OUT/cloud for `model` (keyed with `secret` by apply_basis), with the split, dtype and
+    tokenizer of the prepared `shards`, and the draft head of `shards` re-based with the key. Both shards are
+    new: the cloud shard belongs to this deployment only. Returns OUT and a sentence about the draft head."""
     from transformers import AutoTokenizer
 
-    from ..model.shards import prepare, read_manifest
+    from ..model.shards import model_identity, prepare, read_manifest
     from ..model.source import SourceModel
 
     if out.exists():
@@ -278,6 +358,8 @@ def write_basis_shards(model: nn.Module, shards: Path, out: Path, record: dict) 
         split_range=tuple(head_range) if head_range else None,
     )
     local = read_manifest(out / "local", "local")
-    local["residual_basis"] = record
+    # The public model's identity, so that heads made for this model are recognised, and the key's name,
+    # so that only a head made for this key is loaded (model.shards.basis_identity).
+    local["residual_basis"] = {**record, "model_identity": model_identity(manifest), "basis_id": secret.identity}
     (out / "local" / "manifest.json").write_text(json.dumps(local, indent=2, sort_keys=True))
-    return out
+    return out, carry_draft_head(shards / "local", out / "local", secret)

@@ -118,17 +118,18 @@ def _basis(shards: Path, out: Path, args) -> int:
     started = time.perf_counter()
     model = load_whole_hf(shards)
     config = BasisConfig(seed=args.seed, key=args.key, condition=args.condition, metric_block=args.metric_block)
-    keyed, _secret, record = apply_basis(model, config)
+    keyed, secret, record = apply_basis(model, config)
     # A self-check on 64 arbitrary tokens: the keyed model must compute the public model's logits.
     ids = torch.arange(64)[None] * 7919 % model.config.vocab_size
     with torch.inference_mode():
         gap = (model(ids).logits - keyed(ids).logits).abs().max().item()
     record["self_check_max_logit_difference"] = gap
-    write_basis_shards(keyed, shards, out, record)
+    _, head_note = write_basis_shards(keyed, secret, shards, out, record)
     print(
         f"wrote {out} (local and cloud shards in a secret residual basis, {config.key} key, "
         f"{time.perf_counter() - started:.1f} s; "
         f"max |logit difference| to the public model {gap:.2e} on 64 tokens)\n"
+        f"{head_note}\n"
         "serve OUT/cloud to this deployment only: its host can recover the basis from it (docs/privacy.md, T4)."
     )
     return 0
