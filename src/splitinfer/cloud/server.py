@@ -3,6 +3,8 @@ which message a peer may send when (hello first) is the link protocol's rule (wi
 
 Decoding and validation happen on the event loop (cheap); the middle layers run on one compute thread
 (scheduler.py), which batches concurrent sessions' steps, so compute never stalls any connection's I/O.
+A connection's messages are read as they arrive (inbox.py) and handled in order; a step that later steps,
+already received, show its client dropped (blocks in flight) is applied without running its block.
 permessage-deflate is off: float16 activations do not compress, and inflating small frames into huge
 ones is a classic bomb; `max_size` bounds every message instead.
 
