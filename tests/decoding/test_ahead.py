@@ -23,16 +23,21 @@ def threshold(depth: int, costs: Costs) -> float:
     return high
 
 
-def test_a_slow_cpu_cloud_rarely_sends_ahead():
-    assert threshold(2, SLOW_CLOUD) > 0.5  # a block ahead must hold more often than not
-    assert threshold(2, SLOW_CLOUD_LAN) > 0.7  # with no round trip to hide, more still
-    assert not worth_sending(0.3, 2, SLOW_CLOUD)
-    assert not worth_sending(0.1, 2, SLOW_CLOUD)  # what the tree's guesses held last measured
-    assert not worth_sending(0.95, 3, SLOW_CLOUD)  # two blocks ahead cannot beat the busy cloud
+def test_a_slow_cpu_cloud_with_no_round_trip_to_hide_rarely_sends_ahead():
+    assert threshold(2, SLOW_CLOUD_LAN) > 0.5  # a block ahead must hold more often than not
+    assert not worth_sending(0.3, 2, SLOW_CLOUD_LAN)
+    assert not worth_sending(0.1, 2, SLOW_CLOUD_LAN)  # what the tree's guesses hold
+    assert not worth_sending(0.95, 3, SLOW_CLOUD_LAN)  # two blocks ahead cannot beat the busy cloud
+
+
+def test_a_long_round_trip_hides_a_dropped_pass_so_the_likelier_blocks_go_ahead():
+    assert 0.1 < threshold(2, SLOW_CLOUD) < 0.3
+    assert worth_sending(0.3, 2, SLOW_CLOUD) and not worth_sending(0.1, 2, SLOW_CLOUD)
+    assert not worth_sending(0.9, 3, SLOW_CLOUD)  # a third block's pass would run into the next valid block
 
 
 def test_a_fast_cloud_behind_a_long_round_trip_sends_ahead_when_p_is_moderate():
-    assert threshold(2, FAST_CLOUD) < 0.3
+    assert 0.1 < threshold(2, FAST_CLOUD) < 0.3
     assert worth_sending(0.3, 2, FAST_CLOUD)
     assert not worth_sending(0.1, 2, FAST_CLOUD)
     assert worth_sending(0.5, 3, FAST_CLOUD)  # a third block still hides round trip behind the client
@@ -44,7 +49,17 @@ def test_the_saving_follows_the_pipelining_model():
     assert saving_ms(3, FAST_CLOUD) == pytest.approx(period / 2 - period / 3)
     # the busiest stage bounds the gain: past it, more blocks in flight save nothing
     assert saving_ms(3, SLOW_CLOUD_LAN) == 0.0
-    assert drop_cost_ms(SLOW_CLOUD) == 120 + 25
+
+
+def test_a_dropped_block_costs_the_part_of_its_pass_still_running_when_the_next_valid_one_arrives():
+    # the next valid block arrives 125 + 50 ms after the oldest block's pass began: the block at depth 2 runs
+    # from 120 to 240 ms (65 ms left), the one at depth 3 has not started (skipped)
+    assert drop_cost_ms(2, SLOW_CLOUD_LAN) == pytest.approx(65 + 25)
+    assert drop_cost_ms(3, SLOW_CLOUD_LAN) == pytest.approx(25)
+    # at 80 ms the depth-2 pass is over by then (120..240 < 250), the depth-3 one has 110 ms left
+    assert drop_cost_ms(2, SLOW_CLOUD) == pytest.approx(25)
+    assert drop_cost_ms(3, SLOW_CLOUD) == pytest.approx(110 + 25)
+    assert drop_cost_ms(2, FAST_CLOUD) == pytest.approx(30)  # a GPU's pass is always over: the client's time
     assert worth_sending(1.0, 2, FAST_CLOUD) and not worth_sending(0.0, 2, FAST_CLOUD)
 
 

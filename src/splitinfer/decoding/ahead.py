@@ -5,17 +5,24 @@ probability p that assumption holds and the block's result comes back sooner tha
 probability 1 - p it is dropped, and what it cost delays the next valid block. The rule
 (`worth_sending`, a pure function) sends it when
 
-    p * saving(d)  >  (1 - p) * (cloud compute of a block + the client's time to make one)
+    p * saving(d)  >  (1 - p) * (the part of its cloud pass ahead of the next valid block
+                                 + the client's time to make it)
 
 where d is the block's depth (how many blocks would then be in flight, itself included). The saving
 follows the pipelining model tok/s = 1000 a / ((1 - p) L + p max(t, L / D)): one block at a time takes
 P = latency + client time per block, d blocks in flight take max(t, P / d) per block, t the busiest
 stage (the client or the cloud), so the block at depth d saves max(t, P / (d - 1)) - max(t, P / d).
-A dropped block is charged its whole cloud pass and its draft and head compute: the cloud runs the
-steps of a connection in order (a queued block whose assumption already failed is skipped, but a
-started one runs to the end), and on a machine shared with other work the client's time on it is not
-free even when it overlaps a wait. So a slow CPU cloud, whose pass is a large share of a block's
-latency, rarely sends ahead, and a fast cloud behind a long round trip sends ahead when p is moderate.
+
+A dropped block delays the next valid one by what is left of its cloud pass when that one arrives. The
+cloud runs a connection's steps in order, from the oldest block in flight: the block at depth d runs
+from (d - 1) c to d c (c one pass), and the next valid block, sent once the client has the oldest's
+result and has made it, arrives at T = latency + client time. A pass not started by then is skipped
+(the server sees the client dropped it, cloud/inbox.py), one finished by then cost nothing, and one
+running costs d c - T. The client's time making the dropped block is charged in full: on paper it
+overlaps the wait for a result, but on a machine shared with other work it is not free. So a CPU cloud
+whose pass is longer than the round trip plus the client's time (low RTT) rarely sends ahead, a long
+round trip hides most of a dropped pass and sends the likelier blocks, and a fast cloud behind a long
+round trip sends ahead when p is moderate.
 
 `AheadController` keeps the running estimates (exponential moving averages) the rule reads: the
 latency of a block sent alone (send to result, the tail excluded), the cloud's compute per block
@@ -68,14 +75,18 @@ def saving_ms(depth: int, costs: Costs) -> float:
     return max(busiest, period / (depth - 1)) - max(busiest, period / depth)
 
 
-def drop_cost_ms(costs: Costs) -> float:
-    """What a dropped block costs the next valid one: its cloud pass, run ahead of it, and its making."""
-    return costs.cloud_ms + costs.make_ms
+def drop_cost_ms(depth: int, costs: Costs) -> float:
+    """What the block at `depth`, dropped, costs the next valid one: what is left of its cloud pass when that
+    block arrives (none if the pass was skipped or over by then), and its making."""
+    arrives = costs.latency_ms + costs.client_ms  # after the oldest block's pass began
+    c = costs.cloud_ms
+    running = 0.0 if (depth - 1) * c > arrives else min(max(depth * c - arrives, 0.0), c)
+    return running + costs.make_ms
 
 
 def worth_sending(p: float, depth: int, costs: Costs) -> bool:
     """Send the block at `depth` ahead, its assumption holding with probability p?"""
-    return p * saving_ms(depth, costs) > (1.0 - p) * drop_cost_ms(costs)
+    return p * saving_ms(depth, costs) > (1.0 - p) * drop_cost_ms(depth, costs)
 
 
 class _Mean:
