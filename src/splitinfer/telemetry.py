@@ -26,6 +26,10 @@ class StepRecord:
     bytes_down: int = 0
     recoveries: int = 0  # reconnects / re-prefills this step needed
     assumed: int = 0  # earlier blocks in flight this block was sent assuming accepted (0: sent after them)
+    # With blocks in flight: the chance the controller gave what a block after this one assumed (or would have)
+    # of it, and whether that held; None when there was no guess to assume.
+    ahead_p: float | None = None
+    ahead_held: bool | None = None
 
     @property
     def network_ms(self) -> float:

@@ -115,4 +115,23 @@ def test_blocks_in_flight_are_reported_against_their_bound():
     assert rows[2]["vs_one_in_flight"] == pytest.approx(0.4 / 0.25, abs=1e-3)
     report = {"model": "m", "command": "c", "setup": "s", "prompts": ["a"], "max_new_tokens": 9, "repeats": 1,
               "torch": "t", "summary": summary, "divergences": []}
-    assert "| tree | 80 | 2 | 2.0 | 0.75 | 100.0 | 70.0 | 25.806 |" in markdown(report)
+    assert "| tree | 80 | 2 | 2.0 | 2.0 | 0.75 | 4 | 0.75 | - | 100.0 | 70.0 | 25.806 |" in markdown(report)
+
+
+def test_controller_chosen_blocks_in_flight_use_their_mean_depth_and_report_calibration():
+    one = _timed(_run("tree", "a", "code", [2, 2, 2, 2], 0.4, generated=9), 20.0, 70.0, 10.0)
+    auto = _timed(_run("tree@Dauto", "a", "code", [2, 2, 2, 2], 0.3, generated=9), 20.0, 70.0, 10.0)
+    # 2 of 4 blocks went ahead and held, one at depth 2 and one at depth 3; none dropped; 4 assumptions checked,
+    # given 0.4 each on average, 2 held
+    auto["in_flight"], auto["ahead"] = 0, {"sent_ahead_used": 2, "dropped": 0, "depth_sum": 5, "checked": 4,
+                                           "held": 2, "p_sum": 1.6}
+    seq = _timed(_run("sequential", "a", "code", [1] * 8, 0.8), 20.0, 50.0, 0.0)
+    summary = summarize([seq, one, auto], {"a": {"category": "code", "accepted_per_step": 1.0}})
+    row = next(r for r in summary["in_flight"] if r["in_flight"] == 0)
+    assert (row["p"], row["depth"], row["hold"], row["score"], row["held"]) == (0.5, 2.5, 1.0, 0.4, 0.5)
+    # 1000 * 2 / (0.5 * 100 + 0.5 * max(70, 100 / 2.5))
+    assert row["bound_tokens_per_s"] == pytest.approx(2000 / 85, abs=1e-3)
+    assert row["vs_one_in_flight_min"] == pytest.approx(0.4 / 0.3, abs=1e-3)
+    report = {"model": "m", "command": "c", "setup": "s", "prompts": ["a"], "max_new_tokens": 9, "repeats": 1,
+              "torch": "t", "summary": summary, "divergences": []}
+    assert "| tree | 80 | auto | 2.5 | 2.0 | 0.5 | 2 | 1.0 | 0.4 / 0.5 | 100.0 | 70.0 | 23.529 |" in markdown(report)

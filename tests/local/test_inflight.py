@@ -16,7 +16,7 @@ from splitinfer.decoding.sampling import SamplingConfig, make_chooser
 from splitinfer.decoding.strategies import Strategy
 from splitinfer.local.client import SplitClient
 from splitinfer.local.middle import RemoteMiddle
-from splitinfer.local.session import ClientConfig, SplitSession
+from splitinfer.local.session import AUTO_IN_FLIGHT, ClientConfig, SplitSession
 from splitinfer.model.shards import load_cloud, load_local
 
 from tiny import hf_greedy, prepare_tiny
@@ -74,7 +74,7 @@ def remote(local, url: str) -> RemoteMiddle:
     return RemoteMiddle(url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, "float32")
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("depth", [1, 2, 3, AUTO_IN_FLIGHT])
 def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
     shards, server, expected = served
     client = SplitClient.connect(shards / "local", server.url, config(depth), allow_public_weights=True)
@@ -82,25 +82,51 @@ def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
         generation = client.generate(PROMPT, max_new_tokens=N, strategy=strategy, stop_ids=set())
         assert generation.token_ids == expected
         kinds = [s["kind"] for s in generation.steps]
-        if isinstance(strategy, Scripted):  # forced mispredictions: blocks in flight were dropped
+        if isinstance(strategy, Scripted) and depth != AUTO_IN_FLIGHT:  # forced mispredictions: some were dropped
             assert ("dropped" in kinds) == (depth > 1)
     assert len(server.server.table) == 0 or all(s.busy == 0 for s in server.server.table._sessions.values())
 
 
 class Unlikely(Scripted):
-    """Guesses right, but with scores too low to be worth a block ahead."""
+    """Guesses the next root wrong, with low scores: never worth a block ahead, whatever the costs."""
 
     def predict(self, history, nodes):
         guess = self._next(history, 1) or [history[-1]]
-        return Draft(tokens=guess, parents=[0], scores=[0.1])
+        return Draft(tokens=[(guess[0] + 1) % 96], parents=[0], scores=[0.05])
 
 
-def test_unlikely_guesses_are_not_sent_ahead(served):
+def test_the_controller_sends_nothing_ahead_when_the_assumption_rarely_holds(served):
     shards, server, expected = served
     local = load_local(shards / "local")
+    tokens, session = run(local, remote(local, server.url), Unlikely(PROMPT + expected), AUTO_IN_FLIGHT)
+    assert tokens == expected and session.in_flight == 3 and not session.pinned
+    decode_steps = [r for r in session.records if r.kind != "prefill"]
+    assert all(r.assumed == 0 and r.kind == "decode" for r in decode_steps)
+    checked = [r for r in decode_steps if r.ahead_held is not None]  # every guess was checked, none held
+    assert checked and not any(r.ahead_held for r in checked)
+    # pinned, the same guesses go ahead all the same (and are dropped): --in-flight N is a pin
     tokens, session = run(local, remote(local, server.url), Unlikely(PROMPT + expected), 2)
-    assert tokens == expected and session.in_flight == 2
-    assert all(r.assumed == 0 and r.kind == "decode" for r in session.records if r.kind != "prefill")
+    assert tokens == expected and any(r.kind == "dropped" for r in session.records)
+
+
+class Slowed(RemoteMiddle):
+    """A reply that comes back 40 ms late: a long round trip in front of a fast cloud."""
+
+    def collect(self):
+        time.sleep(0.04)
+        return super().collect()
+
+
+def test_the_controller_sends_ahead_behind_a_long_round_trip(served):
+    shards, server, expected = served
+    local = load_local(shards / "local")
+    split = local.manifest["split"]
+    middle = Slowed(server.url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, "float32")
+    tokens, session = run(local, middle, Scripted(PROMPT + expected), AUTO_IN_FLIGHT)
+    assert tokens == expected
+    assert any(r.assumed > 0 for r in session.records)  # a block went ahead once the round trip was measured
+    first = next(i for i, r in enumerate(session.records) if r.kind != "prefill")
+    assert session.records[first].assumed == 0 and session.records[first + 1].assumed == 0  # not before that
 
 
 def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choose=None):
@@ -168,3 +194,31 @@ def test_sampling_with_blocks_in_flight_reproduces_one_block_at_a_time(served):
         tokens, _ = run(local, remote(local, server.url), Scripted(text), depth, choose=make_chooser(sampling))
         outputs.append(tokens)
     assert outputs[0] == outputs[1]
+
+
+def test_a_block_dropped_while_queued_is_never_computed(served):
+    """With a slow cloud and three blocks in flight, the step that drops two blocks arrives while the second
+    still waits behind the first: the server applies it without a pass, and the output does not change."""
+    shards, _, expected = served
+    local = load_local(shards / "local")
+    config = ServerConfig(port=0, sessions=SessionConfig(max_in_flight=3, min_pass_ms=60))
+    with ServerThread(load_cloud(shards / "cloud"), config) as server:
+        table = server.server.table
+        computed, skipped = [], []
+        run_steps, skip_step = table.run_steps, table.skip_step
+
+        def counting_run(items):
+            computed.extend(step.seq for _, step, _ in items)
+            return run_steps(items)
+
+        def counting_skip(session, step, received_at):
+            skipped.append(step.seq)
+            return skip_step(session, step, received_at)
+
+        table.run_steps, table.skip_step = counting_run, counting_skip
+        tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 3)
+        stats = table.stats()
+    assert tokens == expected
+    assert skipped and not set(skipped) & set(computed)  # a skipped block never reached the model
+    assert stats["skipped_steps"] == len(skipped)
+    assert len(computed) + len(skipped) == len(session.records)  # every step sent was answered once

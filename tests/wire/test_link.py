@@ -10,7 +10,7 @@ from splitinfer.masks import BlockStructure
 from splitinfer.wire import link as link_module
 from splitinfer.wire.link import (
     TRANSITIONS, Answered, Block, Client, ClientLink, Open, PendingBlock, Replayed, Server, ServerLink, check_resume,
-    check_step,
+    check_step, dropped,
 )
 from splitinfer.wire.messages import (
     PIPELINE_VERSION, Assumed, Close, Hello, Limits, Probe, Result, Step, Welcome, decode_client_message,
@@ -506,3 +506,32 @@ def test_bad_or_inconsistent_assumptions_are_refused(bad, pending, match):
 def test_a_session_without_v3_refuses_assumptions():
     with pytest.raises(ProtocolError, match=r"allows 1 block\(s\) in flight"):
         check_step(ahead_step(3, (), (7,), (Assumed(2, (0, 1)),)), 3, "float32", 5, (A,), LIMIT)
+
+
+def test_a_later_step_that_names_neither_a_block_nor_what_follows_it_drops_it():
+    a = ahead_step(3, (), (7, 8), (Assumed(2, (0, 1)),))  # sent ahead of block 2
+    builds_on_a = ahead_step(4, (), (9,), (Assumed(2, (0, 1)), Assumed(3, (0, 1))))
+    resolves_a = ahead_step(4, (0, 1), (9,), (Assumed(3, (0,)),))  # a resolved with keep: a was answered
+    drops_a = ahead_step(4, (0,), (7,), ())  # 2 kept one row: a's assumption failed, the client dropped it
+    assert not dropped(a, []) and not dropped(a, [builds_on_a]) and not dropped(a, [resolves_a])
+    assert dropped(a, [drops_a]) and dropped(a, [builds_on_a, ahead_step(5, (0,), (7,), ())])
+    assert not dropped(drops_a, [a])  # only later steps speak for a step
+
+
+def test_a_skipped_reply_is_taken_only_for_a_dropped_block():
+    link = pipelined()
+    a = ahead(link, 5, 3, [])
+    b = ahead(link, 8, 1, [(0, 1, 2)])
+    c = ahead(link, 9, 1, [(0, 1, 2), (0,)])
+    skipped = Result(c.seq, torch.empty(0, D), 0.0, 1.0, 5, "float32", skipped=True)
+    wire = decode_server_message(skipped.encode(), Limits(hidden_size=D, dtypes=("float32",)))
+    assert wire.skipped and wire.hidden.shape == (0, D) and wire.seq == c.seq
+    assert b"tensor" not in skipped.encode() and b"skipped" not in answer(a, 5).encode()
+    link.on_result(answer(a, 5))
+    link.resolve([0])  # a kept less than b assumed: b and c are dropped
+    link.drop_live()
+    assert link.on_result(answer(b, 5)) is None and link.on_result(wire) is None and link.state is Client.READY
+    link = pipelined()
+    a = ahead(link, 5, 3, [])
+    with pytest.raises(ProtocolError, match="skipped block 1"):  # the client still wants a
+        link.on_result(Result(a.seq, torch.empty(0, D), 0.0, 1.0, 5, "float32", skipped=True))

@@ -249,7 +249,9 @@ def register(sub) -> None:
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, default=None,
                    help="dtype of hidden states on the wire (default: the client default, float16; Gemma 3 needs bfloat16 or float32)")
     s.add_argument("--cloud-device", help="device of the cloud server child (serve --device), e.g. cuda; default cpu")
-    s.add_argument("--in-flight", default="1", help="comma-separated blocks in flight (1-3) to run each speculative "
-                   "strategy with, e.g. 1,2,3; D > 1 rows are reported against their bound")
+    s.add_argument("--in-flight", default="1", help="comma-separated blocks in flight (1-3, or auto: the controller "
+                   "chooses) to run each speculative strategy with, e.g. 1,2,3,auto; D > 1 rows are reported against their bound")
+    s.add_argument("--cloud-pass-ms", type=float, default=0.0, help="the fast-cloud scenario: every cloud pass lasts at "
+                   "least this long (serve --min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud")
     s.add_argument("--readme", help="also put the results table between the bench-spec markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)

@@ -16,8 +16,13 @@ labelled `tree@D2` and so on, and reports each against the bound 1000 a / ((1 - 
 a the pooled emitted tokens per resolved block of that run, p the share of its blocks sent ahead whose
 assumption held, L one block's latency and t the busiest stage per block, both measured on the same
 strategy's D = 1 runs (decode wall time per step; the larger of local + drafting and cloud compute).
-A shard whose cloud holds one layer (`prepare --head-layers` + `--tail-layers` = N - 1) is the fast-cloud
-scenario: the cloud's compute is a millisecond or two, as on a GPU, and the client is the slow side.
+`--in-flight auto` lets the controller (decoding/ahead.py) choose, block by block, up to 3.
+
+The fast-cloud scenario stands for a GPU cloud on this CPU: a shard whose cloud holds one layer
+(`prepare --head-layers` + `--tail-layers` = N - 1), so the middle is still computed, exactly, in a
+millisecond or two, and `--cloud-pass-ms X` makes every cloud pass last X ms (serve --min-pass-ms: the
+compute thread waits out the rest), a GPU's flat pass time whatever the rows. What it does not model: the
+client then runs N - 1 layers, so it is the slow side, as a CPU-only trusted machine in front of a GPU is.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from .. import __version__
 from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
 from ..clients import open_client
-from ..local.session import MAX_IN_FLIGHT, ClientConfig, SplitSession
+from ..local.session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT, ClientConfig, SplitSession
 from ..decoding.strategies import STRATEGIES
 from ..errors import ConfigError
 from ..model.shards import load_whole_hf
@@ -100,12 +105,13 @@ def run_speculative_bench(args) -> dict:
     local = open_client(local_only=True, shards=shards)
     reference = prompt_lookup_reference(shards, prompts, local, args.max_new_tokens)
     print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()}, file=sys.stderr)
-    depths = [int(x) for x in str(getattr(args, "in_flight", "1")).split(",") if x.strip()]
-    if not depths or any(not 1 <= d <= MAX_IN_FLIGHT for d in depths):
-        raise ConfigError(f"--in-flight takes comma-separated depths between 1 and {MAX_IN_FLIGHT}, e.g. 1,2,3.")
+    depths = parse_depths(str(getattr(args, "in_flight", "1")))
     runs, local_runs = _measure(args, shards, prompts, strategies, rtts, local, depths)
     divergences = find_divergences(runs, local)
     device = args.cloud_device or "cpu"
+    pass_ms = getattr(args, "cloud_pass_ms", 0) or 0
+    if pass_ms:
+        device += f", every pass padded to at least {pass_ms:g} ms (the fast-cloud scenario)"
     table = local.recycling_table
     warm = (f"tree's Token Recycling starts from the shipped table ({table.manifest.get('table_tokens')} tokens, data "
             f"{str(table.manifest.get('data_sha256'))[:12]})" if table is not None else "no recycling table for this model")
@@ -142,8 +148,28 @@ def run_speculative_bench(args) -> dict:
     return report
 
 
+def parse_depths(text: str) -> list[int]:
+    """--in-flight: comma-separated depths 1-3, or auto (AUTO_IN_FLIGHT: the controller chooses)."""
+    depths = []
+    for item in (x.strip().lower() for x in text.split(",") if x.strip()):
+        if item == "auto":
+            depths.append(AUTO_IN_FLIGHT)
+        elif item.isdigit() and 1 <= int(item) <= MAX_IN_FLIGHT:
+            depths.append(int(item))
+        else:
+            depths = []
+            break
+    if not depths:
+        raise ConfigError(f"--in-flight takes comma-separated depths between 1 and {MAX_IN_FLIGHT}, or auto, "
+                          "e.g. 1,2,3,auto.")
+    return depths
+
+
 def label(strategy: str, depth: int) -> str:
-    """A configuration's name in the tables: the strategy, and its blocks in flight when more than one."""
+    """A configuration's name in the tables: the strategy, and its blocks in flight when more than one
+    (`@Dauto` when the controller chose them)."""
+    if depth == AUTO_IN_FLIGHT:
+        return f"{strategy}@Dauto"
     return strategy if depth == 1 else f"{strategy}@D{depth}"
 
 
@@ -154,6 +180,8 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
     runs: list[dict] = []
     local_runs: list[dict] = []
     extra = ("--device", args.cloud_device) if args.cloud_device else ()
+    if getattr(args, "cloud_pass_ms", 0):
+        extra += ("--min-pass-ms", str(args.cloud_pass_ms))
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
@@ -184,8 +212,14 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
 def _record(strategy: str, rtt: float, rep: int, p: dict, result, depth: int = 1) -> dict:
     """One generation: its tokens, rate, per-step acceptance, and per-step time split for the bound."""
     decode = [s for s in result.steps if s["kind"] == "decode"]
+    checked = [s for s in decode if s.get("ahead_held") is not None]
     ahead = {"sent_ahead_used": sum(s.get("assumed", 0) > 0 for s in decode),
-             "dropped": sum(s["kind"] == "dropped" for s in result.steps)}
+             "dropped": sum(s["kind"] == "dropped" for s in result.steps),
+             # blocks in flight while each used block ahead ran, itself included: its depth
+             "depth_sum": sum(s.get("assumed", 0) + 1 for s in decode if s.get("assumed", 0) > 0),
+             # what a block after each one assumed (or would have): the chance given, and how often it held
+             "checked": len(checked), "held": sum(bool(s["ahead_held"]) for s in checked),
+             "p_sum": round(sum(s["ahead_p"] for s in checked), 4)}
     blocks_ms = sum(s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"] for s in decode)
     record = {
         "strategy": strategy,
@@ -322,7 +356,14 @@ def _latency_and_busiest(runs: list[dict]) -> tuple[float, float]:
 
 def in_flight_rows(runs: list[dict]) -> list[dict]:
     """Per strategy with a blocks-in-flight axis, round trip and D: the measured rate against the bound
-    1000 a / ((1 - p) L + p max(t, L / D)), L and t from the strategy's D = 1 runs at that round trip."""
+    1000 a / ((1 - p) L + p max(t, L / D)), L and t from the strategy's D = 1 runs at that round trip.
+
+    p here is the share of resolved blocks that went ahead and held (their latency was hidden): for a pinned
+    D nearly every block goes ahead, so it is the hold rate; under the controller (auto) the blocks it kept
+    back count as not hidden, and D is the mean depth of the blocks ahead that held. `hold` is the share of
+    blocks sent ahead whose assumption held; `score` and `held` compare the mean chance the controller gave
+    the assumptions with how often they held (its calibration), over every resolved block.
+    """
     by_config: dict[tuple[str, float], list[dict]] = {}
     for r in runs:
         by_config.setdefault((r["strategy"], r["rtt_ms"]), []).append(r)
@@ -333,20 +374,35 @@ def in_flight_rows(runs: list[dict]) -> list[dict]:
         base = by_config.get((strategy, rtt), [])
         if strategy not in pipelined or not base or not all("time_ms" in r for r in base):
             continue
-        depth = mine[0].get("in_flight", 1)
         latency, busiest = _latency_and_busiest(base)
-        used = sum(r.get("ahead", {}).get("sent_ahead_used", 0) for r in mine)
-        dropped = sum(r.get("ahead", {}).get("dropped", 0) for r in mine)
-        p = used / (used + dropped) if used + dropped else 0.0
+        ahead = {k: sum(r.get("ahead", {}).get(k, 0) for r in mine)
+                 for k in ("sent_ahead_used", "dropped", "depth_sum", "checked", "held", "p_sum")}
+        used, dropped = ahead["sent_ahead_used"], ahead["dropped"]
+        resolved = max(sum(len(r["accepted"]) for r in mine), 1)
+        p = used / resolved
+        pinned = mine[0].get("in_flight", 1)
+        depth = ahead["depth_sum"] / used if ahead["depth_sum"] else float(max(pinned, 1))
         a = _pooled(mine)
         step = (1 - p) * latency + p * max(busiest, latency / depth)
         rate = _set_rate(mine)
-        rows.append({"strategy": strategy, "rtt_ms": rtt, "in_flight": depth, "a": round(a, 3),
-                     "L_ms": round(latency, 3), "t_ms": round(busiest, 3), "p": round(p, 3),
+        rows.append({"strategy": strategy, "rtt_ms": rtt, "in_flight": pinned,
+                     "depth": round(depth, 2), "a": round(a, 3), "L_ms": round(latency, 3), "t_ms": round(busiest, 3),
+                     "p": round(p, 3), "sent_ahead": used + dropped, "hold": round(used / (used + dropped), 3) if used + dropped else None,
+                     "score": round(ahead["p_sum"] / ahead["checked"], 3) if ahead["checked"] else None,
+                     "held": round(ahead["held"] / ahead["checked"], 3) if ahead["checked"] else None,
                      "bound_tokens_per_s": round(1000 * a / step, 3) if step > 0 else 0.0,
                      "tokens_per_s_whole_set": round(rate, 3),
-                     "vs_one_in_flight": round(rate / _set_rate(base), 3) if _set_rate(base) else None})
-    return sorted(rows, key=lambda r: (r["strategy"], r["rtt_ms"], r["in_flight"]))
+                     "vs_one_in_flight": round(rate / _set_rate(base), 3) if _set_rate(base) else None,
+                     "vs_one_in_flight_min": _min_ratio(mine, base)})
+    # auto (AUTO_IN_FLIGHT, 0) after the pinned depths
+    return sorted(rows, key=lambda r: (r["strategy"], r["rtt_ms"], r["in_flight"] or MAX_IN_FLIGHT + 1))
+
+
+def _min_ratio(mine: list[dict], base: list[dict]) -> float | None:
+    """The lowest per-prompt tok/s ratio of `mine` to `base` (same prompt and repetition)."""
+    rates = {(r["prompt_id"], r["repeat"]): r["tokens_per_s"] for r in base}
+    ratios = [r["tokens_per_s"] / rates[k] for r in mine if (k := (r["prompt_id"], r["repeat"])) in rates and rates[k]]
+    return round(min(ratios), 3) if ratios else None
 
 
 def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) -> dict:
@@ -492,14 +548,20 @@ def _in_flight_lines(summary: dict) -> list[str]:
     if not rows:
         return []
     lines = ["", "Blocks in flight: measured tok/s (whole set) against the bound 1000 a / ((1 - p) L + p max(t, L / D)); "
-             "a emitted tokens per resolved block, p the share of blocks sent ahead whose assumption held, L and t "
-             "(ms per block: decode wall time, busiest stage) measured on the same strategy's D = 1 runs:", "",
-             "| strategy | added RTT ms | D | a | p | L ms | t ms | bound tok/s | measured tok/s | x D = 1 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "a emitted tokens per resolved block, p the share of resolved blocks that went ahead and held, D their "
+             "mean depth, L and t (ms per block: decode wall time, busiest stage) measured on the same strategy's "
+             "D = 1 runs; sent ahead and hold: blocks sent ahead and the share whose assumption held; score / held: "
+             "the mean chance the controller gave each assumption against how often it held:", "",
+             "| strategy | added RTT ms | D | mean D | a | p | sent ahead | hold | score / held | L ms | t ms "
+             "| bound tok/s | measured tok/s | x D = 1, whole set | x D = 1, lowest prompt |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['strategy']} | {r['rtt_ms']:g} | {r['in_flight']} | {r['a']} | {r['p']} | {r['L_ms']} | "
-                     f"{r['t_ms']} | {r['bound_tokens_per_s']} | {r['tokens_per_s_whole_set']} | "
-                     f"{r['vs_one_in_flight']}x |")
+        calibration = f"{r['score']} / {r['held']}" if r.get("score") is not None else "-"
+        depth = "auto" if r["in_flight"] == AUTO_IN_FLIGHT else r["in_flight"]
+        lines.append(f"| {r['strategy']} | {r['rtt_ms']:g} | {depth} | {r.get('depth', '-')} | {r['a']} | "
+                     f"{r['p']} | {r.get('sent_ahead', '-')} | {r.get('hold') if r.get('hold') is not None else '-'} | "
+                     f"{calibration} | {r['L_ms']} | {r['t_ms']} | {r['bound_tokens_per_s']} | "
+                     f"{r['tokens_per_s_whole_set']} | {r['vs_one_in_flight']}x | {r.get('vs_one_in_flight_min', '-')}x |")
     return lines
 
 

@@ -35,6 +35,7 @@ SESSION_OPTIONS = (
         help="KV cache memory over all sessions, MiB (idle sessions are evicted first)"),
     Opt("evict_idle_s", help="a session idle this long may be evicted for room"),
     Opt("max_sessions_per_owner", "--max-sessions-per-token", help="sessions one client token may hold at once"),
+    Opt("min_pass_ms", help="benchmarks only: every forward pass lasts at least this many ms (a GPU's flat pass time)"),
 )
 BATCH_OPTIONS = (
     Opt("window_ms", "--batch-window-ms",

@@ -9,6 +9,8 @@ Queued steps are cut into groups of similar block size (`plan_groups`), because 
 largest block: sixteen one-row decode steps and one 512-row prefill chunk are two passes, not one pass of
 17 x 512 rows. Sessions with different head depths (split-point randomisation) run different layers,
 so they are never put in one pass either. Results go to `concurrent.futures.Future`s (awaitable from asyncio via `run`).
+A step submitted with `skip` (its client already dropped its block: wire/link.py `dropped`) is applied on
+this thread like the others, in its turn, but joins no pass (`SessionTable.skip_step`).
 
 This module knows nothing about sockets or the wire; it calls `SessionTable.run_steps`.
 """
@@ -72,6 +74,7 @@ class _Item:
     session: CloudSession
     step: Step
     received_at: float
+    skip: bool = False  # apply the step, run no block: the client dropped it
     future: Future = field(default_factory=Future)
 
 
@@ -92,8 +95,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="splitinfer-compute", daemon=True)
         self._thread.start()
 
-    def submit(self, session: CloudSession, step: Step, received_at: float) -> Future:
-        item = _Item(session, step, received_at)
+    def submit(self, session: CloudSession, step: Step, received_at: float, skip: bool = False) -> Future:
+        item = _Item(session, step, received_at, skip)
         self.table.claim(session)
         with self._cond:
             if self._closed:
@@ -104,8 +107,8 @@ class Scheduler:
             self._cond.notify()
         return item.future
 
-    async def run(self, session: CloudSession, step: Step, received_at: float):
-        return await asyncio.wrap_future(self.submit(session, step, received_at))
+    async def run(self, session: CloudSession, step: Step, received_at: float, skip: bool = False):
+        return await asyncio.wrap_future(self.submit(session, step, received_at, skip))
 
     def _expected_locked(self, now: float) -> int:
         horizon = now - self.config.active_horizon_s
@@ -149,10 +152,29 @@ class Scheduler:
                 if not item.future.set_running_or_notify_cancel():
                     self.table.release(item.session)
             batch = [item for item in batch if item.future.running()]
+            for item in [item for item in batch if item.skip]:
+                self._skip(item)
+            batch = [item for item in batch if not item.skip]
             for depth in sorted({item.session.head_layers for item in batch}):
                 same = [item for item in batch if item.session.head_layers == depth]
                 for group in plan_groups([len(item.step.positions) for item in same], self.config):
                     self._run([same[i] for i in group])
+
+    def _skip(self, item: _Item) -> None:
+        try:
+            outcome = self.table.skip_step(item.session, item.step, item.received_at)
+        finally:
+            self.table.release(item.session)
+        self._settle(item, outcome)
+
+    def _settle(self, item: _Item, outcome) -> None:
+        if isinstance(outcome, Exception):
+            item.future.set_exception(outcome)
+            return
+        try:
+            item.future.set_result(self._finish(outcome))
+        except SplitInferError as exc:  # e.g. values the wire dtype cannot hold
+            item.future.set_exception(exc)
 
     def _run(self, items: list[_Item]) -> None:
         try:
@@ -169,13 +191,7 @@ class Scheduler:
             for item in items:
                 self.table.release(item.session)
         for item, outcome in zip(items, outcomes):
-            if isinstance(outcome, Exception):
-                item.future.set_exception(outcome)
-                continue
-            try:
-                item.future.set_result(self._finish(outcome))
-            except SplitInferError as exc:  # e.g. values the wire dtype cannot hold
-                item.future.set_exception(exc)
+            self._settle(item, outcome)
 
     def stats(self) -> dict:
         return {

@@ -3,6 +3,8 @@ which message a peer may send when (hello first) is the link protocol's rule (wi
 
 Decoding and validation happen on the event loop (cheap); the middle layers run on one compute thread
 (scheduler.py), which batches concurrent sessions' steps, so compute never stalls any connection's I/O.
+A connection's messages are read as they arrive (inbox.py) and handled in order; a step that later steps,
+already received, show its client dropped (blocks in flight) is applied without running its block.
 permessage-deflate is off: float16 activations do not compress, and inflating small frames into huge
 ones is a classic bomb; `max_size` bounds every message instead.
 
@@ -35,9 +37,10 @@ from websockets.exceptions import ConnectionClosed
 from ..errors import MessageTooLarge, ProtocolError, SplitInferError
 from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
-from ..wire.link import ServerLink
+from ..wire.link import ServerLink, dropped
 from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
 from .batch import LocalPasses
+from .inbox import Inbox
 from .scheduler import BatchConfig, Scheduler
 from .sessions import CloudSession, SessionConfig, SessionTable
 
@@ -101,50 +104,57 @@ class CloudServer:
         return response
 
     async def _handle(self, ws: ServerConnection) -> None:
-        session: CloudSession | None = None
         owner = self.config.tokens.identify(ws.request.headers.get("Authorization"))
         link = ServerLink()
-        errors = 0
         try:
-            async for data in ws:
-                received_at = time.perf_counter()
-                seq = None
-                try:
-                    message = decode_client_message(data, self.limits)
-                    seq = message.seq if isinstance(message, (Step, Probe)) else None
-                    after = link.check(message)  # hello first (wire/link.py)
-                    if isinstance(message, Hello):
-                        session, welcome = self.table.open(message, owner=owner)
-                        await ws.send(welcome.encode())
-                    elif isinstance(message, Step):
-                        session = self.table.get(session.id, owner)  # raises if it expired meanwhile
-                        reply = await self.scheduler.run(session, message, received_at)
-                        if self.metrics is not None:
-                            self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
-                        await ws.send(reply)
-                    elif isinstance(message, Probe):
-                        await ws.send(self._probe_reply(message))
-                    elif isinstance(message, Close):
-                        if session is not None:
-                            self.table.close(session.id)
-                        session = None
-                        await ws.close()
-                        return
-                    link.state = after
-                except SplitInferError as exc:
-                    log.info("error for %s: %s: %s", ws.remote_address, exc.code, exc)
-                    if self.metrics is not None:
-                        self.metrics.error(exc.code)
-                    await ws.send(Error.from_exception(exc, seq).encode())
-                    errors += isinstance(exc, ProtocolError)  # capacity or expiry is not the peer's fault
-                    if errors >= self.config.max_errors_per_connection:
-                        await ws.close(code=1008, reason="too many invalid messages")
-                        return
+            async with Inbox(ws, self.limits, self.config.sessions.max_in_flight + 2) as inbox:
+                await self._serve_messages(ws, inbox, link, owner)
         except ConnectionClosed:
             pass  # the session stays until its TTL, so the client can resume it
         except Exception:  # noqa: BLE001 - the server must keep serving everyone else
             log.exception("unexpected failure on a connection from %s", ws.remote_address)
             await ws.close(code=1011, reason="internal error")
+
+    async def _serve_messages(self, ws: ServerConnection, inbox: Inbox, link: ServerLink, owner: str) -> None:
+        """A connection's messages in order: each step's reply goes out before the next message is taken. A
+        step that later steps, already received, show its client dropped is applied but not run (`dropped`)."""
+        session: CloudSession | None = None
+        errors = 0
+        while (data := await inbox.next()) is not None:
+            received_at = time.perf_counter()
+            seq = None
+            try:
+                message = decode_client_message(data, self.limits)
+                seq = message.seq if isinstance(message, (Step, Probe)) else None
+                after = link.check(message)  # hello first (wire/link.py)
+                if isinstance(message, Hello):
+                    session, welcome = self.table.open(message, owner=owner)
+                    await ws.send(welcome.encode())
+                elif isinstance(message, Step):
+                    session = self.table.get(session.id, owner)  # raises if it expired meanwhile
+                    skip = dropped(message, inbox.later_steps())
+                    reply = await self.scheduler.run(session, message, received_at, skip)
+                    if self.metrics is not None:
+                        self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
+                    await ws.send(reply)
+                elif isinstance(message, Probe):
+                    await ws.send(self._probe_reply(message))
+                elif isinstance(message, Close):
+                    if session is not None:
+                        self.table.close(session.id)
+                    session = None
+                    await ws.close()
+                    return
+                link.state = after
+            except SplitInferError as exc:
+                log.info("error for %s: %s: %s", ws.remote_address, exc.code, exc)
+                if self.metrics is not None:
+                    self.metrics.error(exc.code)
+                await ws.send(Error.from_exception(exc, seq).encode())
+                errors += isinstance(exc, ProtocolError)  # capacity or expiry is not the peer's fault
+                if errors >= self.config.max_errors_per_connection:
+                    await ws.close(code=1008, reason="too many invalid messages")
+                    return
 
     def _probe_reply(self, probe: Probe) -> bytes:
         # Path measurement (`splitinfer probe`): no session, no compute; the reply obeys the message limit,

@@ -13,7 +13,9 @@ Blocks in flight (a v3 hello): a session keeps every block it ran whose rows the
 in order, with its KV rows held after the committed ones (kv.py `hold`). A step resolves the oldest (its
 keep list) unless it assumes it, builds on the pending blocks it assumes (they must be the next ones, each
 still valid) and drops the rest; its rows see the committed rows and the assumed rows of the blocks it
-builds on (wire/inflight.py). Budgets and metrics count committed and pending rows separately.
+builds on (wire/inflight.py). Budgets and metrics count committed and pending rows separately. A step that
+a later, already received step shows the client dropped (wire/link.py `dropped`) is `skip_step`ped: checked
+and its resolutions applied like any other, its block never computed, its reply without rows.
 
 Under split-point randomisation the hello pins the session's head depth k inside the shard's range; the
 session then runs layers [k, N-m) only (`CloudHalf.stack_for`), its cache and budget cover those layers,
@@ -53,14 +55,18 @@ class SessionConfig:
     evict_idle_s: float = 2.0  # a session idle this long may be evicted to make room (its client re-prefills)
     max_sessions_per_owner: int | None = None  # sessions one token may hold at once, so one client cannot take all
     max_in_flight: int = 4  # blocks a v3 session may have pending at once (the client's in-flight depth)
+    # Benchmarks only: every forward pass lasts at least this long (the compute thread waits out the rest),
+    # so a cloud holding a layer or two stands for a GPU, whose pass over the middle takes a few ms whatever
+    # its rows (bench-spec --cloud-pass-ms, the fast-cloud scenario). 0: passes take what they take.
+    min_pass_ms: float = 0.0
 
     def __post_init__(self):
         if self.ttl_s <= 0 or self.max_sessions < 1 or self.max_cached_tokens < 1 or self.max_block_rows < 1:
             raise ValueError("session TTL, max sessions, cached-token budget and block rows must all be positive.")
         if not 1 <= self.max_in_flight <= 9:
             raise ValueError("blocks in flight per session must be between 1 and 9.")
-        if (self.max_kv_bytes is not None and self.max_kv_bytes < 1) or self.evict_idle_s < 0:
-            raise ValueError("the KV byte budget must be positive and the eviction idle time not negative.")
+        if (self.max_kv_bytes is not None and self.max_kv_bytes < 1) or self.evict_idle_s < 0 or self.min_pass_ms < 0:
+            raise ValueError("the KV byte budget must be positive, the eviction idle time and pass time not negative.")
 
 
 @dataclass
@@ -104,6 +110,7 @@ class SessionTable:
         self.kv_bytes_per_token = half.stack.kv_bytes_per_token()
         self.evictions = 0  # sessions dropped to make room for others
         self.refusals = 0  # steps or sessions refused for lack of room
+        self.skipped = 0  # steps whose block was dropped by the client before it ran (never computed)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -276,7 +283,7 @@ class SessionTable:
         """Numbers for a metrics exporter: sessions, KV rows and bytes against their budgets, evictions."""
         with self._lock:
             sessions = list(self._sessions.values())
-            evictions, refusals = self.evictions, self.refusals
+            evictions, refusals, skipped = self.evictions, self.refusals, self.skipped
         return {
             "sessions": len(sessions),
             "kv_tokens": sum(s.rows for s in sessions),
@@ -291,6 +298,7 @@ class SessionTable:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "evictions": evictions,
             "refusals": refusals,
+            "skipped_steps": skipped,
         }
 
     # -- steps -------------------------------------------------------------------------------------------
@@ -333,6 +341,9 @@ class SessionTable:
                     outs[j] = out
             if outs and outs[0].device.type == "cuda":
                 torch.cuda.synchronize(outs[0].device)
+            left = self.config.min_pass_ms / 1e3 - (time.perf_counter() - start)
+            if outs and left > 0:
+                time.sleep(left)
             compute_ms = (time.perf_counter() - start) * 1e3  # the whole batch's pass, shared by its steps
             for i, out in zip(ready, outs):
                 session, step, received_at = items[i]
@@ -353,6 +364,27 @@ class SessionTable:
             for session in held:
                 session.lock.release()
         return outcomes
+
+    def skip_step(self, session: CloudSession, step: Step, received_at: float) -> Result | SplitInferError:
+        """A step whose block the client already dropped: checked, its keep list and resolutions applied, the
+        block itself never run nor held. Returns its reply (`skipped`, no rows) or its error. Call from the
+        compute thread, like run_steps."""
+        with session.lock:
+            try:
+                with self._lock:
+                    if self._sessions.get(session.id) is not session:
+                        raise SessionError("the session was evicted or closed on this server; re-prefill.")
+                self._apply_step(session, step)
+            except SplitInferError as exc:
+                return exc
+            session.next_seq += 1
+            session.last_used = self.clock()
+            self.skipped += 1
+            return Result(
+                seq=step.seq, hidden=step.hidden[:0], compute_ms=0.0,
+                handle_ms=(time.perf_counter() - received_at) * 1e3, committed=session.cache.length,
+                wire_dtype=session.wire_dtype, skipped=True,
+            )
 
     def run_step(self, session: CloudSession, step: Step, received_at: float) -> Result:
         """One step alone (the in-process middle, tests); raises its error."""

@@ -19,6 +19,18 @@ from ..options import Opt, add_options, config_from_args
 from ..wire.dtypes import DTYPE_NAMES
 from .auth import ClientAuth, add_client_auth_args
 
+
+def in_flight_option(value: str) -> int:
+    """--in-flight: 1-3 pins the blocks in flight; auto (ClientConfig's AUTO_IN_FLIGHT) lets the controller choose."""
+    from .session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT
+
+    if value.strip().lower() == "auto":
+        return AUTO_IN_FLIGHT
+    if value.strip() not in [str(d) for d in range(1, MAX_IN_FLIGHT + 1)]:
+        raise argparse.ArgumentTypeError(f"takes 1 to {MAX_IN_FLIGHT} or auto, not {value!r}")
+    return int(value)
+
+
 CLIENT_OPTIONS = (
     Opt("wire_dtype", choices=DTYPE_NAMES, help="dtype of the hidden states on the wire"),
     Opt("prefill_chunk", help="prompt rows per message"),
@@ -26,9 +38,12 @@ CLIENT_OPTIONS = (
                            "default: the OS's secret RNG)"),
     Opt("drafter", choices=("auto", "off"), help="the learned draft head in the local shard's drafter/ directory: "
                                                  "auto uses it when present and made for this model"),
-    Opt("in_flight", choices=(1, 2, 3), help="blocks in flight at once: 2 or 3 send the next block before the "
-                                             "previous one's result is back (needs a v3 server; else 1)"),
+    Opt("in_flight", type=in_flight_option,
+        help="blocks in flight at once: 2 or 3 send the next block before the previous one's result is back "
+             "(needs a v3 server; else 1); auto sends each block ahead, up to 3, when measured costs say it pays"),
 )
+
+
 # 0 (greedy) is the command line's default temperature; SamplingConfig is only built when sampling.
 SAMPLING_OPTIONS = (
     Opt("temperature", default=0.0, help="0 (default) is greedy; > 0 samples"),

@@ -8,7 +8,8 @@ after a loss) is the link's decision (wire/link.py); this module only carries it
 middle (wire/transport.py) and sleeps between reconnects. The local caches are never touched by a
 recovery, so the output does not change.
 
-Blocks in flight (`ClientConfig.in_flight` > 1, a v3 server, a middle that can `post`): `send_block` runs
+Blocks in flight (`ClientConfig.in_flight` > 1 or `AUTO_IN_FLIGHT`, a v3 server, a middle that can `post`;
+pinned, or up to MAX_IN_FLIGHT as decoding/ahead.py judges worth it): `send_block` runs
 the head on a block that assumes the unresolved blocks before it kept given rows (the head cache holds
 them, wire/inflight.py builds the mask) and sends it without waiting; `receive_block` takes the oldest
 reply through the tail; `resolve` commits its kept rows on both local caches and tells the link;
@@ -45,6 +46,7 @@ from ..wire.transport import Middle
 log = logging.getLogger("splitinfer.local")
 DRAFTER_MODES = ("auto", "off")
 MAX_IN_FLIGHT = 3
+AUTO_IN_FLIGHT = 0  # ClientConfig.in_flight (--in-flight auto): the controller chooses, up to MAX_IN_FLIGHT
 
 
 @dataclass
@@ -71,13 +73,14 @@ class ClientConfig:
     drafter: str = "auto"
     # Blocks in flight at once (1-3): with 2 or more, the next block goes out before the previous one's result
     # is back, assuming its most likely outcome; needs a server that speaks protocol v3 (else 1 is used).
+    # AUTO_IN_FLIGHT (0): up to MAX_IN_FLIGHT, each block ahead only when its measured costs say it pays.
     in_flight: int = 1
 
     def __post_init__(self):
         if self.drafter not in DRAFTER_MODES:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_MODES)}, not {self.drafter!r}")
-        if not 1 <= self.in_flight <= MAX_IN_FLIGHT:
-            raise ConfigError(f"--in-flight must be between 1 and {MAX_IN_FLIGHT} blocks, not {self.in_flight}.")
+        if not (1 <= self.in_flight <= MAX_IN_FLIGHT or self.in_flight == AUTO_IN_FLIGHT):
+            raise ConfigError(f"--in-flight must be between 1 and {MAX_IN_FLIGHT} blocks, or auto, not {self.in_flight}.")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -103,10 +106,13 @@ class SplitSession:
         self._pending_q = 0
         self._features: torch.Tensor | None = None  # [q, d] tail output of the last block, before the final norm
         # Blocks in flight need a transport that sends without waiting; others go one block at a time.
-        self._pipelining = config.in_flight > 1 and callable(getattr(middle, "post", None))
+        wanted = MAX_IN_FLIGHT if config.in_flight == AUTO_IN_FLIGHT else config.in_flight
+        self._pipelining = wanted > 1 and callable(getattr(middle, "post", None))
+        self._depth = wanted
         if self._pipelining:
             self.link.version = PIPELINE_VERSION
         self._ahead: list[_Ahead] = []  # blocks sent ahead and not resolved, oldest first
+        self._received: tuple[float, float] = (0.0, 0.0)  # (cloud compute, tail) ms of the last block received
 
     @property
     def length(self) -> int:
@@ -215,7 +221,16 @@ class SplitSession:
         server allow it (known once the session is open), else 1."""
         if not self._pipelining or self.link.welcome is None:
             return 1
-        return min(self.config.in_flight, self.link.max_in_flight)
+        return min(self._depth, self.link.max_in_flight)
+
+    @property
+    def pinned(self) -> bool:
+        """True when --in-flight pins the blocks in flight; False when the controller chooses (auto)."""
+        return self.config.in_flight != AUTO_IN_FLIGHT
+
+    def block_costs(self) -> tuple[float, float]:
+        """(cloud compute ms, local tail ms) of the block `receive_block` returned last."""
+        return self._received
 
     def send_block(
         self, tokens: list[int], structure: BlockStructure, depths: list[int] | None, assume: list[list[int]]
@@ -299,17 +314,22 @@ class SplitSession:
             out = self.local.tail(returned, pos, ahead.allowed, self.tail_cache)
             logits = self.local.logits(out)
         self._features = out[0]
-        record.local_ms += (time.perf_counter() - t0) * 1e3
+        tail_ms = (time.perf_counter() - t0) * 1e3
+        record.local_ms += tail_ms
+        self._received = (result.compute_ms, tail_ms)
         return logits
 
-    def resolve(self, rows: list[int]) -> None:
+    def resolve(self, rows: list[int], assumption: tuple[float, bool] | None = None) -> None:
         """Accept `rows` of the oldest unresolved block (received): kept on both local caches now, on the
-        cloud with the next step."""
+        cloud with the next step. assumption: (the chance given, whether it held) of what a block after it
+        assumed or would have assumed, recorded on its step."""
         ahead = self._ahead.pop(0)
         self.head_cache.keep(rows)  # the oldest held block
         self.tail_cache.keep(rows)
         self.link.resolve(rows)
         ahead.record.accepted = len(rows)
+        if assumption is not None:
+            ahead.record.ahead_p, ahead.record.ahead_held = round(assumption[0], 4), assumption[1]
 
     def drop_unresolved(self, kind: str = "dropped") -> None:
         """Forget every unresolved block; telemetry counts their steps as `kind`: "dropped" when their

@@ -10,10 +10,11 @@ assumption failed; a loss with blocks in flight rebuilds the session from the co
 (local/session.py) asks `next_send()` what to send, sends it, and feeds the reply back; the link never
 touches a socket, runs no model and never sleeps, so every rule here is testable with plain tensors.
 
-Server (`ServerLink`, `check_resume`, `check_step`): the rules a server applies to what a peer sends:
-hello before any step, a resume that keeps the session's dtype and head depth, steps in seq order, keep
-lists that name a contiguous path continuing the committed sequence, positions that follow from the
-block's structure, and (v3) assumptions that name the blocks in flight in order, each of them still valid.
+Server (`ServerLink`, `check_resume`, `check_step`, `dropped`): the rules a server applies to what a peer
+sends: hello before any step, a resume that keeps the session's dtype and head depth, steps in seq order,
+keep lists that name a contiguous path continuing the committed sequence, positions that follow from the
+block's structure, and (v3) assumptions that name the blocks in flight in order, each of them still valid;
+and which received step need not run, because a later one already says the client dropped it.
 cloud/server.py and cloud/sessions.py call them; they hold the state (sessions,
 caches), this module holds the rules.
 
@@ -368,7 +369,9 @@ class ClientLink:
         flight = self._flight[0]
         if result.seq != flight.seq:
             raise ProtocolError("the server's reply does not answer the oldest step in flight.")
-        if result.hidden.shape[0] != flight.hidden.shape[0]:
+        if result.skipped and flight.wanted:
+            raise ProtocolError(f"the server skipped block {flight.seq}, which no later step of this client dropped.")
+        if result.hidden.shape[0] != flight.hidden.shape[0] and not result.skipped:
             raise ProtocolError(
                 f"the server returned {result.hidden.shape[0]} rows for a {flight.hidden.shape[0]}-row block."
             )
@@ -501,6 +504,19 @@ def check_step(
         rest = [_after_resolution(later, block.seq, settled.rows) for later in rest]
     kept = _check_assumptions(step, step.assume[step.resolved :], rest, committed, max_position)
     return StepPlan(tuple(resolves), kept, committed)
+
+
+def dropped(step: Step, later: list[Step]) -> bool:
+    """Whether steps of the same session received after `step` (in order) say the client dropped it, so it
+    need not run: one of them names neither it nor anything after it.
+
+    A client builds on a block it sent ahead by naming it in `assume`, and commits it by naming it there too
+    (`resolved`) or with the keep list of the step after its reply; a step sent before `step` was answered
+    cannot do the latter. So a later step that does not name `step` was sent after the client dropped it, and
+    its reply would be discarded. Whatever a peer sends here, skipping a step only spares its pass: its keep
+    list and resolutions still apply and the steps after it are checked as ever (check_step).
+    """
+    return any(l.seq > step.seq and all(a.seq != step.seq for a in l.assume) for l in later)
 
 
 def _after_resolution(block: PendingBlock | None, seq: int, kept: tuple[int, ...]) -> PendingBlock | None:

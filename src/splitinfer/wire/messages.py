@@ -8,7 +8,8 @@
                        Close   end the session and free its cache
                        Probe   N payload bytes, asking for M reply bytes (path measurement; no session)
     server -> client   Welcome the session id and the limits the client must respect
-                       Result  hidden states [q, d] for the block, with the server's timings
+                       Result  hidden states [q, d] for the block, with the server's timings; from v3, no
+                               rows (`skipped`) for a block a later step had dropped before it ran
                        Error   a code from errors.py and a sentence
                        ProbeReply  the M bytes a Probe asked for, and how many it received
 
@@ -157,22 +158,28 @@ class Step:
 @dataclass(frozen=True, eq=False)
 class Result:
     seq: int
-    hidden: torch.Tensor  # [q, d]
+    hidden: torch.Tensor  # [q, d]; [0, d] when skipped
     compute_ms: float  # time the server spent in the middle layers for this block
     handle_ms: float  # time from receiving the request to having the reply encoded (>= compute_ms)
     committed: int  # the session's committed rows after applying `keep`, before this block
     wire_dtype: str = "float16"
+    # v3: the block never ran, because a later step of its session, already received, builds on neither it
+    # nor anything after it (the client dropped it); its keep list and resolutions were applied all the same
+    skipped: bool = False
 
     def encode(self) -> bytes:
-        spec, raw = encode_tensor(self.hidden, self.wire_dtype)
         header = {
             "type": "result",
             "seq": self.seq,
             "compute_ms": round(self.compute_ms, 4),
             "handle_ms": round(self.handle_ms, 4),
             "committed": self.committed,
-            "tensor": spec,
         }
+        if self.skipped:  # absent otherwise, so every other result is the v1 result byte for byte
+            header["skipped"] = True
+            return encode_frame(header)
+        spec, raw = encode_tensor(self.hidden, self.wire_dtype)
+        header["tensor"] = spec
         return encode_frame(header, raw)
 
 
@@ -357,16 +364,25 @@ def decode_server_message(data: bytes, limits: Limits) -> ServerMessage:
     header, body = decode_frame(data)
     kind = header.get("type")
     if kind == "result":
-        hidden = decode_tensor(
-            header.get("tensor"), body, max_rows=limits.max_block_rows, width=limits.hidden_size, allowed=limits.dtypes
-        )
+        skipped = header.get("skipped", False) is True
+        if skipped:
+            if body:
+                raise ProtocolError("a skipped result carries no tensor.")
+            hidden, dtype = torch.empty(0, limits.hidden_size), None
+        else:
+            hidden = decode_tensor(
+                header.get("tensor"), body, max_rows=limits.max_block_rows, width=limits.hidden_size,
+                allowed=limits.dtypes,
+            )
+            dtype = header["tensor"]["dtype"]
         return Result(
             seq=check_int(header.get("seq"), "seq", 0),
             hidden=hidden,
             compute_ms=_check_float(header.get("compute_ms"), "compute_ms"),
             handle_ms=_check_float(header.get("handle_ms"), "handle_ms"),
             committed=check_int(header.get("committed"), "committed", 0),
-            wire_dtype=header["tensor"]["dtype"],
+            wire_dtype=dtype or "float16",
+            skipped=skipped,
         )
     if kind == "welcome":
         return Welcome(
