@@ -195,10 +195,10 @@ class SessionTable:
         return session
 
     def close(self, session_id: str) -> None:
-        with self._lock:
+        with self._lock:  # freed under the table's lock: whoever sees the session gone sees its buffers gone
             session = self._sessions.pop(session_id, None)
-        if session is not None:
-            _free(session)
+            if session is not None:
+                _free(session)  # never blocks: it skips a session whose lock is held
 
     def expire(self) -> list[str]:
         """Drop sessions idle for longer than the TTL; returns their ids."""
