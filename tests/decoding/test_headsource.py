@@ -146,3 +146,16 @@ def test_tree_drafting_equals_the_head_run_along_each_path(tmp_path):
         rank = siblings.index(node)
         assert int(head.draft_vocab[probs.topk(3).indices[rank]]) == node.token, (i, node)
         assert abs(probs[node.token].item() - node.raw) < 1e-5
+
+
+def test_the_head_is_credited_only_with_accepted_tokens_no_other_source_proposed(tmp_path):
+    from splitinfer.decoding.draft import Draft
+
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    tree = Tree(TreeConfig(), head=random_head(local_only_client(shards).local))
+    tree._drafted = True
+    tree.last_draft = Draft(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.8, 0.7], sources=["head"] * 3,
+                            keys=[None] * 3, proposers=[("head", "suffix"), ("head",), ("head",)])
+    before = tree._head_yield.accepted
+    tree._learn_head_value([0, 1, 2], step_ms=100.0, emitted=3)  # rows 1 and 2 accepted, row 3 not
+    assert tree._head_yield.accepted - 0.9 * before == pytest.approx(1.0)  # row 2 only: row 1 the suffix index proposed too
