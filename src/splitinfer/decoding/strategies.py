@@ -5,7 +5,8 @@
     lookahead   the paper's method: n-grams from a single-token-keyed pool, G candidates of N-1 tokens
     tree        the default: a suffix index, Token Recycling and (where the client has one) a learned draft
                 head merged into one tree, ranked by estimated path probability (calibrated online from
-                what was accepted) and sized each step by the measured cost model (controller.py); Token
+                what was accepted; a confident suffix or table path before the head's nodes) and sized each
+                step by the measured cost model (controller.py); Token
                 Recycling starts from the table shipped for the model and the suffix lookup also searches a
                 client's earlier outputs, where given (warm.py); tree-nohead is the same without the head
 
