@@ -272,6 +272,22 @@ def test_best_includes_ancestors_when_a_child_reported_more_than_its_parent():
     assert d3.scores[2] <= d3.scores[0]  # the child's score is clamped to its parent's
 
 
+def test_a_confident_copy_takes_the_budget_before_likelier_head_nodes_and_proposers_are_kept():
+    trie = TokenTrie()
+    trie.add_path([1, 2], [0.9, 0.8], "head")  # 0.9, 0.72
+    trie.add_path([4, 5, 6], [0.8, 0.9, 0.9], "suffix")  # 0.8, 0.72, 0.648
+    trie.add_path([1], [0.3], "recycling")  # a token the head proposed too, less likely by the table
+    assert trie.best(3).tokens == [1, 4, 2]  # by score alone
+    first = trie.best(3, ("suffix", "recycling"), 0.5)
+    assert first.tokens == [4, 5, 6]  # the copy's three nodes, all at least 0.5 likely
+    assert trie.best(4, ("suffix", "recycling"), 0.5).tokens == [1, 4, 5, 6]
+    assert trie.best(3, ("suffix", "recycling"), 0.75).tokens == [1, 4, 2]  # only the copy's first node is confident
+    draft = trie.best(5)
+    assert draft.sources[draft.tokens.index(1)] == "head"  # the likelier source scores the node
+    assert draft.proposers[draft.tokens.index(1)] == ("head", "recycling")
+    assert draft.proposers[draft.tokens.index(2)] == ("head",)
+
+
 @st.composite
 def random_tries(draw):
     paths = draw(
@@ -327,6 +343,24 @@ def test_best_is_a_connected_bfs_tree_of_the_top_scoring_nodes(case):
     excluded = set(range(1, len(raw))) - set(chosen)
     if chosen and excluded:
         assert min(eff[n] for n in chosen) >= max(eff[n] for n in excluded)
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_tries(), st.floats(0.0, 1.0))
+def test_nodes_put_first_still_make_a_connected_tree_and_come_before_the_rest(case, confident):
+    paths, budget = case
+    trie = TokenTrie()
+    for i, p in enumerate(paths):
+        trie.add_path([t for t, _ in p], [q for _, q in p], "copy" if i % 2 else "head")
+    d = trie.best(budget, ("copy",), confident)
+    assert len(d) == min(max(budget, 0), len(trie))
+    assert all(0 <= par <= i for i, par in enumerate(d.parents))
+    row_node = {0: 0}
+    for i, (tok, par) in enumerate(zip(d.tokens, d.parents)):
+        row_node[i + 1] = trie.children[row_node[par]][tok]
+    chosen = set(row_node.values()) - {0}
+    ahead = {n for n in range(1, len(trie.token)) if trie.proposed[n].get("copy", 0.0) >= confident}
+    assert chosen >= ahead or chosen <= ahead  # the confident nodes fill the budget before any other
 
 
 def test_side_rows_see_the_root_and_their_chain_and_no_tree_row_sees_them():

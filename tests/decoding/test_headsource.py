@@ -10,7 +10,7 @@ from splitinfer.decoding.headsource import HeadDraftConfig, HeadDrafter
 from splitinfer.decoding.strategies import Tree, TreeConfig
 from splitinfer.inprocess import local_only_client
 from splitinfer.local.client import load_draft_head
-from splitinfer.model.drafthead import DRAFTER_DIR, load_head
+from splitinfer.model.drafthead import DRAFTER_DIR, HeadCache, load_head
 from splitinfer.model.shards import model_identity
 
 from tiny import prepare_tiny, random_head
@@ -108,3 +108,54 @@ def test_unlikely_nodes_are_not_expanded_and_tested_nodes_calibrate_their_depth(
     assert drafter._ratio((1, True)).value > before
     assert drafter._ratio((1, False)).value < before
     assert drafter._nodes == []  # each tree teaches once
+
+
+def _chain_distribution(head, cache, position, tip, tokens):
+    """The head's next-token distribution after the pairs along `tokens` (depth order) below the tip, one
+    row at a time over a copy of the committed cache: the straightforward reference for tree drafting."""
+    cache = HeadCache(cache.keys, cache.values)
+    feature = tip
+    for depth, token in enumerate(tokens):
+        allowed = torch.ones(1, cache.length + 1, dtype=torch.bool)
+        predicted, keys, values = head(feature[None, None], torch.tensor([[token]]), torch.tensor([position + depth]),
+                                       allowed, cache)
+        cache.extend(keys, values)
+        feature = predicted[0, 0]
+    return torch.softmax(head.logits(feature), dim=-1)
+
+
+def test_tree_drafting_equals_the_head_run_along_each_path(tmp_path):
+    """Tree attention (every expanded node of a level in one pass, grouped-query heads folded into rows)
+    gives each node the token and probability that running the head along its path alone gives."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = local_only_client(shards).local
+    head = random_head(local, vocab=64)
+    assert head.config.num_heads > head.config.num_kv_heads  # the grouped-query path is exercised
+    drafter = HeadDrafter(head, HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=20, min_path_prob=0.0))
+    drafter.start(PROMPT, torch.randn(len(PROMPT), local.config.hidden_size))
+    drafter.propose(4, TokenTrie())
+    nodes = drafter._nodes
+    assert max(node.depth for node in nodes) == 4
+    for i, node in enumerate(nodes):
+        ancestors, parent = [], node.parent
+        while parent >= 0:
+            ancestors.insert(0, nodes[parent].token)
+            parent = nodes[parent].parent
+        probs = _chain_distribution(head, drafter.cache, drafter.position, drafter.tip, ancestors)
+        siblings = [n for n in nodes if n.parent == node.parent]
+        rank = siblings.index(node)
+        assert int(head.draft_vocab[probs.topk(3).indices[rank]]) == node.token, (i, node)
+        assert abs(probs[node.token].item() - node.raw) < 1e-5
+
+
+def test_the_head_is_credited_only_with_accepted_tokens_no_other_source_proposed(tmp_path):
+    from splitinfer.decoding.draft import Draft
+
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    tree = Tree(TreeConfig(), head=random_head(local_only_client(shards).local))
+    tree._drafted = True
+    tree.last_draft = Draft(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.8, 0.7], sources=["head"] * 3,
+                            keys=[None] * 3, proposers=[("head", "suffix"), ("head",), ("head",)])
+    before = tree._head_yield.accepted
+    tree._learn_head_value([0, 1, 2], step_ms=100.0, emitted=3)  # rows 1 and 2 accepted, row 3 not
+    assert tree._head_yield.accepted - 0.9 * before == pytest.approx(1.0)  # row 2 only: row 1 the suffix index proposed too

@@ -46,6 +46,7 @@ class Draft:
     scores: list[float] = field(default_factory=list)  # estimated probability that the node is accepted
     sources: list[str] = field(default_factory=list)  # which source gave each node its score
     keys: list[object] = field(default_factory=list)  # the source's calibration key for each node (or None)
+    proposers: list[tuple[str, ...]] = field(default_factory=list)  # every source that proposed each node
     side: SideRows | None = None  # rows after the tree that only gather information
 
     def __len__(self) -> int:
@@ -92,6 +93,7 @@ class TokenTrie:
         self.score: list[float] = [1.0]
         self.source: list[str] = [""]
         self.key: list[object] = [None]
+        self.proposed: list[dict[str, float]] = [{}]  # each source's best path probability for the node
 
     def add_path(self, tokens: list[int], probs: list[float], source: str = "", keys: list | None = None) -> None:
         """Insert a continuation; probs[i] is the conditional probability of tokens[i] given the path.
@@ -112,20 +114,26 @@ class TokenTrie:
                 self.score.append(path_prob)
                 self.source.append(source)
                 self.key.append(key)
+                self.proposed.append({})
             elif path_prob > self.score[child]:
                 self.score[child] = path_prob
                 self.source[child] = source
                 self.key[child] = key
+            proposed = self.proposed[child]
+            proposed[source] = max(proposed.get(source, 0.0), path_prob)
             node = child
 
     def __len__(self) -> int:
         return len(self.token) - 1
 
-    def best(self, budget: int) -> Draft:
-        """The `budget` nodes with the highest path scores, as a connected tree in breadth-first order.
+    def best(self, budget: int, first: tuple[str, ...] = (), confident: float = 1.0) -> Draft:
+        """The `budget` nodes with the highest path scores, as a connected tree in breadth-first order;
+        nodes that a source in `first` proposed with a path probability of at least `confident` come
+        before all others.
 
         A node's score never exceeds its parent's, and ties are broken by depth, so the chosen set always
-        contains the ancestors of every chosen node.
+        contains the ancestors of every chosen node. The nodes that come first keep that: a source reaches
+        a node only through its parent, with a path probability no lower there.
         """
         if budget <= 0 or len(self) == 0:
             return Draft()
@@ -134,7 +142,8 @@ class TokenTrie:
             depth[n] = depth[self.parent[n]] + 1
             # keep the invariant explicit even if a source reported a child above its parent
             self.score[n] = min(self.score[n], self.score[self.parent[n]])
-        ranked = sorted(range(1, len(self.token)), key=lambda n: (-self.score[n], depth[n], n))[:budget]
+        ahead = [any(self.proposed[n].get(source, 0.0) >= confident for source in first) for n in range(len(self.token))]
+        ranked = sorted(range(1, len(self.token)), key=lambda n: (not ahead[n], -self.score[n], depth[n], n))[:budget]
         chosen = sorted(ranked, key=lambda n: (depth[n], n))
         row = {0: 0}
         draft = Draft()
@@ -147,6 +156,7 @@ class TokenTrie:
             draft.scores.append(self.score[n])
             draft.sources.append(self.source[n])
             draft.keys.append(self.key[n])
+            draft.proposers.append(tuple(sorted(self.proposed[n])))
         return draft
 
 

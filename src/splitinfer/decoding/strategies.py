@@ -5,7 +5,8 @@
     lookahead   the paper's method: n-grams from a single-token-keyed pool, G candidates of N-1 tokens
     tree        the default: a suffix index, Token Recycling and (where the client has one) a learned draft
                 head merged into one tree, ranked by estimated path probability (calibrated online from
-                what was accepted) and sized each step by the measured cost model (controller.py); Token
+                what was accepted; a confident suffix or table path before the head's nodes) and sized each
+                step by the measured cost model (controller.py); Token
                 Recycling starts from the table shipped for the model and the suffix lookup also searches a
                 client's earlier outputs, where given (warm.py); tree-nohead is the same without the head
 
@@ -170,6 +171,10 @@ class Lookahead(Strategy):
         shift = len(emitted)
         self.levels = [row[shift:] + [self._filler() for _ in range(min(shift, width))] for row in refined]
 
+
+COPY_SOURCES = ("suffix", "recycling")  # the model-free sources, which a confident path lets go first
+
+
 @dataclass(frozen=True)
 class TreeConfig:
     max_depth: int = 12  # deepest Token Recycling node
@@ -183,6 +188,9 @@ class TreeConfig:
     controller: ControllerConfig = ControllerConfig()
     head: HeadDraftConfig = HeadDraftConfig()  # the learned draft head's tree, when a head is given
     head_explore_every: int = 8  # draft with the head at least this often, even when it seems not to pay
+    # A suffix or successor-table path at least this likely (calibrated on this text) takes the block's
+    # nodes before the head's: the head's calibration is an average over texts, a copy's is this text's.
+    copy_first: float = 0.5
 
 
 class Tree(Strategy):
@@ -258,8 +266,9 @@ class Tree(Strategy):
     def _learn_head_value(self, path: list[int], step_ms: float, emitted: int) -> None:
         self._ms_per_token.update(emitted, step_ms - self._draft_ms)
         if self._drafted:
-            sources = self.last_draft.sources
-            self._head_yield.update(1.0, sum(sources[row - 1] == "head" for row in path[1:]))
+            # Only tokens no other source proposed are the head's: the rest would have been sent without it.
+            proposers = self.last_draft.proposers
+            self._head_yield.update(1.0, sum(proposers[row - 1] == ("head",) for row in path[1:]))
 
     def propose(self, history):
         trie = TokenTrie()
@@ -279,9 +288,10 @@ class Tree(Strategy):
             weight=self.calibration.recycling_weight,
         )
         scores = sorted(trie.score[1:], reverse=True)
-        per_node = draft_ms / max(1, self.drafter.drafted) if self.drafter is not None else 0.0
-        n = self.config.fixed_nodes if self.config.fixed_nodes is not None else self.controller.choose(scores, per_node)
-        self.last_draft = trie.best(n)
+        # The head's drafting time is spent by now whatever the block's size, so it does not size the block
+        # (pricing it per row would cut a confident copy short); `_head_pays` weighs it against the head's yield.
+        n = self.config.fixed_nodes if self.config.fixed_nodes is not None else self.controller.choose(scores)
+        self.last_draft = trie.best(n, COPY_SOURCES, self.config.copy_first)
         self._draft_ms = draft_ms
         return self.last_draft
 

@@ -159,11 +159,13 @@ class DraftHead(nn.Module):
         keys, values = k, v
         if cache is not None and cache.length:
             keys, values = torch.cat([cache.keys, k], 2), torch.cat([cache.values, v], 2)
+        # Grouped-query attention without copying the keys: query head h reads kv head h // groups, so the
+        # groups' queries are stacked as more rows of their kv head (the mask repeated for each group).
         groups = cfg.num_heads // cfg.num_kv_heads
-        attn = F.scaled_dot_product_attention(
-            q, keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1), attn_mask=allowed,
-            scale=1.0 / math.sqrt(cfg.head_dim),
-        )
+        q = q.reshape(b, cfg.num_kv_heads, groups * n, cfg.head_dim)
+        mask = allowed.repeat(groups, 1) if groups > 1 else allowed
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
+        attn = attn.view(b, cfg.num_heads, n, cfg.head_dim)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(b, n, -1))
         h = self.post_norm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
