@@ -43,6 +43,18 @@ def test_close_frees_the_session_and_its_cache(tiny, settle):
         assert caches and caches[0].nbytes() == 0 and caches[0].length == 0
 
 
+def test_a_session_closed_while_its_step_is_queued_is_freed_when_the_step_ends(tiny):
+    cloud = load_cloud(tiny[0] / "cloud")
+    table = SessionTable(cloud, SessionConfig())
+    session, _ = table.open(Hello(cloud.fingerprint, (cloud.stack.start, cloud.stack.end), "float32"))
+    table.run_step(session, Step(0, (), (0, 1, 2), BlockStructure.chain(), torch.randn(3, 64), "float32"), 0.0)
+    table.claim(session)  # a step queued or running: closing cannot take its buffers from under it
+    table.close(session.id)
+    assert len(table) == 0 and session.cache.nbytes() > 0
+    table.release(session)
+    assert session.cache.nbytes() == 0
+
+
 def test_expiry_frees_idle_sessions_only(tiny):
     cloud = load_cloud(tiny[0] / "cloud")
     now = [0.0]

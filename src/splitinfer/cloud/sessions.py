@@ -278,6 +278,8 @@ class SessionTable:
     def release(self, session: CloudSession) -> None:
         with self._lock:
             session.busy -= 1
+            if session.busy == 0 and self._sessions.get(session.id) is not session:
+                _free(session)  # closed or expired while its step ran: `close` had to leave its buffers
 
     def stats(self) -> dict:
         """Numbers for a metrics exporter: sessions, KV rows and bytes against their budgets, evictions."""
