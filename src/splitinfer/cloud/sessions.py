@@ -205,9 +205,8 @@ class SessionTable:
         deadline = self.clock() - self.config.ttl_s
         with self._lock:
             gone = [sid for sid, s in self._sessions.items() if s.last_used < deadline and not s.lock.locked()]
-            dropped = [self._sessions.pop(sid) for sid in gone]
-        for session in dropped:
-            _free(session)
+            for sid in gone:  # freed under the lock, as in `close`
+                _free(self._sessions.pop(sid))
         if gone:
             log.info("expired %d idle session(s)", len(gone))
         return gone
