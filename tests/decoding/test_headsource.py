@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitinfer.decoding.draft import TokenTrie
+from splitinfer.decoding.calibration import Ratio
+from splitinfer.decoding.draft import Draft, TokenTrie
 from splitinfer.decoding.headsource import HeadDraftConfig, HeadDrafter
 from splitinfer.decoding.strategies import Tree, TreeConfig
 from splitinfer.inprocess import local_only_client
@@ -82,14 +83,14 @@ def test_head_saves_loads_and_installs_for_its_model_only(tmp_path):
 
 
 def test_the_tree_drafts_with_the_head_only_when_it_pays_and_still_explores(tmp_path):
-    from splitinfer.decoding.calibration import Ratio
-
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     tree = Tree(TreeConfig(head_explore_every=4), head=random_head(local_only_client(shards).local))
     assert tree._head_pays()  # the priors try the head first
-    tree._ms_per_token = Ratio(1.0, 1.0, prior_ratio=0.01)  # a fast verifier: a drafted token is worth 0.01 ms
-    assert [tree._head_pays() for _ in range(8)] == [False, False, False, True] * 2
-    tree._ms_per_token = Ratio(1.0, 1.0, prior_ratio=500.0)  # a slow link: every head token is worth drafting
+    tree.head_value.ms_per_token = Ratio(1.0, 1.0, prior_ratio=0.01)  # a fast verifier: a drafted token is worth 0.01 ms
+    # Explorations after 4 steps, then 8, 16...: each that still finds the head not paying doubles the gap.
+    explored = [tree._head_pays() for _ in range(4 + 8 + 16)]
+    assert [i for i, drafted in enumerate(explored) if drafted] == [3, 11, 27]
+    tree.head_value.ms_per_token = Ratio(1.0, 1.0, prior_ratio=500.0)  # a slow link: every head token is worth drafting
     assert all(tree._head_pays() for _ in range(5))
 
 
@@ -149,13 +150,43 @@ def test_tree_drafting_equals_the_head_run_along_each_path(tmp_path):
 
 
 def test_the_head_is_credited_only_with_accepted_tokens_no_other_source_proposed(tmp_path):
-    from splitinfer.decoding.draft import Draft
-
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     tree = Tree(TreeConfig(), head=random_head(local_only_client(shards).local))
     tree._drafted = True
     tree.last_draft = Draft(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.8, 0.7], sources=["head"] * 3,
                             keys=[None] * 3, proposers=[("head", "suffix"), ("head",), ("head",)])
-    before = tree._head_yield.accepted
-    tree._learn_head_value([0, 1, 2], step_ms=100.0, emitted=3)  # rows 1 and 2 accepted, row 3 not
-    assert tree._head_yield.accepted - 0.9 * before == pytest.approx(1.0)  # row 2 only: row 1 the suffix index proposed too
+    before = tree.head_value.head_yield.accepted
+    tree._learn_head_value([0, 1, 2], rows=4, step_ms=100.0, emitted=3)  # rows 1 and 2 accepted, row 3 not
+    assert tree.head_value.head_yield.accepted - 0.9 * before == pytest.approx(1.0)  # row 2 only: row 1 the suffix index proposed too
+
+
+def test_the_head_is_charged_its_drafting_and_the_verification_of_the_rows_only_it_proposed(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    tree = Tree(TreeConfig(), head=random_head(local_only_client(shards).local))
+    for rows, ms in [(1, 50.0)] * 3 + [(5, 70.0), (9, 90.0)] * 3:  # one row 50 ms, then 50 + 5 ms a row
+        tree.controller.costs.add(rows, ms, explore_rows=16)
+    assert tree.controller.block_ms(1) == 50.0 and tree.controller.block_ms(9) == pytest.approx(90.0)
+    # Four nodes: two only the head proposed (both accepted), one both, one only the suffix index.
+    tree.last_draft = Draft(tokens=[5, 6, 7, 8], parents=[0, 1, 0, 3], scores=[0.5] * 4,
+                            proposers=[("head",), ("head",), ("head", "suffix"), ("suffix",)])
+    tree._drafted, tree._draft_ms = True, 7.0
+    value = tree.head_value
+    value.cost, value.head_yield = Ratio(0.0, 1.0), Ratio(0.0, 1.0)  # no prior: only this step counts
+    tree._learn_head_value([0, 1, 2], rows=5, step_ms=80.0, emitted=3)
+    # 5 rows cost 70 ms, the 3 rows without the head's two 60 ms: 7 ms drafting + 10 ms verifying.
+    assert value.cost.value == pytest.approx(17.0)
+    assert value.head_yield.value == pytest.approx(2.0)  # rows 1 and 2, both the head's alone
+
+
+def test_what_the_head_is_worth_carries_over_to_the_next_generation_of_the_same_client(tmp_path):
+    from splitinfer.decoding.controller import StepCosts
+
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    head, costs = random_head(local_only_client(shards).local), StepCosts()
+    first = Tree(TreeConfig(), costs=costs, head=head)
+    assert first._head_pays()  # the priors try the head first
+    for _ in range(30):  # it never brought a token, and each drafting step cost 40 ms
+        first.head_value.observe_drafting(0, 40.0)
+    second = Tree(TreeConfig(head_explore_every=4), costs=costs, head=head)
+    assert [second._head_pays() for _ in range(4)] == [False, False, False, True]  # only exploration
+    assert Tree(TreeConfig(), head=head)._head_pays()  # another client starts from the priors

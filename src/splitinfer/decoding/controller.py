@@ -86,13 +86,41 @@ def best_size(scores: list[float], fixed: float, per_row: float, single: float |
     return best_n
 
 
+class HeadValue:
+    """What drafting with a learned head is worth on one deployment, as discounted ratios: tokens only the
+    head proposed accepted per drafting step, verification ms per emitted token, and the ms a drafting
+    step adds (drafting, and verifying the rows only the head proposed). The priors try the head first;
+    shared by a client's generations (through StepCosts), so a new one starts from what was measured."""
+
+    def __init__(self, decay: float = 0.9):
+        self._lock = threading.Lock()
+        self.head_yield = Ratio(2.0, decay, prior_ratio=1.0)
+        self.ms_per_token = Ratio(2.0, decay, prior_ratio=100.0)
+        self.cost = Ratio(2.0, decay, prior_ratio=5.0)
+
+    def pays(self) -> bool:
+        with self._lock:
+            return self.head_yield.value * self.ms_per_token.value > self.cost.value
+
+    def observe_step(self, emitted: int, verify_ms: float) -> None:
+        with self._lock:
+            self.ms_per_token.update(emitted, verify_ms)
+
+    def observe_drafting(self, head_tokens: int, cost_ms: float) -> None:
+        with self._lock:
+            self.head_yield.update(1.0, head_tokens)
+            self.cost.update(1.0, cost_ms)
+
+
 class StepCosts:
-    """Recent (rows, ms) of verified steps on one deployment; thread-safe, so generations may share it."""
+    """Recent (rows, ms) of verified steps on one deployment, and what a draft head is worth there;
+    thread-safe, so generations may share it."""
 
     def __init__(self, window: int = ControllerConfig.window):
         self._lock = threading.Lock()
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.since_large = 0  # steps since the last block of at least explore_rows rows
+        self.head = HeadValue()
 
     def add(self, rows: int, step_ms: float, explore_rows: int) -> None:
         with self._lock:
@@ -134,6 +162,14 @@ class BlockController:
         """Median time of one-row steps, when there are any."""
         times = [t for q, t in self.costs.samples() if q == 1]
         return statistics.median(times) if times else None
+
+    def block_ms(self, rows: int) -> float:
+        """What a step verifying `rows` rows costs, from the fit (a one-row step: its own median, measured)."""
+        single = self.single_step() if rows <= 1 else None
+        if single is not None:
+            return single
+        fixed, per_row = self.cost()
+        return fixed + per_row * max(rows, 1)
 
     def choose(self, scores: list[float], draft_ms_per_node: float = 0.0) -> int:
         """How many of the (descending) draft scores to send this step. `draft_ms_per_node`: what drafting

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .calibration import NodeCalibration, Ratio
+from .calibration import NodeCalibration
 from .controller import BlockController, ControllerConfig, StepCosts
 from .draft import Draft, SideRows, TokenTrie
 from .headsource import HeadDraftConfig, HeadDrafter
@@ -187,7 +187,10 @@ class TreeConfig:
     memory_tokens: int = 65_536  # earlier generations' text kept searchable when one Tree serves several
     controller: ControllerConfig = ControllerConfig()
     head: HeadDraftConfig = HeadDraftConfig()  # the learned draft head's tree, when a head is given
-    head_explore_every: int = 8  # draft with the head at least this often, even when it seems not to pay
+    # Draft with the head at least every this many steps even when it seems not to pay, so a changed text
+    # or link is noticed; each exploration that still finds it not paying doubles the gap, up to the max.
+    head_explore_every: int = 8
+    head_explore_max: int = 64
     # A suffix or successor-table path at least this likely (calibrated on this text) takes the block's
     # nodes before the head's: the head's calibration is an average over texts, a copy's is this text's.
     copy_first: float = 0.5
@@ -223,13 +226,10 @@ class Tree(Strategy):
         self.index: SuffixIndex | None = None
         self._prompt: list[int] | None = None
         self._draft_ms = 0.0
-        # What the head is worth: head-sourced tokens accepted per drafting step, verification ms per emitted
-        # token, drafting ms per step (discounted ratios; priors favour trying the head first).
-        self._head_yield = Ratio(2.0, 0.9, prior_ratio=1.0)
-        self._ms_per_token = Ratio(2.0, 0.9, prior_ratio=100.0)
-        self._head_cost = Ratio(2.0, 0.9, prior_ratio=5.0)
+        self.head_value = self.controller.costs.head  # what the head is worth here, measured over generations
         self._drafted = False
         self._since_head = 0
+        self._explore_gap = config.head_explore_every
 
     def start(self, prompt, prompt_logits):
         # A Tree kept across generations (a chat, an API server) keeps what it learned: the successor
@@ -254,21 +254,27 @@ class Tree(Strategy):
             self._features = features
 
     def _head_pays(self) -> bool:
-        """Draft with the head when the tokens it adds per step are worth more time than drafting takes,
-        and every `head_explore_every` steps regardless, so a changed text or link is noticed."""
+        """Draft with the head when the tokens it adds per step are worth more time than it costs a step
+        (drafting, and verifying the rows only it proposed), and now and then regardless (exploration)."""
         self._since_head += 1
-        worth_ms = self._head_yield.value * self._ms_per_token.value
-        if worth_ms > self._head_cost.value or self._since_head >= self.config.head_explore_every:
+        if self.head_value.pays():
+            self._since_head, self._explore_gap = 0, self.config.head_explore_every
+            return True
+        if self._since_head >= self._explore_gap:
             self._since_head = 0
+            self._explore_gap = min(2 * self._explore_gap, self.config.head_explore_max)
             return True
         return False
 
-    def _learn_head_value(self, path: list[int], step_ms: float, emitted: int) -> None:
-        self._ms_per_token.update(emitted, step_ms - self._draft_ms)
+    def _learn_head_value(self, path: list[int], rows: int, step_ms: float, emitted: int) -> None:
+        self.head_value.observe_step(emitted, step_ms - self._draft_ms)
         if self._drafted:
-            # Only tokens no other source proposed are the head's: the rest would have been sent without it.
-            proposers = self.last_draft.proposers
-            self._head_yield.update(1.0, sum(proposers[row - 1] == ("head",) for row in path[1:]))
+            # Only tokens and rows no other source proposed are the head's: the rest would have been sent
+            # without it. What its rows cost follows the controller's fit of what a block of q rows costs.
+            head_only = [who == ("head",) for who in self.last_draft.proposers]
+            verify_ms = self.controller.block_ms(rows) - self.controller.block_ms(rows - sum(head_only))
+            self.head_value.observe_drafting(sum(head_only[row - 1] for row in path[1:]),
+                                             self._draft_ms + max(verify_ms, 0.0))
 
     def propose(self, history):
         trie = TokenTrie()
@@ -277,7 +283,6 @@ class Tree(Strategy):
         if self._drafted:
             self.drafter.propose(history[-1], trie)
             draft_ms = self.drafter.draft_ms
-            self._head_cost.update(1.0, draft_ms)
         elif self.drafter is not None:
             self.drafter.sync(history[-1])
         indexes = (self.index,) if self.memory is None else (self.memory.index, self.index)
@@ -310,7 +315,7 @@ class Tree(Strategy):
     def observe(self, tokens, parents, logits, path, emitted, step_ms):
         if self.drafter is not None:
             self.drafter.observe(self._features[path], emitted)
-            self._learn_head_value(path, step_ms, len(emitted))
+            self._learn_head_value(path, len(tokens), step_ms, len(emitted))
             # The fit prices verification; drafting is priced per node in `choose`.
             step_ms = max(step_ms - self._draft_ms, 0.0)
         self.recycling.observe(tokens, logits)

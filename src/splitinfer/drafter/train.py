@@ -47,8 +47,8 @@ REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
 @dataclass(frozen=True)
 class TrainConfig:
-    tokens: int = 48_000  # generated tokens (continuations) to train on
-    prompts: int = 1250  # prompts drawn; generation stops at `tokens`, so a larger target only goes further
+    tokens: int = 200_000  # generated tokens (continuations) to train on
+    prompts: int = 2400  # prompts drawn; generation stops at `tokens`, so a larger target only goes further
     steps: int = 2400
     seed: int = 0
     device: str = "cpu"
