@@ -8,6 +8,12 @@ continuation, runs prompt + continuation through the model once more for every r
 each token's next-token distribution over its occurrences (warm.aggregate_successors). The table and
 a manifest (model fingerprint, data hash, seed, counts, time) go to --out; a client loads the table for a
 model with the same fingerprint (warm.shipped_recycling_table).
+
+    splitinfer build-recycling --shards shards/smollm2 --from-data DIR/data.pt --out DIR2
+
+reads the generations `train-drafter` collected instead (its data.pt: the model's own greedy and sampled
+replies with every row's final features, far more text than this command generates in the same time) and
+reads each row's distribution out through the model's final norm and LM head.
 """
 
 from __future__ import annotations
@@ -69,6 +75,50 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     return RecyclingTable(table, manifest)
 
 
+def build_from_drafter_data(shards: Path, data_path: Path, k: int):
+    """The table from train-drafter's data.pt (its features read out through the final norm and LM head)."""
+    import torch
+
+    from . import __version__
+    from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
+    from .model.shards import load_whole_hf, read_manifest
+    from .progress import progress
+
+    if not data_path.is_file():
+        raise ConfigError(f"{data_path} does not exist; --from-data takes the data.pt a train-drafter run wrote.")
+    data = torch.load(data_path, weights_only=False)
+    model = load_whole_hf(shards).requires_grad_(False)
+    t0 = time.perf_counter()
+
+    def rows():  # one reply's logits ([rows, vocab] floats) in memory at a time
+        for s in progress(data["sequences"], desc="build-recycling", unit="reply"):
+            logits = model.lm_head(model.model.norm(s["features"].float()))  # row r predicts tokens[r + 1]
+            yield s["tokens"][: logits.shape[0]], logits
+
+    with torch.inference_mode():
+        table, seen = aggregate_successors(rows(), k)
+    local = read_manifest(shards / "local", "local")
+    manifest = {
+        "format": FORMAT,
+        "model_id": local.get("model_id"),
+        "model_fingerprint": local["cloud_fingerprint"],  # what a client loads it for, as above
+        "k": k,
+        "source": "train-drafter data",
+        "seed": data["config"].get("seed"),
+        "prompts": len(data["sequences"]),
+        "data_config": {key: data["config"].get(key) for key in ("tokens", "prompts", "seed", "max_new_tokens", "sampled_share")},
+        "data_sha256": data["sha256"],
+        "generated_tokens": data["generated_tokens"],
+        "rows": sum(seen.values()),
+        "table_tokens": len(table),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "splitinfer": __version__,
+        "command": "splitinfer build-recycling " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+    }
+    return RecyclingTable(table, manifest)
+
+
 def _options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--shards", default="shards/smollm2", help="prepared OUT directory (OUT/local + OUT/cloud)")
     s.add_argument("--out", required=True, help="folder for recycling.safetensors and recycling.json")
@@ -76,12 +126,18 @@ def _options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-new-tokens", type=int, default=96, help="greedy tokens generated per prompt")
     s.add_argument("--k", type=int, default=8, help="successors kept per token")
     s.add_argument("--seed", type=int, default=0, help="which offline prompts are drawn")
+    s.add_argument("--from-data", default=None,
+                   help="a train-drafter data.pt: build from its generations instead of generating (--prompts, "
+                        "--max-new-tokens and --seed are then the data's own)")
 
 
 def cmd_build_recycling(args) -> int:
     if args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
         raise ConfigError("--prompts, --max-new-tokens and --k must be at least 1.")
-    table = build_recycling_table(Path(args.shards), args.prompts, args.max_new_tokens, args.k, args.seed)
+    if args.from_data:
+        table = build_from_drafter_data(Path(args.shards), Path(args.from_data), args.k)
+    else:
+        table = build_recycling_table(Path(args.shards), args.prompts, args.max_new_tokens, args.k, args.seed)
     path = table.save(args.out)
     m = table.manifest
     print(f"{path}: {m['table_tokens']} tokens x {m['k']} successors from {m['prompts']} prompts "

@@ -3,8 +3,13 @@ that names the model and the data, and found again by the model's fingerprint.""
 
 from __future__ import annotations
 
-from splitinfer.recycling import build_recycling_table
-from splitinfer.decoding.warm import RecyclingTable, shipped_recycling_table, shipped_table_dirs
+import pytest
+import torch
+
+from splitinfer.errors import ConfigError
+from splitinfer.decoding.warm import RecyclingTable, aggregate_successors, shipped_recycling_table, shipped_table_dirs
+from splitinfer.model.shards import load_whole_hf
+from splitinfer.recycling import build_from_drafter_data, build_recycling_table
 from splitinfer.inprocess import local_only_client
 
 
@@ -30,3 +35,31 @@ def test_every_shipped_table_loads_and_names_its_model_and_data():
         for key in ("model_fingerprint", "data_sha256", "seed", "prompts", "generated_tokens", "created", "command"):
             assert key in table.manifest, (folder, key)
         assert len(table.successors) == table.manifest["table_tokens"]
+
+
+def test_a_table_from_drafter_data_reads_each_row_out_as_the_model_does(chat_shards, tmp_path):
+    model = load_whole_hf(chat_shards).requires_grad_(False)
+    seen = []
+    handle = model.model.norm.register_forward_hook(lambda mod, args, out: seen.append(args[0][0]))
+    sequences = []
+    with torch.inference_mode():
+        for seed in range(3):
+            tokens = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(seed))
+            logits = model(tokens[None]).logits[0]
+            # As train-drafter stores them: the features of every row but the last (row r predicts token r + 1).
+            sequences.append(({"tokens": tokens.tolist(), "prompt_len": 4, "features": seen[-1][:-1].clone()}, logits[:-1]))
+    handle.remove()
+    data = {"sequences": [s for s, _ in sequences], "sha256": "d" * 64, "generated_tokens": 24,
+            "config": {"tokens": 24, "prompts": 3, "seed": 7, "max_new_tokens": 8, "sampled_share": 0.5}}
+    torch.save(data, tmp_path / "data.pt")
+    table = build_from_drafter_data(chat_shards, tmp_path / "data.pt", k=4)
+    expected, _ = aggregate_successors([(s["tokens"][:-1], logits) for s, logits in sequences], 4)
+    assert table.successors.keys() == expected.keys()
+    for token, (ids, ps) in expected.items():
+        assert table.successors[token][0] == ids
+        assert table.successors[token][1] == pytest.approx(ps, abs=1e-5)
+    m = table.manifest
+    assert m["data_sha256"] == "d" * 64 and m["seed"] == 7 and m["prompts"] == 3 and m["rows"] == 33
+    assert m["model_fingerprint"] == local_only_client(chat_shards).local.fingerprint
+    with pytest.raises(ConfigError, match="train-drafter"):
+        build_from_drafter_data(chat_shards, tmp_path / "missing.pt", k=4)

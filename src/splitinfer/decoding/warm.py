@@ -80,7 +80,8 @@ class RecyclingTable:
 
 
 def aggregate_successors(rows: list[tuple[list[int], torch.Tensor]], k: int) -> tuple[dict, dict]:
-    """(table, counts) from (input tokens, logits [q, vocab]) pairs: row r of the logits follows tokens[r].
+    """(table, counts) from (input tokens, logits [q, vocab]) pairs, any iterable of them: row r of the
+    logits follows tokens[r].
 
     A token's entry is the mean over its occurrences of the model's next-token distribution, cut to the
     top k (each distribution first cut to its top 2k, which keeps the sums small and changes little).
