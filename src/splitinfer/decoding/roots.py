@@ -20,6 +20,9 @@ ranked next tokens with calibrated scores and whose deeper nodes are a small dra
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
 from ..masks import BlockStructure
 from .draft import Block, Draft, children_of
 
@@ -34,14 +37,50 @@ def top_path(draft: Draft) -> list[int]:
     return path
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a block is assumed to resolve to: the rows it keeps, then one of several tokens."""
+
+    path: list[int]  # the rows kept, as rows of the draft's own block (row 0 its root)
+    roots: list[int]  # the candidates for the token chosen after them, likeliest first
+    scores: list[float]  # each candidate's calibrated chance
+    below: list[Draft]  # a predicted draft below each candidate
+    score: float  # the chance that exactly these rows are kept and one of the candidates is chosen
+
+
+Candidates = Callable[[list[int], set[int]], tuple[list[int], list[float], list[Draft]]]
+
+
+def likeliest_outcome(draft: Draft, candidates: Candidates, tries: int) -> Outcome | None:
+    """Which rows of a block to assume kept: its draft's whole top path, or a prefix of it where the draft is
+    unlikely to go on. Acceptance stops at row r and then chooses token x with probability
+    P(reach r) P(x | r) for any x that is not one of r's children's tokens, so a prefix ending at r scores
+    P(reach r) times its candidates' summed scores (children's tokens excluded; at most 1).
+    candidates(path, excluded tokens) -> (roots, scores, drafts) asks the strategy. Tries the whole path,
+    then the prefixes from the root on while their reach can still beat the best, `tries` at most."""
+    path = top_path(draft)
+    children = children_of([0, *draft.tokens], [-1, *draft.parents])
+    best = None
+    for tried, cut in enumerate([len(path), *range(1, len(path))]):
+        reach = draft.scores[path[cut - 1] - 1] if cut > 1 else 1.0
+        if tried >= tries or (best is not None and reach <= best.score):
+            break
+        own = path[:cut]
+        roots, scores, below = candidates(own, set(children.get(own[-1], {})))
+        score = reach * min(sum(scores), 1.0)
+        if roots and (best is None or score > best.score):
+            best = Outcome(own, roots, scores, below, score)
+    return best
+
+
 def candidate_roots(
-    predicted: Draft, max_roots: int, floor: float, nodes: int
+    predicted: Draft, max_roots: int, floor: float, nodes: int, exclude: Collection[int] = ()
 ) -> tuple[list[int], list[float], list[Draft]]:
-    """(tokens, scores, drafts) of the likeliest next tokens in a predicted tree: its first level, each at
-    least `floor` likely, at most `max_roots`, likeliest first; below each root, its best `nodes` predicted
-    nodes as a draft whose scores are given that root."""
+    """(tokens, scores, drafts) of the likeliest next tokens in a predicted tree: its first level but the
+    tokens in `exclude`, each at least `floor` likely, at most `max_roots`, likeliest first; below each
+    root, its best `nodes` predicted nodes as a draft whose scores are given that root."""
     first = sorted((n for n in range(len(predicted)) if predicted.parents[n] == 0), key=lambda n: -predicted.scores[n])
-    first = [n for n in first if predicted.scores[n] >= floor][:max_roots]
+    first = [n for n in first if predicted.scores[n] >= floor and predicted.tokens[n] not in exclude][:max_roots]
     top = {}  # predicted row -> the first-level row above it (itself for a first-level row)
     for n, parent in enumerate(predicted.parents):
         top[n + 1] = n + 1 if parent == 0 else top[parent]
