@@ -13,7 +13,7 @@ from splitinfer.cloud.sessions import SessionConfig
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser
-from splitinfer.decoding.strategies import Strategy
+from splitinfer.decoding.strategies import Lookahead, LookaheadConfig, Strategy
 from splitinfer.local.client import SplitClient
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import AUTO_IN_FLIGHT, ClientConfig, SplitSession
@@ -123,6 +123,19 @@ def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
         if isinstance(strategy, Scripted) and depth != AUTO_IN_FLIGHT:  # forced mispredictions: some were dropped
             assert ("dropped" in kinds) == (depth > 1)
     assert len(server.server.table) == 0 or all(s.busy == 0 for s in server.server.table._sessions.values())
+
+
+def test_a_strategy_with_no_guesses_decodes_as_one_block_at_a_time(served):
+    """Lookahead guesses nothing ahead, so with D = 2 it sends one block at a time and must see every row's
+    logits, its window's included, exactly as decoding without blocks in flight: the same blocks result."""
+    shards, server, expected = served
+    local = load_local(shards / "local")
+    steps = []
+    for depth in (1, 2):
+        tokens, session = run(local, remote(local, server.url), Lookahead(LookaheadConfig(window=3)), depth)
+        assert tokens == expected
+        steps.append([(r.rows, r.accepted) for r in session.records if r.kind == "decode"])
+    assert steps[0] == steps[1] and any(rows > 1 for rows, _ in steps[0])
 
 
 class Unlikely(Scripted):

@@ -178,12 +178,13 @@ def _fill(
 def _accept(flying: _Flying, logits: torch.Tensor, choose: Callable[[torch.Tensor], int]):
     """Accept from the chosen root's rows of a resolved block, as if they were a one-root block.
 
-    Returns (path as block rows, the chosen token, its one-root tokens, parents, logits [rows, vocab] and path).
+    Returns (path as block rows, the chosen token, and its one-root tokens, parents, logits [rows, vocab], path).
     """
     rows = flying.rows[flying.chosen]
     tokens, parents = flying.own(flying.chosen)
-    own_logits = logits[rows]
-    own_path, token = accept(tokens, parents, own_logits, choose)
+    # a one-root block keeps its side rows' logits (a lookahead window) for the strategy, as loop.py does
+    own_logits = logits if len(flying.roots) == 1 else logits[rows]
+    own_path, token = accept(tokens, parents, own_logits[: len(tokens)], choose)
     return [rows[r] for r in own_path], token, (tokens, parents, own_logits, own_path)
 
 
