@@ -13,7 +13,7 @@ from splitinfer.cloud.sessions import SessionConfig
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser
-from splitinfer.decoding.strategies import Strategy
+from splitinfer.decoding.strategies import Lookahead, LookaheadConfig, Strategy
 from splitinfer.local.client import SplitClient
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import AUTO_IN_FLIGHT, ClientConfig, SplitSession
@@ -57,6 +57,44 @@ class Scripted(Strategy):
         return Draft(tokens=guess, parents=[0], scores=[0.5])
 
 
+class Ranked(Scripted):
+    """Guesses three candidate roots for what follows a block in flight, the right one first, second or third
+    by turns over the positions asked about, or not among them every fourth time; a predicted child below each of the first two (the right
+    next token below the right root), so a block is accepted from a root other than its first row and along
+    a predicted draft below it."""
+
+    def __init__(self, text: list[int]):
+        super().__init__(text)
+        self.ranks: dict[int, int] = {}
+
+    def propose(self, history):
+        draft = super().propose(history)
+        draft.scores = [0.99] * len(draft)  # confident: a block after it assumes its whole path kept (roots.py)
+        return draft
+
+    def predict(self, history, nodes):
+        truth = self._next(history, 2) or [history[-1]]
+        rank = self.ranks.setdefault(len(history), len(self.ranks) % 4)  # by turns over positions asked about
+        wrong = [t % 96 for t in range(truth[0] + 1, truth[0] + 4)]
+        firsts = wrong[:rank] + [truth[0]] + wrong[rank:2] if rank < 3 else wrong
+        scores = [0.5, 0.3, 0.1]
+        below = [truth[1] if len(truth) > 1 and t == truth[0] else (t + 7) % 96 for t in firsts[:2]]
+        return Draft(tokens=firsts + below, parents=[0, 0, 0, 1, 2], scores=scores + [0.3, 0.2])
+
+
+def resolved_rows(monkeypatch) -> list[list[int]]:
+    """Every keep list `SplitSession.resolve` is given, in order."""
+    rows: list[list[int]] = []
+    resolve = SplitSession.resolve
+
+    def recording(self, kept, assumption=None):
+        rows.append(list(kept))
+        return resolve(self, kept, assumption)
+
+    monkeypatch.setattr(SplitSession, "resolve", recording)
+    return rows
+
+
 def config(depth: int) -> ClientConfig:
     return ClientConfig(wire_dtype="float32", prefill_chunk=8, retry_backoff_s=0.05, in_flight=depth)
 
@@ -85,6 +123,19 @@ def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
         if isinstance(strategy, Scripted) and depth != AUTO_IN_FLIGHT:  # forced mispredictions: some were dropped
             assert ("dropped" in kinds) == (depth > 1)
     assert len(server.server.table) == 0 or all(s.busy == 0 for s in server.server.table._sessions.values())
+
+
+def test_a_strategy_with_no_guesses_decodes_as_one_block_at_a_time(served):
+    """Lookahead guesses nothing ahead, so with D = 2 it sends one block at a time and must see every row's
+    logits, its window's included, exactly as decoding without blocks in flight: the same blocks result."""
+    shards, server, expected = served
+    local = load_local(shards / "local")
+    steps = []
+    for depth in (1, 2):
+        tokens, session = run(local, remote(local, server.url), Lookahead(LookaheadConfig(window=3)), depth)
+        assert tokens == expected
+        steps.append([(r.rows, r.accepted) for r in session.records if r.kind == "decode"])
+    assert steps[0] == steps[1] and any(rows > 1 for rows, _ in steps[0])
 
 
 class Unlikely(Scripted):
@@ -143,7 +194,8 @@ def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choos
     return tokens, session
 
 
-def test_a_dropped_link_with_blocks_in_flight_recovers_with_identical_output(served):
+@pytest.mark.parametrize("guesses", ["one root", "several roots"])
+def test_a_dropped_link_with_blocks_in_flight_recovers_with_identical_output(served, guesses):
     shards, server, expected = served
     local = load_local(shards / "local")
 
@@ -152,12 +204,14 @@ def test_a_dropped_link_with_blocks_in_flight_recovers_with_identical_output(ser
             assert session.link.flying  # blocks are in flight when the link goes
             session.middle._ws.close()
 
-    tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 2, drop)
+    strategy = (Scripted if guesses == "one root" else Ranked)(PROMPT + expected)
+    tokens, session = run(local, remote(local, server.url), strategy, 2 if guesses == "one root" else 3, drop)
     assert tokens == expected
     assert sum(r.recoveries for r in session.records) == 2
 
 
-def test_ttl_expiry_with_blocks_in_flight_recovers_with_identical_output(served):
+@pytest.mark.parametrize("guesses", ["one root", "several roots"])
+def test_ttl_expiry_with_blocks_in_flight_recovers_with_identical_output(served, guesses):
     shards, _, expected = served
     local = load_local(shards / "local")
     config = ServerConfig(port=0, sessions=SessionConfig(ttl_s=0.2), sweep_interval_s=0.05)
@@ -169,7 +223,8 @@ def test_ttl_expiry_with_blocks_in_flight_recovers_with_identical_output(served)
                 time.sleep(0.6)  # longer than the TTL: the server drops the session, blocks in flight and all
                 assert len(server.server.table) == 0
 
-        tokens, session = run(local, remote(local, server.url), Scripted(PROMPT + expected), 2, idle)
+        strategy = (Scripted if guesses == "one root" else Ranked)(PROMPT + expected)
+        tokens, session = run(local, remote(local, server.url), strategy, 2, idle)
     assert tokens == expected
     assert sum(r.recoveries for r in session.records) == 1
 
@@ -194,6 +249,30 @@ def test_sampling_with_blocks_in_flight_reproduces_one_block_at_a_time(served):
         tokens, _ = run(local, remote(local, server.url), Scripted(text), depth, choose=make_chooser(sampling))
         outputs.append(tokens)
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_blocks_with_several_roots_give_identical_output(served, depth, monkeypatch):
+    shards, server, expected = served
+    local = load_local(shards / "local")
+    rows = resolved_rows(monkeypatch)
+    tokens, session = run(local, remote(local, server.url), Ranked(PROMPT + expected), depth)
+    assert tokens == expected
+    # accepted from a root other than the first (the one equal to the token chosen; from any other row the
+    # output would differ), and along the predicted draft below it
+    assert any(kept[0] > 0 and len(kept) > 1 for kept in rows)
+    assert any(r.kind == "dropped" for r in session.records)  # no root was right: dropped
+    assert any(r.rows >= 3 and r.assumed for r in session.records)
+
+
+def test_sampling_with_several_root_blocks_reproduces_one_block_at_a_time(served):
+    shards, server, _ = served
+    local = load_local(shards / "local")
+    sampling = SamplingConfig(temperature=1.0, seed=11)
+    text = PROMPT + run(local, remote(local, server.url), Strategy(), 1, choose=make_chooser(sampling))[0]
+    tokens, session = run(local, remote(local, server.url), Ranked(text), 2, choose=make_chooser(sampling))
+    assert PROMPT + tokens == text
+    assert any(r.rows >= 3 and r.assumed for r in session.records)
 
 
 def test_a_block_dropped_while_queued_is_never_computed(served):

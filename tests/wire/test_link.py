@@ -535,3 +535,41 @@ def test_a_skipped_reply_is_taken_only_for_a_dropped_block():
     a = ahead(link, 5, 3, [])
     with pytest.raises(ProtocolError, match="skipped block 1"):  # the client still wants a
         link.on_result(Result(a.seq, torch.empty(0, D), 0.0, 1.0, 5, "float32", skipped=True))
+
+
+# -- a block with several candidate roots (decoding/roots.py) ----------------------------------------------
+
+ROOTS = BlockStructure.tree([-1, -1, -1, 0, 1])  # three sibling roots, a child below the first and the second
+
+
+def test_a_block_with_several_roots_travels_and_is_checked_like_any_tree():
+    """Several parent -1 rows need no rule of their own: each sits at the committed length, and a keep list
+    or an assumption may start from any of them."""
+    message = Step(3, (0, 2), (7, 7, 7, 8, 8), ROOTS, torch.zeros(5, D), "float32")
+    decoded = decode_client_message(message.encode(), Limits(hidden_size=D))
+    assert decoded.structure == ROOTS and decoded.structure.depths(5) == [0, 0, 0, 1, 1]
+    assert check_step(decoded, 3, "float32", 5, PENDING, LIMIT).committed == 7
+    multi = (PendingBlock(3, (7, 7, 7, 8, 8)),)
+    assert check_step(step(4, (1, 4), (9,)), 4, "float32", 7, multi, LIMIT).resolves == ((1, 4),)
+    assert check_step(step(4, (2,), (8,)), 4, "float32", 7, multi, LIMIT).committed == 8
+    ahead = ahead_step(4, (), (9,), (Assumed(3, (1, 4)),))
+    assert check_step(ahead, 4, "float32", 7, multi, LIMIT, 3).pending == multi
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (step(4, (0, 1), (9,)), "contiguous path"),  # two sibling roots are not a path
+        (step(4, (3,), (8,)), "contiguous path"),  # a path must start at a root
+    ],
+)
+def test_keep_lists_of_a_several_root_block_stay_paths(bad, match):
+    # The server knows a pending block's positions, not its parents, so it checks a path by positions (as for
+    # one root): which root's rows the client keeps is the client's own business.
+    with pytest.raises(ProtocolError, match=match):
+        check_step(bad, 4, "float32", 7, (PendingBlock(3, (7, 7, 7, 8, 8)),), LIMIT)
+
+
+def test_roots_of_one_block_share_one_position():
+    with pytest.raises(ProtocolError, match=r"committed length \(7\) plus each row's depth"):
+        check_step(step(3, (0, 2), (7, 8, 9, 8, 9), ROOTS), 3, "float32", 5, PENDING, LIMIT)

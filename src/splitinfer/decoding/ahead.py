@@ -1,8 +1,10 @@
 """Whether the next block goes out ahead, before the blocks in flight are resolved, from measured costs.
 
-A block sent ahead assumes the most likely outcome of the blocks still in flight (pipeline.py). With
-probability p that assumption holds and the block's result comes back sooner than if it had waited; with
-probability 1 - p it is dropped, and what it cost delays the next valid block. The rule
+A block sent ahead assumes the most likely outcome of the blocks still in flight and carries several
+candidates for the token chosen after them (pipeline.py, roots.py). With probability p that assumption
+holds (the rows kept are the ones assumed and the token chosen is one of its roots) and the block's
+result comes back sooner than if it had waited; with probability 1 - p it is dropped, and what it cost
+delays the next valid block. The rule
 (`worth_sending`, a pure function) sends it when
 
     p * saving(d)  >  (1 - p) * (the part of its cloud pass ahead of the next valid block
@@ -27,9 +29,10 @@ round trip sends ahead when p is moderate.
 `AheadController` keeps the running estimates (exponential moving averages) the rule reads: the
 latency of a block sent alone (send to result, the tail excluded), the cloud's compute per block
 (Result.compute_ms), the client's own time per block (draft, head, tail, acceptance) and the share of it
-spent making a block (draft and head). p is the draft's and the guess's calibrated scores times a
-ratio learned from how often the assumption held: every resolved block checks the assumption the next
-block would have made, sent ahead or not, so the ratio learns even while nothing goes ahead.
+spent making a block (draft and head; its extra rows included). p is the calibrated chance of the rows
+assumed kept times the candidate roots' summed scores, times a ratio learned from how often the
+assumption held: every resolved block checks the assumption the next block would have made, sent ahead
+or not, so the ratio learns even while nothing goes ahead.
 
 It knows nothing of the network, the model or the strategies: numbers in, a decision out.
 """
@@ -51,10 +54,20 @@ class AheadConfig:
     hold_decay: float = 0.95  # weight of history in the hold-rate ratio
     hold_floor: float = 0.05  # never trust an assumption less than this share of its score (keeps learning)
     hold_cap: float = 3.0  # nor more than this multiple
+    # A block sent ahead carries several candidate roots for the token chosen before it (decoding/roots.py):
+    max_roots: int = 4  # at most this many; each costs the client and the cloud one row, plus its draft's
+    root_floor: float = 0.02  # a candidate less likely than this (calibrated) is not worth its rows
+    root_nodes: int = 2  # predicted draft nodes below each candidate but the likeliest (which gets a full draft)
+    root_candidates: int = 48  # nodes of the strategy's prediction the candidates and their drafts come from
+    kept_tries: int = 3  # prefixes of a draft's top path weighed as the rows kept (a prediction each)
 
     def __post_init__(self):
         if not (0 <= self.decay < 1 and 0 < self.hold_decay <= 1 and self.min_samples >= 1 and self.hold_prior > 0):
             raise ValueError("ahead decays must lie in [0, 1), hold decay in (0, 1], samples and prior positive.")
+        if not (1 <= self.max_roots <= self.root_candidates and self.root_nodes >= 0 and 0 <= self.root_floor < 1
+                and self.kept_tries >= 1):
+            raise ValueError("max_roots must lie in [1, root_candidates], root_nodes >= 0, root_floor in [0, 1), "
+                             "kept_tries >= 1.")
 
 
 @dataclass(frozen=True)
