@@ -62,8 +62,9 @@ $(FLOOR_VENV)/.installed: pyproject.toml Makefile
 bench: prepare
 	$(VENV)/bin/splitinfer bench --shards $(SHARDS) --out docs/bench --docs docs/benchmarks.md
 
-# The GPU check (scripts/gpu_check.sh): serve on the device, bench-spec at 0 and 80 ms with the draft head, a
-# short bench-batch and drafter training throughput, in under 8 minutes; JSON in GPU_OUT. Exits non-zero
+# The GPU check (scripts/gpu_check.sh): serve on the device, bench-spec at 0 and 80 ms with the draft head,
+# blocks in flight (D = 1, 2, auto) at 80 ms with the cloud on the device, a short bench-batch and drafter
+# training throughput, in under 8 minutes; JSON in GPU_OUT. Exits non-zero
 # when any step failed or could not run.
 GPU_OUT ?= gpu-check-out
 GPU_DEVICE ?= cuda
