@@ -175,8 +175,10 @@ def label(strategy: str, depth: int) -> str:
 
 def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient,
              depths: list[int] = (1,)):
-    """(split runs, local-only runs): every configuration once per prompt and repetition, interleaved.
-    Sequential decoding has nothing to send ahead, so it runs with one block in flight only."""
+    """(split runs, local-only runs): every configuration once per prompt and repetition, interleaved prompt
+    by prompt (local-only, then every configuration on the same prompt), so a machine whose speed drifts
+    during the run slows every configuration alike. Sequential decoding has nothing to send ahead, so it
+    runs with one block in flight only."""
     runs: list[dict] = []
     local_runs: list[dict] = []
     extra = ("--device", args.cloud_device) if args.cloud_device else ()
@@ -200,8 +202,7 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
                 result = local.generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True),
                                         strategy="sequential")
                 local_runs.append(_record("local-only", 0.0, rep, p, result))
-            for strategy, rtt, d in configs:
-                for p in prompts:
+                for strategy, rtt, d in configs:
                     result = clients[(rtt, d)].generate(
                         p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True), strategy=strategy
                     )
