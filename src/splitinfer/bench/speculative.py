@@ -122,8 +122,9 @@ def run_speculative_bench(args) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "setup": f"client: this process, core 0, 1 thread; cloud server: child process, core 1, 1 thread, {device}; "
         f"WAN emulator: child process on core 1; {args.wire_dtype} wire; greedy; fresh drafting state per generation "
-        "(the client's measured step costs are shared by its generations); local-only: the whole model in this "
-        f"process, core 0, 1 thread, sequential greedy, float32, interleaved with the split runs; {warm}",
+        "(the client's measured step costs, and what its draft head is worth, are shared by its generations); "
+        "local-only: the whole model in this process, core 0, 1 thread, sequential greedy, float32; every "
+        f"configuration runs on a prompt before the next prompt starts; {warm}",
         "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
         "wire_dtype": args.wire_dtype,
         "cloud_device": device,
