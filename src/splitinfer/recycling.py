@@ -33,7 +33,6 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     """The table and its manifest; deterministic for a seed on one Python and model."""
     import torch
 
-    from . import __version__
     from .inprocess import local_only_client
     from .local.session import SplitSession
     from .offline import offline_prompts, prompts_hash
@@ -64,22 +63,29 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
         "data_sha256": prompts_hash(chosen),
         "python": sys.version.split()[0],
         "max_new_tokens": max_new_tokens,
+    } | _made(table, generated, sum(len(tokens) for tokens, _ in rows), t0)
+    return RecyclingTable(table, manifest)
+
+
+def _made(table: dict, generated: int, rows: int, t0: float) -> dict:
+    """The manifest's record of how much went in and when, by which command."""
+    from . import __version__
+
+    return {
         "generated_tokens": generated,
-        "rows": sum(len(tokens) for tokens, _ in rows),
+        "rows": rows,
         "table_tokens": len(table),
         "wall_s": round(time.perf_counter() - t0, 1),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "splitinfer": __version__,
         "command": "splitinfer build-recycling " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
     }
-    return RecyclingTable(table, manifest)
 
 
 def build_from_drafter_data(shards: Path, data_path: Path, k: int):
     """The table from train-drafter's data.pt (its features read out through the final norm and LM head)."""
     import torch
 
-    from . import __version__
     from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
     from .model.shards import load_whole_hf, read_manifest
     from .progress import progress
@@ -108,14 +114,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
         "prompts": len(data["sequences"]),
         "data_config": {key: data["config"].get(key) for key in ("tokens", "prompts", "seed", "max_new_tokens", "sampled_share")},
         "data_sha256": data["sha256"],
-        "generated_tokens": data["generated_tokens"],
-        "rows": sum(seen.values()),
-        "table_tokens": len(table),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "splitinfer": __version__,
-        "command": "splitinfer build-recycling " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-    }
+    } | _made(table, data["generated_tokens"], sum(seen.values()), t0)
     return RecyclingTable(table, manifest)
 
 
