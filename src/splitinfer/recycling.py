@@ -6,8 +6,8 @@ The whole model runs in this process (local-only). For each offline prompt (offl
 docstrings and synthetic instructions, never the benchmark or held-out prompts) it generates a greedy
 continuation, runs prompt + continuation through the model once more for every row's logits, and averages
 each token's next-token distribution over its occurrences (warm.aggregate_successors). The table and
-a manifest (model fingerprint, data hash, seed, counts, time) go to --out; a client loads the table for a
-model with the same fingerprint (warm.shipped_recycling_table).
+a manifest (model identity, data hash, seed, counts, time) go to --out; a client loads the table for the
+same model, whatever its split (warm.shipped_recycling_table).
 
     splitinfer build-recycling --shards shards/smollm2 --from-data DIR/data.pt --out DIR2
 
@@ -38,6 +38,7 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     from .offline import offline_prompts, prompts_hash
     from .progress import progress
     from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
+    from .model.shards import model_identity
 
     torch.manual_seed(seed)
     client = local_only_client(shards)
@@ -55,7 +56,7 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     manifest = {
         "format": FORMAT,
         "model_id": client.local.manifest.get("model_id"),
-        "model_fingerprint": client.local.fingerprint,
+        "model_fingerprint": model_identity(client.local.manifest),
         "k": k,
         "seed": seed,
         "prompts": len(chosen),
@@ -87,7 +88,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
     import torch
 
     from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
-    from .model.shards import load_whole_hf, read_manifest
+    from .model.shards import load_whole_hf, model_identity, read_manifest
     from .progress import progress
 
     if not data_path.is_file():
@@ -107,7 +108,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
     manifest = {
         "format": FORMAT,
         "model_id": local.get("model_id"),
-        "model_fingerprint": local["cloud_fingerprint"],  # what a client loads it for, as above
+        "model_fingerprint": model_identity(local),  # what a client loads it for, as above
         "k": k,
         "source": "train-drafter data",
         "seed": data["config"].get("seed"),

@@ -8,7 +8,8 @@ import torch
 
 from splitinfer.errors import ConfigError
 from splitinfer.decoding.warm import RecyclingTable, aggregate_successors, shipped_recycling_table, shipped_table_dirs
-from splitinfer.model.shards import load_whole_hf
+from splitinfer.model.shards import load_whole_hf, model_identity, prepare
+from splitinfer.model.source import SourceModel
 from splitinfer.recycling import build_from_drafter_data, build_recycling_table
 from splitinfer.inprocess import local_only_client
 
@@ -23,10 +24,23 @@ def test_build_is_deterministic_and_the_table_loads_for_its_model_only(chat_shar
     assert m["prompts"] == 3 and m["seed"] == 5 and m["k"] == 4 and m["table_tokens"] == len(first.successors)
     assert all(len(ids) <= 4 for ids, _ in first.successors.values())
     first.save(tmp_path / "tiny")
-    fingerprint = local_only_client(chat_shards).local.fingerprint
-    assert m["model_fingerprint"] == fingerprint
-    found = shipped_recycling_table(fingerprint, [tmp_path / "tiny"])
+    identity = model_identity(local_only_client(chat_shards).local.manifest)
+    assert m["model_fingerprint"] == identity
+    found = shipped_recycling_table(identity, [tmp_path / "tiny"])
     assert found.successors.keys() == first.successors.keys()
+    assert shipped_recycling_table("another model", [tmp_path / "tiny"]) is None
+
+
+def test_the_table_loads_for_the_same_model_cut_at_another_split(chat_shards, tmp_path):
+    # The table holds token ids only: a shard of the same model with other head and tail depths (another
+    # cloud fingerprint) gets it, as the draft head does.
+    local = local_only_client(chat_shards).local
+    model = load_whole_hf(chat_shards)
+    prepare(SourceModel("tiny-chat", model.config, model, local.tokenizer), tmp_path / "split-1-3", 1, 3, "float32")
+    other = local_only_client(tmp_path / "split-1-3").local
+    assert other.fingerprint != local.fingerprint
+    build_recycling_table(chat_shards, prompts=2, max_new_tokens=4, k=4, seed=1).save(tmp_path / "table")
+    assert shipped_recycling_table(model_identity(other.manifest), [tmp_path / "table"]) is not None
 
 
 def test_every_shipped_table_loads_and_names_its_model_and_data():
@@ -60,6 +74,6 @@ def test_a_table_from_drafter_data_reads_each_row_out_as_the_model_does(chat_sha
         assert table.successors[token][1] == pytest.approx(ps, abs=1e-5)
     m = table.manifest
     assert m["data_sha256"] == "d" * 64 and m["seed"] == 7 and m["prompts"] == 3 and m["rows"] == 33
-    assert m["model_fingerprint"] == local_only_client(chat_shards).local.fingerprint
+    assert m["model_fingerprint"] == model_identity(local_only_client(chat_shards).local.manifest)
     with pytest.raises(ConfigError, match="train-drafter"):
         build_from_drafter_data(chat_shards, tmp_path / "missing.pt", k=4)

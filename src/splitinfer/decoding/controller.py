@@ -1,11 +1,14 @@
 """How many draft nodes to verify per round trip, decided from measurement.
 
-A step that verifies q block rows costs t(q) = fixed + per_row * q milliseconds (round trip, local and
-cloud compute, bytes), fitted online from the steps actually taken. A draft of n nodes with calibrated
-acceptance probabilities s_1 >= s_2 >= ... commits 1 + s_1 + ... + s_n tokens in expectation. The
-controller picks the n that maximises expected tokens per millisecond; n = 0 is plain sequential
-decoding, chosen whenever speculation would not pay (the break-even rule). On a CPU a block costs much
-more than one row, on a GPU tens of rows cost about one: the fit learns which machine it is on.
+A step that verifies q block rows costs t(q) milliseconds (round trip, local and cloud compute, bytes).
+t is a measured curve, not a line: on a CPU the second row costs far more than the tenth (one row takes
+a matrix-vector path, a few rows a matrix product that is still inefficient, and from about eight rows
+on the cost flattens), and on a GPU tens of rows cost about one. The curve is the median time of the
+recent steps in each bucket of row counts, made non-decreasing, interpolated between buckets. A draft of
+n nodes with calibrated acceptance probabilities s_1 >= s_2 >= ... commits 1 + s_1 + ... + s_n tokens in
+expectation. The controller picks the n that maximises expected tokens per millisecond,
+(1 + s_1 + ... + s_n) / t(n + 1); n = 0 is plain sequential decoding, chosen whenever speculation would
+not pay (the break-even rule).
 
 What a row costs depends on the machines and the link, not on the text, so the measured steps live in a
 `StepCosts` that a client shares between its generations (SplitClient keeps one per connection): a new
@@ -27,8 +30,9 @@ from .calibration import Ratio
 @dataclass(frozen=True)
 class ControllerConfig:
     max_nodes: int = 32  # draft nodes per step at most
-    window: int = 48  # recent steps used for the cost fit
-    prior_per_row: float = 0.05  # per-row cost as a fraction of a one-row step, until measured
+    window: int = 48  # recent steps the cost curve is measured from
+    prior_step_ms: float = 100.0  # what a one-row step costs, until a step is measured
+    prior_per_row: float = 0.05  # cost of a further row as a fraction of a one-row step, until measured
     calibration_decay: float = 0.97  # weight of history in the residual acceptance ratio
     calibration_prior: float = 8.0  # predicted drafts, at ratio 1, the residual starts from
     calibration_floor: float = 0.25  # never trust drafts less than this, so the controller keeps exploring
@@ -37,50 +41,63 @@ class ControllerConfig:
     explore_every: int = 24  # at most this many steps without a block that large
 
 
-def weighted_median(values: list[float], weights: list[float]) -> float:
-    pairs = sorted(zip(values, weights))
-    half, running = sum(weights) / 2.0, 0.0
-    for value, weight in pairs:
-        running += weight
-        if running >= half:
-            return value
-    return pairs[-1][0]
+def row_bucket(rows: int) -> int:
+    """The bucket a step of `rows` rows is measured in: 1, 2, 3, 4, then up to 6, 8, 12, 16, 24, 32, ..."""
+    edge = 4
+    while edge < rows:
+        edge = edge * 3 // 2 if edge & (edge - 1) == 0 else edge * 4 // 3
+    return max(rows, 1) if rows <= 4 else edge
 
 
-def fit_cost(samples, prior_slope: float | None = None, prior_weight: float = 4.0) -> tuple[float, float] | None:
-    """(fixed, per_row) from (rows, ms) samples; None without two distinct row counts.
-
-    Robust rather than least squares: one slow step (a scheduler hiccup, a garbage collection) must not
-    teach the controller that rows are expensive. The one-row cost is the median time of the smallest
-    blocks; the per-row cost is the median of the slopes from there to each larger block, weighted by
-    how many rows larger it was (a 2-row step's noise would otherwise count as much as a 30-row step's
-    signal), with an optional prior slope counted as `prior_weight` rows.
-    """
-    rows = [q for q, _ in samples]
-    if len(set(rows)) < 2:
-        return None
-    base_q = min(rows)
-    base_t = statistics.median(t for q, t in samples if q == base_q)
-    slopes = [(t - base_t) / (q - base_q) for q, t in samples if q != base_q]
-    weights = [float(q - base_q) for q, _ in samples if q != base_q]
-    if prior_slope is not None:
-        slopes.append(prior_slope)
-        weights.append(prior_weight)
-    per_row = max(weighted_median(slopes, weights), 0.0)
-    return max(base_t - per_row * base_q, 0.0), per_row
+def non_decreasing(values: list[float], weights: list[float]) -> list[float]:
+    """The closest non-decreasing sequence in weighted least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [value, weight, count]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [value for value, _, count in blocks for _ in range(int(count))]
 
 
-def best_size(scores: list[float], fixed: float, per_row: float, single: float | None = None) -> int:
-    """The n maximising (1 + sum(scores[:n])) / (fixed + per_row * (n + 1)); scores sorted descending.
+def cost_curve(samples) -> list[tuple[float, float]]:
+    """(rows, ms) points from (rows, ms) samples: per bucket of row counts, the median rows and the median
+    time, the times made non-decreasing in rows (a noisy bucket is pooled with its neighbours). Medians, so
+    one slow step (a scheduler hiccup, a garbage collection) does not make rows look expensive."""
+    buckets: dict[int, list[tuple[int, float]]] = {}
+    for rows, ms in samples:
+        buckets.setdefault(row_bucket(rows), []).append((rows, ms))
+    keys = sorted(buckets)
+    rows = [float(statistics.median(q for q, _ in buckets[k])) for k in keys]
+    times = non_decreasing([statistics.median(t for _, t in buckets[k]) for k in keys], [len(buckets[k]) for k in keys])
+    return list(zip(rows, times))
 
-    `single`, when given, is the measured time of a one-row step, which need not lie on the line: on a
-    CPU a one-row step takes a matrix-vector path, and the second row costs far more than the tenth.
-    """
-    best_n, expected = 0, 1.0
-    best_rate = 1.0 / (single if single is not None else fixed + per_row)
+
+def curve_ms(points: list[tuple[float, float]], rows: int, prior_slope: float) -> float:
+    """t(rows) on the curve: interpolated between its points; below the first, along the first segment;
+    past the last, along the chord from the first point to the last (steeper than the last segment on a
+    concave CPU curve, so unmeasured large blocks are not taken for cheap); with one point, `prior_slope`."""
+    if len(points) == 1:
+        (r0, t0), slope = points[0], prior_slope
+        return max(t0 + slope * (rows - r0), 0.0)
+    (r0, t0), (r1, t1) = points[0], points[1]
+    if rows <= r0:
+        return max(t0 - (t1 - t0) / (r1 - r0) * (r0 - rows), 0.0)
+    for (ra, ta), (rb, tb) in zip(points, points[1:]):
+        if rows <= rb:
+            return ta + (tb - ta) * (rows - ra) / (rb - ra)
+    (rn, tn) = points[-1]
+    return tn + (tn - t0) / (rn - r0) * (rows - rn)
+
+
+def best_size(scores: list[float], costs: list[float]) -> int:
+    """The n maximising (1 + sum(scores[:n])) / costs[n]; scores sorted descending, costs[q - 1] the time of
+    a step of q rows (one row, and one per draft node), for q = 1 .. len(scores) + 1."""
+    best_n, best_rate, expected = 0, 1.0 / costs[0], 1.0
     for n, s in enumerate(scores, start=1):
         expected += s
-        rate = expected / (fixed + per_row * (n + 1))
+        rate = expected / costs[n]
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
@@ -146,48 +163,32 @@ class BlockController:
         """Accepted drafts per unit of (already per-node calibrated) path score sent."""
         return self.residual.value
 
-    def cost(self) -> tuple[float, float]:
-        """(fixed, per_row) of multi-row blocks."""
-        samples = self.costs.samples()
-        if samples:
-            single = statistics.median(t for _, t in samples)
-            multi = [(q, t) for q, t in samples if q > 1]
-            fitted = fit_cost(multi, prior_slope=single * self.config.prior_per_row)
-            if fitted is not None:
-                return fitted
-            return single, single * self.config.prior_per_row
-        return 100.0, 5.0
-
-    def single_step(self) -> float | None:
-        """Median time of one-row steps, when there are any."""
-        times = [t for q, t in self.costs.samples() if q == 1]
-        return statistics.median(times) if times else None
+    def curve(self) -> list[tuple[float, float]]:
+        """The measured cost curve's (rows, ms) points; before any step, the prior's one-row point."""
+        points = cost_curve(self.costs.samples())
+        return points or [(1.0, self.config.prior_step_ms)]
 
     def block_ms(self, rows: int) -> float:
-        """What a step verifying `rows` rows costs, from the fit (a one-row step: its own median, measured)."""
-        single = self.single_step() if rows <= 1 else None
-        if single is not None:
-            return single
-        fixed, per_row = self.cost()
-        return fixed + per_row * max(rows, 1)
+        """What a step verifying `rows` rows costs, on the measured curve."""
+        points = self.curve()
+        return curve_ms(points, max(rows, 1), self.config.prior_per_row * points[0][1])
 
-    def choose(self, scores: list[float], draft_ms_per_node: float = 0.0) -> int:
-        """How many of the (descending) draft scores to send this step. `draft_ms_per_node`: what drafting
-        cost per node this step (a learned head's time), priced with each row of the block."""
+    def choose(self, scores: list[float]) -> int:
+        """How many of the (descending) draft scores to send this step."""
         calibrated = [min(s * self.calibration, 1.0) for s in scores[: self.config.max_nodes]]
-        fixed, per_row = self.cost()
-        per_row += draft_ms_per_node
-        single = self.single_step()
-        n = best_size(calibrated, fixed, per_row, single)
-        # Small blocks alone cannot tell what a row costs (their noise is divided by one or two rows),
-        # and an over-estimate would keep blocks small for ever: now and then, measure a large one, but
-        # only when the answer matters: when each row past a one-row step costing what it measurably
-        # costs were half as dear, a larger block would pay.
-        base = single if single is not None else fixed + per_row
+        points = self.curve()
+        slope = self.config.prior_per_row * points[0][1]
+        costs = [curve_ms(points, q, slope) for q in range(1, len(calibrated) + 2)]
+        n = best_size(calibrated, costs)
+        # Small blocks alone cannot tell what large ones cost (past the largest measured block the curve is
+        # extrapolated), and an over-estimate would keep blocks small for ever: now and then, measure a
+        # large one, but only when the answer matters: when every row past the first costing half what
+        # the curve says would make a larger block pay.
+        halved = [costs[0] + (c - costs[0]) / 2 for c in costs]
         if (
             self.costs.since_large >= self.config.explore_every
             and len(calibrated) >= self.config.explore_rows - 1
-            and best_size(calibrated, base - per_row / 2, per_row / 2, single) > n
+            and best_size(calibrated, halved) > n
         ):
             n = max(n, self.config.explore_rows - 1)
         return n

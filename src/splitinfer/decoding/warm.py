@@ -115,12 +115,13 @@ def shipped_table_dirs() -> list[Path]:
     return sorted(Path(str(entry)) for entry in root.iterdir() if entry.is_dir())
 
 
-def shipped_recycling_table(fingerprint: str, folders: list[Path] | None = None) -> RecyclingTable | None:
-    """The shipped table built for the model with this fingerprint, or None (a table for another model
-    would propose another vocabulary's habits: harmless to the output, useless to speed)."""
+def shipped_recycling_table(identity: str, folders: list[Path] | None = None) -> RecyclingTable | None:
+    """The shipped table built for the model with this identity (model/shards.py `model_identity`: the
+    model, whatever its split, dtype or basis, since the table holds token ids only), or None (a table for
+    another model would propose another vocabulary's habits: harmless to the output, useless to speed)."""
     for folder in shipped_table_dirs() if folders is None else folders:
         manifest = folder / MANIFEST_FILE
-        if manifest.is_file() and json.loads(manifest.read_text()).get("model_fingerprint") == fingerprint:
+        if manifest.is_file() and json.loads(manifest.read_text()).get("model_fingerprint") == identity:
             return RecyclingTable.load(folder)
     return None
 

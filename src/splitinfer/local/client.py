@@ -113,7 +113,7 @@ class SplitClient:
         # the next ones (the cost of a row is a property of the machines and the link, not of the text).
         self.step_costs = StepCosts()
         # The successor table shipped for this model (decoding/warm.py), or None: every tree starts from it.
-        self.recycling_table = shipped_recycling_table(local.fingerprint)
+        self.recycling_table = shipped_recycling_table(model_identity(local.manifest))
         self.draft_head = None  # a learned draft head (model/drafthead.py), see `load_draft_head`
 
     @classmethod
