@@ -211,3 +211,11 @@ def test_exploration_only_when_cheaper_rows_would_change_the_choice():
     halved = [costs[0] + (t - costs[0]) / 2 for t in costs]
     assert best_size(SCORES, costs) < best_size(SCORES, halved)
     assert c.choose(SCORES) == c.config.explore_rows - 1  # they would pay at half the cost: measure a big block
+
+
+def test_no_exploration_where_the_curve_is_measured():
+    c = controller_with_costs(100.0, 8.0)  # blocks up to 33 rows measured
+    for _ in range(c.config.explore_every):
+        c.observe(1, 108.0, predicted=0.0, accepted_drafts=0)
+    assert c.costs.since_large >= c.config.explore_every
+    assert c.choose(SCORES) == best_size(SCORES, [c.block_ms(q) for q in range(1, len(SCORES) + 2)]) < 15

@@ -180,15 +180,17 @@ class BlockController:
         slope = self.config.prior_per_row * points[0][1]
         costs = [curve_ms(points, q, slope) for q in range(1, len(calibrated) + 2)]
         n = best_size(calibrated, costs)
-        # Small blocks alone cannot tell what large ones cost (past the largest measured block the curve is
-        # extrapolated), and an over-estimate would keep blocks small for ever: now and then, measure a
-        # large one, but only when the answer matters: when every row past the first costing half what
-        # the curve says would make a larger block pay.
+        # Past the largest block measured the curve is extrapolated, and an over-estimate there would keep
+        # blocks small for ever: now and then, measure a large block, but only when the answer matters:
+        # when, with every row past the first costing half what the curve says, a block larger than any
+        # measured would pay.
         halved = [costs[0] + (c - costs[0]) / 2 for c in costs]
+        wanted = best_size(calibrated, halved)
         if (
             self.costs.since_large >= self.config.explore_every
             and len(calibrated) >= self.config.explore_rows - 1
-            and best_size(calibrated, halved) > n
+            and wanted > n
+            and wanted + 1 > points[-1][0]
         ):
             n = max(n, self.config.explore_rows - 1)
         return n
