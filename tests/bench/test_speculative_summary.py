@@ -135,3 +135,17 @@ def test_controller_chosen_blocks_in_flight_use_their_mean_depth_and_report_cali
     report = {"model": "m", "command": "c", "setup": "s", "prompts": ["a"], "max_new_tokens": 9, "repeats": 1,
               "torch": "t", "summary": summary, "divergences": []}
     assert "| tree | 80 | auto | 2.5 | 2.0 | 0.5 | 2 | 1.0 | 0.4 / 0.5 | 100.0 | 70.0 | 23.529 |" in markdown(report)
+
+
+def test_step_cost_curve_is_the_median_step_per_bucket_of_rows_per_round_trip():
+    seq = _run("sequential", "a", "code", [1] * 3, 1.0)
+    seq["rows"], seq["step_ms"] = [1, 1, 1], [100.0, 104.0, 300.0]  # one slow step: the median ignores it
+    tree = _run("tree", "a", "code", [1, 2, 3, 1], 1.0)
+    tree["rows"], tree["step_ms"] = [2, 5, 6, 16], [120.0, 170.0, 180.0, 200.0]
+    summary = summarize([seq, tree], {"a": {"category": "code", "accepted_per_step": 1.0}})
+    assert summary["step_cost"] == {"80": {1: {"median_ms": 104.0, "steps": 3}, 2: {"median_ms": 120.0, "steps": 1},
+                                           6: {"median_ms": 175.0, "steps": 2}, 16: {"median_ms": 200.0, "steps": 1}}}
+    report = {"model": "m", "command": "c", "setup": "s", "prompts": ["a"], "max_new_tokens": 4, "repeats": 1,
+              "torch": "t", "summary": summary, "divergences": []}
+    table = markdown(report)
+    assert "| added RTT ms | 1 | 2 | 5-6 | 13-16 |" in table and "| 80 | 104.0 (3) | 120.0 (1) | 175.0 (2) | 200.0 (1) |" in table

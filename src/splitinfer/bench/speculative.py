@@ -44,6 +44,7 @@ from ..launch import cloud_server, wan_proxy
 from ..local.client import SplitClient
 from ..clients import open_client
 from ..local.session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT, ClientConfig, SplitSession
+from ..decoding.controller import row_bucket
 from ..decoding.strategies import STRATEGIES
 from ..errors import ConfigError
 from ..model.shards import load_whole_hf
@@ -237,6 +238,7 @@ def _record(strategy: str, rtt: float, rep: int, p: dict, result, depth: int = 1
         "accepted": [s["accepted"] for s in decode],
         "rows": [s["rows"] for s in decode],
         "bytes": [s["bytes_up"] + s["bytes_down"] for s in decode],
+        "step_ms": [round(s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"], 2) for s in decode],
         # sums over decode steps, ms: what the bound 1000 a / (RTT + local + cloud + drafting) is made of
         "time_ms": {
             "local": round(sum(s["local_ms"] + s["serialize_ms"] for s in decode), 3),
@@ -407,6 +409,18 @@ def _min_ratio(mine: list[dict], base: list[dict]) -> float | None:
     return round(min(ratios), 3) if ratios else None
 
 
+def step_cost_curve(runs: list[dict]) -> dict[str, dict[int, dict]]:
+    """Per round trip: the median ms of a decode step (round trip, local compute, serialisation; not drafting)
+    per bucket of block rows (decoding/controller.py `row_bucket`), over every step of every strategy: the
+    curve the controller prices blocks with, as this run measured it."""
+    steps: dict[str, dict[int, list[float]]] = {}
+    for r in runs:
+        for rows, ms in zip(r["rows"], r.get("step_ms", [])):
+            steps.setdefault(f"{r['rtt_ms']:g}", {}).setdefault(row_bucket(rows), []).append(ms)
+    return {rtt: {bucket: {"median_ms": round(statistics.median(v), 1), "steps": len(v)} for bucket, v in sorted(b.items())}
+            for rtt, b in steps.items()}
+
+
 def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) -> dict:
     """Per (strategy, round trip): rates, speed-ups against sequential and local-only, acceptance, bound."""
     by_config: dict[tuple[str, float], list[dict]] = {}
@@ -433,6 +447,7 @@ def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) ->
     return {
         "rows": rows,
         "in_flight": in_flight_rows(runs),
+        "step_cost": step_cost_curve(runs),
         "local_only": local_only,
         "prompt_lookup_mean_accepted": round(pld_mean, 3),
         "prompt_lookup_per_category": {c: round(statistics.mean(v), 3) for c, v in sorted(pld_categories.items())},
@@ -540,6 +555,7 @@ def markdown(report: dict) -> str:
             f"{r['median_rows_per_step']} | {r['median_bytes_per_step']} | {r['vs_prompt_lookup']}x |"
         )
     lines += _in_flight_lines(summary)
+    lines += _step_cost_lines(summary)
     lines += _category_tables(summary, categories)
     lines += _divergence_lines(report)
     return "\n".join(lines) + "\n"
@@ -564,6 +580,22 @@ def _in_flight_lines(summary: dict) -> list[str]:
                      f"{r['p']} | {r.get('sent_ahead', '-')} | {r.get('hold') if r.get('hold') is not None else '-'} | "
                      f"{calibration} | {r['L_ms']} | {r['t_ms']} | {r['bound_tokens_per_s']} | "
                      f"{r['tokens_per_s_whole_set']} | {r['vs_one_in_flight']}x | {r.get('vs_one_in_flight_min', '-')}x |")
+    return lines
+
+
+def _step_cost_lines(summary: dict) -> list[str]:
+    curve = summary.get("step_cost") or {}
+    buckets = sorted({b for per_rtt in curve.values() for b in per_rtt})
+    if not buckets:
+        return []
+    lowest = {b: next((q + 1 for q in range(b - 1, 0, -1) if row_bucket(q) != b), 1) for b in buckets}
+    names = [str(b) if lowest[b] == b else f"{lowest[b]}-{b}" for b in buckets]
+    lines = ["", "Decode step ms by block rows (median over every step of every strategy in this run; round trip, "
+             "local compute and serialisation, not drafting; steps in brackets): the curve the controller prices "
+             "blocks with:", "", "| added RTT ms | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(buckets)]
+    for rtt, per_rtt in curve.items():
+        cells = [f"{per_rtt[b]['median_ms']} ({per_rtt[b]['steps']})" if b in per_rtt else "" for b in buckets]
+        lines.append(f"| {rtt} | " + " | ".join(cells) + " |")
     return lines
 
 
