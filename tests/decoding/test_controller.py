@@ -69,6 +69,10 @@ def test_best_size_empty_scores_is_zero():
     assert best_size([], [100.0]) == 0
 
 
+def test_best_size_survives_a_curve_extrapolated_to_zero():
+    assert best_size([0.5], [0.0, 100.0]) == 0  # a free one-row step beats any block
+
+
 def test_best_size_all_nodes_when_rows_are_free():
     assert best_size(SCORES, line(100.0, 0.0)) == len(SCORES)
     assert best_size([1e-6] * 5, line(100.0, 0.0, 6)) == 5

@@ -94,10 +94,10 @@ def curve_ms(points: list[tuple[float, float]], rows: int, prior_slope: float) -
 def best_size(scores: list[float], costs: list[float]) -> int:
     """The n maximising (1 + sum(scores[:n])) / costs[n]; scores sorted descending, costs[q - 1] the time of
     a step of q rows (one row, and one per draft node), for q = 1 .. len(scores) + 1."""
-    best_n, best_rate, expected = 0, 1.0 / costs[0], 1.0
+    best_n, best_rate, expected = 0, 1.0 / max(costs[0], 1e-9), 1.0
     for n, s in enumerate(scores, start=1):
         expected += s
-        rate = expected / costs[n]
+        rate = expected / max(costs[n], 1e-9)
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
