@@ -75,15 +75,17 @@ def cost_curve(samples) -> list[tuple[float, float]]:
 
 
 def curve_ms(points: list[tuple[float, float]], rows: int, prior_slope: float) -> float:
-    """t(rows) on the curve: interpolated between its points; below the first, along the first segment;
-    past the last, along the chord from the first point to the last (steeper than the last segment on a
-    concave CPU curve, so unmeasured large blocks are not taken for cheap); with one point, `prior_slope`."""
-    if len(points) == 1:
-        (r0, t0), slope = points[0], prior_slope
-        return max(t0 + slope * (rows - r0), 0.0)
-    (r0, t0), (r1, t1) = points[0], points[1]
+    """t(rows) on the curve: interpolated between its points; past the last, along the chord from the first
+    point to the last (steeper than the last segment on a concave CPU curve, so unmeasured large blocks are
+    not taken for cheap); below the first, along the first segment (with one point, `prior_slope`), but
+    never under t0 x rows / r0 (the first point's cost per row: a step's cost per row does not grow as
+    blocks shrink), so a noisy first segment cannot make a small step look free."""
+    (r0, t0) = points[0]
     if rows <= r0:
-        return max(t0 - (t1 - t0) / (r1 - r0) * (r0 - rows), 0.0)
+        slope = prior_slope if len(points) == 1 else (points[1][1] - t0) / (points[1][0] - r0)
+        return max(t0 - slope * (r0 - rows), t0 * rows / r0)
+    if len(points) == 1:
+        return t0 + prior_slope * (rows - r0)
     for (ra, ta), (rb, tb) in zip(points, points[1:]):
         if rows <= rb:
             return ta + (tb - ta) * (rows - ra) / (rb - ra)
