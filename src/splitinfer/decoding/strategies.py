@@ -233,7 +233,7 @@ class Tree(Strategy):
 
     def start(self, prompt, prompt_logits):
         # A Tree kept across generations (a chat, an API server) keeps what it learned: the successor
-        # table, the calibrations and the cost fit, and the earlier prompts and outputs stay searchable.
+        # table, the calibrations and the cost curve, and the earlier prompts and outputs stay searchable.
         if self.index is not None:
             self.earlier.append(self.index.docs[self.doc])
             while len(self.earlier) > 1 and sum(map(len, self.earlier)) > self.config.memory_tokens:
@@ -270,7 +270,7 @@ class Tree(Strategy):
         self.head_value.observe_step(emitted, step_ms - self._draft_ms)
         if self._drafted:
             # Only tokens and rows no other source proposed are the head's: the rest would have been sent
-            # without it. What its rows cost follows the controller's fit of what a block of q rows costs.
+            # without it. What its rows cost follows the controller's curve of what a block of q rows costs.
             head_only = [who == ("head",) for who in self.last_draft.proposers]
             verify_ms = self.controller.block_ms(rows) - self.controller.block_ms(rows - sum(head_only))
             self.head_value.observe_drafting(sum(head_only[row - 1] for row in path[1:]),
@@ -316,7 +316,7 @@ class Tree(Strategy):
         if self.drafter is not None:
             self.drafter.observe(self._features[path], emitted)
             self._learn_head_value(path, len(tokens), step_ms, len(emitted))
-            # The fit prices verification; drafting is priced per node in `choose`.
+            # The curve prices verification; the head's drafting time is weighed by `_head_pays`.
             step_ms = max(step_ms - self._draft_ms, 0.0)
         self.recycling.observe(tokens, logits)
         self.index.extend(self.doc, emitted)
