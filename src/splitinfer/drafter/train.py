@@ -2,9 +2,9 @@
 
 Three stages, each kept in the output directory so a run can stop and resume where it was:
 1. data.pt: chat prompts from offline text (drafter/corpus.py), the whole model's greedy and sampled
-   continuations of them (batched, prompts of similar length together), and the final features before
-   the final norm of every row, captured while generating; its sha256 goes into the manifest. While it is
-   being collected, data.partial.pt holds the batches done so far.
+   continuations of them (drafter/generate.py, batches of prompts of similar length), and the final features
+   before the final norm of every row, captured while generating; its sha256 goes into the manifest. While
+   it is being collected, data.partial.pt holds the batches done so far.
 2. checkpoint.pt every `checkpoint_every` steps: head, optimiser, RNG state, loss curves, wall time.
 3. The head (head.safetensors + head.json) and manifest.json (data hash, seed, steps, losses, held-out
    losses and teacher-forced accuracy by depth, wall times, model fingerprint, token count).
@@ -34,6 +34,7 @@ from ..model.drafthead import DraftHead, DraftHeadConfig
 from ..model.shards import basis_identity, load_whole_hf, model_identity, read_manifest
 from ..progress import progress
 from .corpus import build_prompts
+from .generate import Sampling, generate_rows
 from .unroll import accuracy, soft_cross_entropy, unroll, window_tensors
 
 DATA = "data.pt"
@@ -54,7 +55,7 @@ class TrainConfig:
     device: str = "cpu"
     max_new_tokens: int = 128  # per continuation
     generate_batch: int = 32  # prompts per batched generate (similar lengths together)
-    sampled_share: float = 0.5  # share of batches sampled (temperature 0.8) rather than greedy
+    sampled_share: float = 0.5  # share of batches sampled (drafter/generate.py: Sampling) rather than greedy
     batch: int = 4  # windows per step
     window: int = 144  # rows per window: a whole reply of max_new_tokens and the prompt rows before it
     prompt_rows: int = 16  # prompt rows a window starts with, as context for the reply's first drafts
@@ -70,37 +71,11 @@ class TrainConfig:
 
 
 # -- 1. data --------------------------------------------------------------------------------------
-def _capture_features(model) -> tuple[list, object]:
-    """Collect the input of the final norm (pre-norm final features) on every forward call."""
-    seen: list[torch.Tensor] = []
-    handle = model.model.norm.register_forward_hook(lambda mod, args, out: seen.append(args[0].detach().float()))
-    return seen, handle
-
-
-@torch.inference_mode()
 def _generate_batch(model, tokenizer, prompts: list[list[int]], config: TrainConfig, sampled: bool, seed: int):
-    """Left-padded batched generation -> [(token ids, features [len - 1, d] fp16)] per prompt."""
-    width = max(len(p) for p in prompts)
+    """Batched continuations (drafter/generate.py) -> [(token ids, features [len - 1, d] fp16)] per prompt."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=config.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=config.device)
-    torch.manual_seed(seed)
-    seen, handle = _capture_features(model)
-    try:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=config.max_new_tokens,
-                             do_sample=sampled, temperature=0.8 if sampled else None, top_p=0.95 if sampled else None,
-                             top_k=None, pad_token_id=pad)
-    finally:
-        handle.remove()
-    features = torch.cat(seen, dim=1)  # [B, width + generated - 1, d]
-    eos = set(_eos_ids(model.config, tokenizer))
-    rows = []
-    for b, prompt in enumerate(prompts):
-        generated = out[b, width:].tolist()
-        end = next((i + 1 for i, t in enumerate(generated) if t in eos), len(generated))
-        tokens = prompt + generated[:end]
-        rows.append((tokens, features[b, width - len(prompt) : width - 1 + end].half().cpu()))
-    return rows
+    return generate_rows(model, prompts, config.max_new_tokens, pad, set(_eos_ids(model.config, tokenizer)),
+                         Sampling() if sampled else None, seed)
 
 
 def _eos_ids(config, tokenizer) -> list[int]:
