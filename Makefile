@@ -46,7 +46,7 @@ test-tp: venv
 # (`make test` runs them on the newest). Keep TRANSFORMERS_FLOOR equal to the floor in pyproject.toml.
 FLOOR_VENV ?= .venv-floor
 TRANSFORMERS_FLOOR ?= 5.0.0
-FLOOR_TESTS ?= tests/model/test_exactness.py tests/test_families.py
+FLOOR_TESTS ?= tests/model/test_exactness.py tests/test_families.py tests/drafter/test_generate.py
 
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
