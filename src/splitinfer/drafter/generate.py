@@ -14,10 +14,11 @@ token; the batch stops when every row has stopped or after `max_new_tokens`.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
+
+from ..model.stack import cache_keyword
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,7 @@ def generate_rows(model, prompts: list[list[int]], max_new_tokens: int, pad_id: 
     positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)  # [B, W]: padding sits at position 0
     cache = StaticCache(config=model.config, max_cache_len=total)
     gen = torch.Generator().manual_seed(seed)
-    # transformers names the argument `cache` from 5.24 and `past_key_values` before.
-    cached = {("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"): cache}
+    cached = {cache_keyword(model): cache}
     seen, handle = _capture_features(model)
     generated, ended = [], torch.zeros(len(prompts), dtype=torch.bool, device=device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)

@@ -89,10 +89,11 @@ def layer_window(config: PretrainedConfig, index: int) -> int | None:
     return None
 
 
-def _cache_keyword(layer: nn.Module) -> str:
-    # Decoder layers name their cache argument `cache` from transformers 5.24 and `past_key_values` in
-    # 5.0-5.23. A wrong name lands in **kwargs, and the layer silently attends without the cache.
-    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
+def cache_keyword(module: nn.Module) -> str:
+    """The name of `module.forward`'s cache argument (a decoder layer's, or a whole HF model's)."""
+    # transformers names it `cache` from 5.24 and `past_key_values` in 5.0-5.23. A wrong name lands in
+    # **kwargs, and the layer silently attends without the cache.
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def layer_rope_key(config: PretrainedConfig, rotary: nn.Module, index: int) -> str | None:
@@ -126,7 +127,7 @@ class LayerStack(nn.Module):
             layer.self_attn.layer_idx = local_index
         self.windows = [layer_window(config, start + i) for i in range(len(layers))]
         self.rope_keys = [layer_rope_key(config, rotary, start + i) for i in range(len(layers))]
-        self._cache_kw = _cache_keyword(self.layers[0]) if len(self.layers) else "cache"
+        self._cache_kw = cache_keyword(self.layers[0]) if len(self.layers) else "cache"
         self.refresh_devices()
 
     def refresh_devices(self) -> None:
