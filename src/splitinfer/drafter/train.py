@@ -48,9 +48,9 @@ REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
 @dataclass(frozen=True)
 class TrainConfig:
-    tokens: int = 200_000  # generated tokens (continuations) to train on
-    prompts: int = 2400  # prompts drawn; generation stops at `tokens`, so a larger target only goes further
-    steps: int = 2400
+    tokens: int = 400_000  # generated tokens (continuations) to train on
+    prompts: int = 4800  # prompts drawn; generation stops at `tokens`, so a larger target only goes further
+    steps: int = 4800
     seed: int = 0
     device: str = "cpu"
     max_new_tokens: int = 128  # per continuation
