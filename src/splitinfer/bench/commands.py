@@ -172,6 +172,13 @@ def cmd_bench_spec(args) -> int:
     return 0
 
 
+def cmd_bench_kernels(args) -> int:
+    from .kernels import run_kernels_bench
+
+    run_kernels_bench(args)
+    return 0
+
+
 def _bench_options(s) -> None:
     from .runtime import MODES, QUICK, SweepConfig
 
@@ -255,3 +262,11 @@ def register(sub) -> None:
                    "least this long (serve --min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud")
     s.add_argument("--readme", help="also put the results table between the bench-spec markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)
+
+    s = sub.add_parser("bench-kernels", help="weight products by block rows: F.linear against the few-rows form")
+    s.add_argument("--shards", default="shards/smollm2")
+    s.add_argument("--out", default="bench-out", help="directory for kernels.json and kernels.md")
+    s.add_argument("--rows", default="1,2,3,4,5,6,8,12,16", help="comma-separated block row counts")
+    s.add_argument("--threads", type=int, default=1, help="torch threads (bench-spec runs each side on one)")
+    s.add_argument("--repeats", type=int, default=9)
+    s.set_defaults(func=cmd_bench_kernels)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError, ModelError
 from .keyed_norm import FACTOR, KeyedRMSNorm
+from .rows import linear, use_row_kernels
 from .shards import PUBLIC_BASIS, basis_identity
 
 DRAFTER_DIR = "drafter"  # where a head lives inside a local shard
@@ -174,7 +175,7 @@ class DraftHead(nn.Module):
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., d] predicted features -> [..., draft_vocab_size] float32 logits over `draft_vocab`."""
         norm = self._model_parts[1]
-        logits = F.linear(norm(predicted.to(self._norm_dtype)).float(), self.draft_weight)
+        logits = linear(norm(predicted.to(self._norm_dtype)).float(), self.draft_weight)
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
     # -- files -------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def load_head(directory: str | Path, embed: nn.Module, norm: nn.Module, lm_head:
         if factor is not None:  # a head re-based under a linear key
             setattr(head, name, KeyedRMSNorm(config.hidden_size, factor.shape[-1], config.rms_eps, device=device))
     head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
-    return head.eval().requires_grad_(False)
+    return use_row_kernels(head.eval().requires_grad_(False))
 
 
 def load_shard_head(directory: str | Path, local, device: str = "cpu") -> DraftHead:

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..errors import ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
+from .rows import use_row_kernels
 
 # Families whose layers take (hidden, position_embeddings, attention_mask, cache) and whose model has
 # embed_tokens / layers / norm / rotary_emb / lm_head. Gemma 3 (text) adds per-layer attention types with
@@ -60,7 +61,7 @@ def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str
         raise ModelError(f"shard weights do not match the model structure (missing {missing}, unexpected {extra}).")
     module.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
     _restore_buffers(module)
-    return module.to(dtype).eval().requires_grad_(False)
+    return use_row_kernels(module.to(dtype).eval().requires_grad_(False))
 
 
 def _restore_buffers(module: nn.Module) -> None:
