@@ -149,3 +149,24 @@ def test_step_cost_curve_is_the_median_step_per_bucket_of_rows_per_round_trip():
               "torch": "t", "summary": summary, "divergences": []}
     table = markdown(report)
     assert "| added RTT ms | 1 | 2 | 5-6 | 13-16 |" in table and "| 80 | 104.0 (3) | 120.0 (1) | 175.0 (2) | 200.0 (1) |" in table
+
+
+def test_the_heads_share_is_pooled_over_steps_and_shown_by_category():
+    code = _run("tree", "a", "code", [2] * 10, 1.0)
+    chat = _run("tree", "b", "conversational", [1] * 30, 1.0)
+    code["stats"]["draft_head"] = {"steps": 10, "rows": 20, "tokens": 5, "ms": 100.0}
+    chat["stats"]["draft_head"] = {"steps": 5, "rows": 10, "tokens": 1, "ms": 50.0}
+    seq = [_run("sequential", p, c, [1] * n, 2.0) for p, c, n in (("a", "code", 20), ("b", "conversational", 30))]
+    reference = {"a": {"category": "code", "accepted_per_step": 1.0}, "b": {"category": "conversational", "accepted_per_step": 1.0}}
+    summary = summarize(seq + [code, chat], reference)
+    rows = {r["strategy"]: r for r in summary["rows"]}
+    assert rows["sequential"]["draft_head"] is None
+    head = rows["tree"]["draft_head"]
+    assert head["drafting_share"] == pytest.approx(15 / 40, abs=1e-3)
+    assert head["tokens_per_drafting_step"] == pytest.approx(6 / 15, abs=1e-3)
+    assert head["rows_per_drafting_step"] == 2.0 and head["ms_per_drafting_step"] == 10.0
+    assert head["tokens_per_step"] == pytest.approx(6 / 40, abs=1e-3)
+    assert head["tokens_per_step_by_category"] == {"code": 0.5, "conversational": pytest.approx(1 / 30, abs=1e-3)}
+    report = {"model": "m", "command": "c", "setup": "s", "prompts": ["a", "b"], "max_new_tokens": 30, "repeats": 1,
+              "torch": "t", "summary": summary, "divergences": []}
+    assert "| tree | 80 | 0.375 | 2.0 | 0.4 | 10.0 | 0.15 | 0.5 | 0.033 |" in markdown(report)

@@ -176,6 +176,20 @@ def test_the_head_is_charged_its_drafting_and_the_verification_of_the_rows_only_
     # 5 rows cost 70 ms, the 3 rows without the head's two 60 ms: 7 ms drafting + 10 ms verifying.
     assert value.cost.value == pytest.approx(17.0)
     assert value.head_yield.value == pytest.approx(2.0)  # rows 1 and 2, both the head's alone
+    assert tree.report() == {"draft_head": {"steps": 1, "rows": 2, "tokens": 2, "ms": 7.0}}
+
+
+def test_a_generation_reports_what_the_head_did(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    client = local_only_client(shards)
+    tree = Tree(TreeConfig(fixed_nodes=8), head=random_head(client.local, vocab=64))
+    stats = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=tree).stats
+    head = stats["draft_head"]
+    assert 0 < head["steps"] <= stats["steps"] and head["rows"] <= 8 * head["steps"] and head["ms"] > 0
+    assert head["tokens"] <= min(head["rows"], stats["generated_tokens"] - 1)
+    second = client.generate(PROMPT, max_new_tokens=4, stop_ids=set(), strategy=tree).stats["draft_head"]
+    assert second["steps"] <= 4  # counted per generation
+    assert "draft_head" not in client.generate(PROMPT, max_new_tokens=4, strategy="tree-nohead").stats
 
 
 def test_what_the_head_is_worth_carries_over_to_the_next_generation_of_the_same_client(tmp_path):

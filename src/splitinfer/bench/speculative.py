@@ -345,6 +345,30 @@ def _config_row(strategy: str, rtt: float, mine: list[dict], sequential_tps: dic
             first, lambda rs: statistics.mean(_emitted_per_step(r) for r in rs)),
         "per_category_pooled": _by_category(mine, _pooled),
         "bound": bound(mine, rtt) if all("time_ms" in r for r in mine) else None,
+        "draft_head": head_share(mine),
+    }
+
+
+def head_share(runs: list[dict]) -> dict | None:
+    """What the learned head did over `runs` (None where no run had one): the share of decode steps it
+    drafted on, per drafting step the block rows and accepted tokens only it proposed and its drafting ms,
+    and the tokens only it proposed per decode step, over all runs and by category."""
+    mine = [r for r in runs if "draft_head" in r["stats"]]
+    if not mine:
+        return None
+
+    def per_step(rs: list[dict]) -> float:
+        return round(sum(r["stats"]["draft_head"]["tokens"] for r in rs) / max(sum(len(r["accepted"]) for r in rs), 1), 3)
+
+    tally = {k: sum(r["stats"]["draft_head"][k] for r in mine) for k in ("steps", "rows", "tokens", "ms")}
+    drafting = max(tally["steps"], 1)
+    return {
+        "drafting_share": round(tally["steps"] / max(sum(len(r["accepted"]) for r in mine), 1), 3),
+        "rows_per_drafting_step": round(tally["rows"] / drafting, 3),
+        "tokens_per_drafting_step": round(tally["tokens"] / drafting, 3),
+        "ms_per_drafting_step": round(tally["ms"] / drafting, 3),
+        "tokens_per_step": per_step(mine),
+        "tokens_per_step_by_category": _by_category(mine, per_step),
     }
 
 
@@ -554,11 +578,29 @@ def markdown(report: dict) -> str:
             f"{r['mean_accepted_per_step']} | {r['mean_accepted_pooled']} | {r['max_accepted_per_step']} | "
             f"{r['median_rows_per_step']} | {r['median_bytes_per_step']} | {r['vs_prompt_lookup']}x |"
         )
+    lines += _head_lines(summary, categories)
     lines += _in_flight_lines(summary)
     lines += _step_cost_lines(summary)
     lines += _category_tables(summary, categories)
     lines += _divergence_lines(report)
     return "\n".join(lines) + "\n"
+
+
+def _head_lines(summary: dict, categories: list[str]) -> list[str]:
+    rows = [r for r in summary["rows"] if r.get("draft_head")]
+    if not rows:
+        return []
+    lines = ["", "The learned head: the share of decode steps it drafted on; per drafting step, the block rows and "
+             "accepted tokens that only it proposed and its drafting ms; accepted tokens only it proposed per decode "
+             "step, over all prompts and by category:", "",
+             "| strategy | added RTT ms | drafted on | head-only rows | head-only accepted | drafting ms | per step | "
+             + " | ".join(categories) + " |", "|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(categories)]
+    for r in rows:
+        h = r["draft_head"]
+        lines.append(f"| {r['strategy']} | {r['rtt_ms']:g} | {h['drafting_share']} | {h['rows_per_drafting_step']} | "
+                     f"{h['tokens_per_drafting_step']} | {h['ms_per_drafting_step']} | {h['tokens_per_step']} | "
+                     + " | ".join(str(h["tokens_per_step_by_category"].get(c, "")) for c in categories) + " |")
+    return lines
 
 
 def _in_flight_lines(summary: dict) -> list[str]:

@@ -58,6 +58,10 @@ class Strategy:
         """Before `observe` with blocks in flight: the draft of the block observed (later ones were proposed
         since)."""
 
+    def report(self) -> dict:
+        """What the strategy did in this generation, for its stats; empty where there is nothing to say."""
+        return {}
+
 
 class Sequential(Strategy):
     name = "sequential"
@@ -172,6 +176,23 @@ class Lookahead(Strategy):
         self.levels = [row[shift:] + [self._filler() for _ in range(min(shift, width))] for row in refined]
 
 
+@dataclass
+class HeadTally:
+    """One generation's count of what the learned head did: the steps it drafted, the block rows only it
+    proposed, the accepted tokens only it proposed, and its drafting time."""
+
+    steps: int = 0
+    rows: int = 0
+    tokens: int = 0
+    ms: float = 0.0
+
+    def add(self, rows: int, tokens: int, ms: float) -> None:
+        self.steps, self.rows, self.tokens, self.ms = self.steps + 1, self.rows + rows, self.tokens + tokens, self.ms + ms
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "rows": self.rows, "tokens": self.tokens, "ms": round(self.ms, 3)}
+
+
 COPY_SOURCES = ("suffix", "recycling")  # the model-free sources, which a confident path lets go first
 
 
@@ -230,6 +251,7 @@ class Tree(Strategy):
         self._drafted = False
         self._since_head = 0
         self._explore_gap = config.head_explore_every
+        self._tally = HeadTally()
 
     def start(self, prompt, prompt_logits):
         # A Tree kept across generations (a chat, an API server) keeps what it learned: the successor
@@ -242,6 +264,7 @@ class Tree(Strategy):
         for doc in self.earlier:
             self.index.add_doc(doc)
         self.doc = self.index.add_doc(prompt)
+        self._tally = HeadTally()
         # Row r of prompt_logits predicts what follows the r-th of the prompt's last rows.
         self.recycling.observe(prompt[len(prompt) - prompt_logits.shape[0] :], prompt_logits)
         self._prompt = prompt
@@ -273,8 +296,9 @@ class Tree(Strategy):
             # without it. What its rows cost follows the controller's curve of what a block of q rows costs.
             head_only = [who == ("head",) for who in self.last_draft.proposers]
             verify_ms = self.controller.block_ms(rows) - self.controller.block_ms(rows - sum(head_only))
-            self.head_value.observe_drafting(sum(head_only[row - 1] for row in path[1:]),
-                                             self._draft_ms + max(verify_ms, 0.0))
+            accepted = sum(head_only[row - 1] for row in path[1:])
+            self.head_value.observe_drafting(accepted, self._draft_ms + max(verify_ms, 0.0))
+            self._tally.add(sum(head_only), accepted, self._draft_ms)
 
     def propose(self, history):
         trie = TokenTrie()
@@ -311,6 +335,9 @@ class Tree(Strategy):
 
     def recall(self, draft):
         self.last_draft = draft
+
+    def report(self):
+        return {"draft_head": self._tally.as_dict()} if self.drafter is not None else {}
 
     def observe(self, tokens, parents, logits, path, emitted, step_ms):
         if self.drafter is not None:

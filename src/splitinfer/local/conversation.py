@@ -234,6 +234,7 @@ class Conversation:
             head_layers=self.session.head_layers,
             prefilled_tokens=prefilled,
             cached_tokens=cached,
+            **strategy.report(),
         )
         if self.metrics is not None:
             self.metrics.observe_steps(records)
