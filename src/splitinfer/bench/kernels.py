@@ -1,5 +1,6 @@
 """`splitinfer bench-kernels`: what the weight products of one decode step cost by block rows, through
-`F.linear` and through the few-rows form of model/rows.py (weight @ x.T), side by side on this machine.
+`F.linear` and through the few-rows form of model/rows.py (weight @ x.T, one row padded to two), side by
+side on this machine.
 
 Three groups of a shard's own weight matrices: every decoder layer's linears (local and cloud halves, in
 layer order, so the weights stream from memory as in a real pass), the LM head, and the draft head's
@@ -25,7 +26,7 @@ from ..model import rows
 from ..model.shards import load_cloud, load_local
 
 # rows.linear picks between these two by row count; both are timed at every count to show where it should.
-FORMS = {"F.linear": F.linear, "weight @ x.T": lambda x, weight: (weight @ x.T).T.contiguous()}
+FORMS = {"F.linear": F.linear, "weight @ x.T": rows.few_rows_product}
 
 
 def weight_groups(shards: Path) -> dict[str, list[torch.Tensor]]:
@@ -69,7 +70,7 @@ def markdown(report: dict) -> str:
     lines = ["# Weight products by block rows: F.linear against the few-rows form", "",
              f"Command: `{report['command']}`", "",
              f"torch {report['torch']}, {report['threads']} thread(s), {report['repeats']} repetitions after a "
-             f"warm-up, medians in ms; model/rows.py takes weight @ x.T for 2..{report['small_rows_max']} rows.", "",
+             f"warm-up, medians in ms; model/rows.py takes weight @ x.T (one row padded to two) for 1..{report['small_rows_max']} rows.", "",
              "| group | form | " + " | ".join(f"{q} rows" for q in qs) + " |",
              "|---|---|" + "---:|" * len(qs)]
     for g, forms in report["ms"].items():
