@@ -103,6 +103,9 @@ class DepthRecorder:
         self.steps.append((len(path) - 1, offered_deeper))
         self.inner.observe(tokens, parents, logits, path, emitted, step_ms)
 
+    def report(self):
+        return self.inner.report()
+
 
 def depth_counts(steps: list[tuple[int, bool]], emitted: int) -> dict:
     """tries and hits per depth, steps and tokens, from one generation's steps and its emitted tokens
