@@ -72,10 +72,38 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     shipped = json.loads((local / DRAFTER_DIR / "manifest.json").read_text())
     assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
     # `splitinfer train-drafter` with no options remakes it: every recorded option is today's default.
+    # (Options added after it was made read as the value that reproduces it.)
+    added_since = {"generate_dtype": "float32"}
     recipe = {k: v for k, v in asdict(train.TrainConfig()).items() if k != "device"}
-    assert {k: shipped["config"][k] for k in recipe} == recipe and shipped["steps"] == recipe["steps"]
+    assert {k: shipped["config"].get(k, added_since.get(k)) for k in recipe} == recipe and shipped["steps"] == recipe["steps"]
     head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")
     assert head is not None and head.config.draft_vocab_size == train.TrainConfig().draft_vocab_size
     _, tiny = prepare_tiny(tmp_path, "llama", 1, 1)
     assert "no shipped draft head matches" in install_shipped_drafter(tiny / "local")
     assert not (tiny / "local" / DRAFTER_DIR).exists()
+
+
+def test_a_bfloat16_generator_is_a_cast_copy_and_leaves_the_model_alone():
+    from tiny import tiny_model
+
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert train.generator_model(model, "float32") is model
+    copy = train.generator_model(model, "bfloat16")
+    assert copy is not model and all(p.dtype == torch.bfloat16 for p in copy.parameters())
+    assert all(torch.equal(v, model.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
+    with pytest.raises(ValueError, match="generate_dtype"):
+        train.TrainConfig(generate_dtype="int8")
+
+
+def test_bfloat16_data_records_its_dtype_and_is_not_mixed_with_float32_data(smollm2_shards, tmp_path):
+    torch.set_num_threads(1)
+    config = replace(TOY, steps=2, generate_dtype="bfloat16")
+    manifest = train.run_training(smollm2_shards, tmp_path, config)
+    data = torch.load(tmp_path / train.DATA, weights_only=False)
+    assert data["config"]["generate_dtype"] == "bfloat16" and manifest["config"]["generate_dtype"] == "bfloat16"
+    features = [s["features"] for s in data["sequences"]]
+    assert all(f.dtype == torch.float16 and bool(torch.isfinite(f).all()) for f in features)
+    assert manifest["generated_tokens"] >= 24 and manifest["steps"] == 2
+    with pytest.raises(ConfigError, match="other options"):  # float32 data would need its own --out
+        train.run_training(smollm2_shards, tmp_path, replace(config, generate_dtype="float32"))
