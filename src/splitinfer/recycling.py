@@ -1,4 +1,5 @@
-"""`splitinfer build-recycling`: the warm-start successor table, from the model's own greedy generations.
+"""`splitinfer build-recycling`: the warm-start successor table, from the model's own greedy generations,
+and beside it the replies themselves, searchable by suffix (decoding/sources.py `ReplyStore`).
 
     splitinfer build-recycling --shards shards/smollm2 --out src/splitinfer/data/drafters/smollm2
 
@@ -37,18 +38,19 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     from .local.session import SplitSession
     from .offline import offline_prompts, prompts_hash
     from .progress import progress
-    from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
+    from .decoding.warm import FORMAT, aggregate_successors
     from .model.shards import model_identity
 
     torch.manual_seed(seed)
     client = local_only_client(shards)
     chosen = offline_prompts(prompts, seed)
-    rows, generated = [], 0
+    rows, replies, generated = [], [], 0
     t0 = time.perf_counter()
     for p in progress(chosen, desc="build-recycling", unit="prompt"):
         ids = client.encode_prompt(p["prompt"], chat=True)
         out = client.generate(ids, max_new_tokens=max_new_tokens, strategy="sequential").token_ids
         generated += len(out)
+        replies.append(out)
         full = ids + out
         with SplitSession(client.local, client.make_middle(), client.config) as session:
             rows.append((full, session.prefill(full, logits_rows=len(full))))  # [len(full), vocab]
@@ -65,7 +67,16 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
         "python": sys.version.split()[0],
         "max_new_tokens": max_new_tokens,
     } | _made(table, generated, sum(len(tokens) for tokens, _ in rows), t0)
-    return RecyclingTable(table, manifest)
+    return _with_replies(table, manifest, replies)
+
+
+def _with_replies(table: dict, manifest: dict, replies: list[list[int]]):
+    """The table with its replies as a ReplyStore, and the store's size in the manifest."""
+    from .decoding.sources import ReplyStore
+    from .decoding.warm import RecyclingTable
+
+    store = ReplyStore([list(r) for r in replies])
+    return RecyclingTable(table, manifest | {"replies": len(store.docs), "reply_tokens": len(store.order)}, store)
 
 
 def _made(table: dict, generated: int, rows: int, t0: float) -> dict:
@@ -87,7 +98,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
     """The table from train-drafter's data.pt (its features read out through the final norm and LM head)."""
     import torch
 
-    from .decoding.warm import FORMAT, RecyclingTable, aggregate_successors
+    from .decoding.warm import FORMAT, aggregate_successors
     from .model.shards import load_whole_hf, model_identity, read_manifest
     from .progress import progress
 
@@ -116,7 +127,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
         "data_config": {key: data["config"].get(key) for key in ("tokens", "prompts", "seed", "max_new_tokens", "sampled_share")},
         "data_sha256": data["sha256"],
     } | _made(table, data["generated_tokens"], sum(seen.values()), t0)
-    return RecyclingTable(table, manifest)
+    return _with_replies(table, manifest, [s["tokens"][s["prompt_len"] :] for s in data["sequences"]])
 
 
 def _options(s: argparse.ArgumentParser) -> None:
@@ -141,7 +152,8 @@ def cmd_build_recycling(args) -> int:
     path = table.save(args.out)
     m = table.manifest
     print(f"{path}: {m['table_tokens']} tokens x {m['k']} successors from {m['prompts']} prompts "
-          f"({m['generated_tokens']} generated tokens, {m['wall_s']} s)")
+          f"({m['generated_tokens']} generated tokens, {m['wall_s']} s), and {m['reply_tokens']} reply tokens "
+          "searchable by suffix")
     return 0
 
 

@@ -23,6 +23,8 @@ def test_build_is_deterministic_and_the_table_loads_for_its_model_only(chat_shar
     m = first.manifest
     assert m["prompts"] == 3 and m["seed"] == 5 and m["k"] == 4 and m["table_tokens"] == len(first.successors)
     assert all(len(ids) <= 4 for ids, _ in first.successors.values())
+    # The greedy replies ship with the table, searchable by suffix.
+    assert len(first.replies.docs) == 3 and m["replies"] == 3 and m["reply_tokens"] == m["generated_tokens"]
     first.save(tmp_path / "tiny")
     identity = model_identity(local_only_client(chat_shards).local.manifest)
     assert m["model_fingerprint"] == identity
@@ -74,6 +76,7 @@ def test_a_table_from_drafter_data_reads_each_row_out_as_the_model_does(chat_sha
         assert table.successors[token][1] == pytest.approx(ps, abs=1e-5)
     m = table.manifest
     assert m["data_sha256"] == "d" * 64 and m["seed"] == 7 and m["prompts"] == 3 and m["rows"] == 33
+    assert table.replies.docs == [s["tokens"][4:] for s, _ in sequences] and m["reply_tokens"] == 24
     assert m["model_fingerprint"] == model_identity(local_only_client(chat_shards).local.manifest)
     with pytest.raises(ConfigError, match="train-drafter"):
         build_from_drafter_data(chat_shards, tmp_path / "missing.pt", k=4)

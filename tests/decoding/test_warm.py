@@ -1,5 +1,5 @@
-"""Warm starts: the successor table (build, save, load, match by fingerprint), the bounded suffix memory,
-and that both leave greedy output token-identical to sequential while changing what is drafted."""
+"""Warm starts: the successor table (build, save, load, match by fingerprint) and the replies shipped with
+it, the bounded suffix memory, and that they leave greedy output token-identical to sequential while changing what is drafted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitinfer.decoding.draft import TokenTrie
-from splitinfer.decoding.sources import SuffixIndex, propose_suffix
+from splitinfer.decoding.sources import MIN_PATH_PROB, ReplyStore, SuffixIndex, propose_suffix
 from splitinfer.decoding.strategies import Tree, TreeConfig
 from splitinfer.decoding.warm import (
     RecyclingTable, SuffixMemory, aggregate_successors, shipped_recycling_table,
@@ -104,3 +104,80 @@ def test_a_conversation_adds_each_reply_to_its_memory(tmp_path):
     with client.conversation("tree") as conversation:
         conversation.send(PROMPT, 12, stop_ids=set())  # no memory given: nothing kept anywhere
     assert memory.index.docs == [turn.token_ids]
+
+
+def _positions(docs, found):
+    return sorted((next(i for i, d in enumerate(docs) if d is seq), end) for seq, end in found)
+
+
+def test_the_reply_store_finds_what_a_suffix_index_over_the_same_replies_finds():
+    import random
+
+    rng = random.Random(0)
+    docs = [[rng.randrange(5) for _ in range(rng.randrange(0, 30))] for _ in range(25)]
+    store, index = ReplyStore(docs, max_occurrences=10**6), SuffixIndex(8, 10**6)
+    for doc in docs:
+        index.add_doc(doc)
+    checked = 0
+    for n in range(1, 6):
+        for _ in range(100):
+            key = tuple(rng.randrange(5) for _ in range(n))
+            found = _positions(docs, store.occurrences(key))
+            assert found == _positions(index.docs, index.occurrences(key)), key
+            checked += bool(found)
+    assert checked > 150  # most keys occur: the comparison is not of empty lists
+
+
+def test_a_capped_reply_lookup_keeps_the_shares_of_the_continuations():
+    docs = [[1, 2, 7]] * 90 + [[1, 2, 8]] * 30 + [[1, 2]] * 5  # after (1, 2): 7 three times as often as 8
+    store = ReplyStore(docs, max_occurrences=16)
+    found = store.occurrences((1, 2))
+    assert len(found) == 16 and [seq[end] for seq, end in found].count(7) == 12
+    trie = TokenTrie()
+    propose_suffix((store,), [5, 1, 2], trie, max_depth=4)
+    paths = trie_paths(trie)
+    assert paths[(7,)] == pytest.approx(3 * paths[(8,)])
+
+
+def test_suffix_continuations_stop_below_the_smallest_path_probability():
+    index = SuffixIndex()
+    index.add_doc([1, 2, 3, 4, 5, 6] + [1, 9] * 40)  # after 1: 2 once in 41 occurrences, 9 forty times
+    trie = TokenTrie()
+    propose_suffix((index,), [1], trie, max_depth=6, continue_prob=lambda length: 0.3)
+    paths = trie_paths(trie)
+    assert paths[(9,)] == pytest.approx(0.3 * 40 / 41) and (2,) not in paths  # 0.3 / 41 < MIN_PATH_PROB
+    assert all(p >= MIN_PATH_PROB for p in paths.values())
+
+
+def test_a_table_keeps_its_replies_and_the_tree_drafts_from_them(tmp_path):
+    replies = [[5, 6, 7, 8], [1, 2, 3, 4, 11, 12], [1, 2, 3, 4, 11, 12]]
+    table = RecyclingTable({}, {"format": "splitinfer-recycling", "model_fingerprint": "abc"}, ReplyStore(replies))
+    table.save(tmp_path / "m")
+    loaded = RecyclingTable.load(tmp_path / "m")
+    assert loaded.replies.docs == replies and loaded.replies.order == table.replies.order
+    RecyclingTable({}, {"format": "splitinfer-recycling"}).save(tmp_path / "bare")
+    assert RecyclingTable.load(tmp_path / "bare").replies is None
+    prompt = [40, 41, 1, 2, 3]
+    for config, drafted in ((TreeConfig(fixed_nodes=6), True), (TreeConfig(fixed_nodes=6, reply_store=False), False)):
+        tree = Tree(config, recycling_table=loaded)
+        tree.start(prompt, torch.zeros(1, 64))
+        draft = tree.propose(prompt)
+        chains = set()
+        for row in range(1, len(draft.tokens) + 1):  # block row -> the tokens from the root down to it
+            chain, r = [], row
+            while r:
+                chain.insert(0, draft.tokens[r - 1])
+                r = draft.parents[r - 1]
+            chains.add(tuple(chain))
+        assert ((4, 11, 12) in chains) == drafted, (config, draft.tokens)
+
+
+def test_the_tree_with_replies_stays_exact(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
+    client = local_only_client(shards)
+    longer = client.generate(PROMPT, max_new_tokens=40, stop_ids=set(), strategy="sequential").token_ids
+    wrong = [[t, (t + 7) % 96, (t + 3) % 96] for t in longer]  # replies that mislead after every token
+    table = RecyclingTable({}, {}, ReplyStore(wrong + [PROMPT[-2:] + longer]))
+    out = client.generate(PROMPT, max_new_tokens=30, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=8), recycling_table=table))
+    cold = client.generate(PROMPT, max_new_tokens=30, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=8)))
+    assert out.token_ids == longer[:30] and out.stats["steps"] < cold.stats["steps"]

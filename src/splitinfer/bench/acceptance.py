@@ -37,10 +37,12 @@ SOURCES = {
     "suffix-memory": "the same, plus a memory of the earlier held-out replies of this run (what `api`/`chat` keep)",
     "recycling": "Token Recycling from an empty table",
     "recycling-warm": "Token Recycling from the shipped table (build-recycling)",
+    "suffix-replies": "suffix index, also over the replies shipped with the table",
     "tree": "suffix index + Token Recycling from an empty table",
-    "tree-warm": "suffix index + Token Recycling from the shipped table",
+    "tree-warm-noreplies": "suffix index + Token Recycling from the shipped table, without the replies shipped with it",
+    "tree-warm": "suffix index over the text and the shipped replies + Token Recycling from the shipped table",
     "head": "the learned draft head alone, drafting every step (--head, default: the one installed in the shards)",
-    "tree-warm-head": "suffix index + Token Recycling from the shipped table + the learned draft head, every step",
+    "tree-warm-head": "tree-warm + the learned draft head, drafting every step",
 }
 NEEDS_HEAD = ("head", "tree-warm-head")
 DEFAULT_SOURCES = "suffix,suffix-memory,recycling,recycling-warm,tree,tree-warm"
@@ -64,13 +66,15 @@ def _strategy_factory(name: str, nodes: int, table, memory, head=None):
         "suffix-memory": lambda: Tree(suffix_only, memory=memory),
         "recycling": lambda: Tree(recycling_only),
         "recycling-warm": lambda: Tree(recycling_only, recycling_table=table),
+        "suffix-replies": lambda: Tree(suffix_only, recycling_table=table),
         "tree": lambda: Tree(both),
+        "tree-warm-noreplies": lambda: Tree(replace(both, reply_store=False), recycling_table=table),
         "tree-warm": lambda: Tree(both, recycling_table=table),
         "head": lambda: Tree(head_only, head=head),
         "tree-warm-head": lambda: Tree(replace(both, head_explore_every=1), recycling_table=table, head=head),
     }
     if name in factories:
-        if name.endswith("-warm") and table is None:
+        if ("-warm" in name or name == "suffix-replies") and table is None:
             raise ConfigError(f"source {name!r} needs the shipped recycling table for this model, and none matches "
                               "its fingerprint; build one with `splitinfer build-recycling` or drop the source.")
         return factories[name]

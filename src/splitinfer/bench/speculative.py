@@ -114,8 +114,10 @@ def run_speculative_bench(args) -> dict:
     if pass_ms:
         device += f", every pass padded to at least {pass_ms:g} ms (the fast-cloud scenario)"
     table = local.recycling_table
+    replies = (f" and its suffix lookup also searches the {table.manifest.get('reply_tokens')} reply tokens shipped with it"
+               if table is not None and table.replies is not None else "")
     warm = (f"tree's Token Recycling starts from the shipped table ({table.manifest.get('table_tokens')} tokens, data "
-            f"{str(table.manifest.get('data_sha256'))[:12]})" if table is not None else "no recycling table for this model")
+            f"{str(table.manifest.get('data_sha256'))[:12]}){replies}" if table is not None else "no recycling table for this model")
     report = {
         "command": "splitinfer bench-spec " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "splitinfer": __version__,

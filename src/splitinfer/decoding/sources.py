@@ -3,6 +3,9 @@
 - `SuffixIndex`: the longest suffix of the context that occurred before (in the prompt, the output so
   far, earlier outputs) and what followed it, with frequencies (the idea of SuffixDecoding / prompt
   lookup, kept as an n-gram position index).
+- `ReplyStore`: the same lookup, read-only and compact, over the model's own replies to offline prompts
+  (built offline and shipped with the successor table, warm.py): what other replies said after the same
+  words.
 - `TokenRecycling`: for every token, the top-k successors the model predicted the last time that token
   was an input row, with their probabilities; recorded from logits rows the LM head computes anyway.
 - `NgramPool`: the original paper's lookahead pool: n-grams keyed on a single token, most recent first.
@@ -12,6 +15,7 @@ Sources only propose; checking is the verifier's job.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import defaultdict, deque
@@ -21,6 +25,10 @@ import torch
 
 from .calibration import prior_continue_prob
 from .draft import TokenTrie
+
+
+# Suffix and reply-store continuations are cut where their path probability falls below this.
+MIN_PATH_PROB = 0.01
 
 
 class SuffixIndex:
@@ -67,6 +75,45 @@ class SuffixIndex:
         return [(self.docs[doc], end) for doc, end in self._index.get(ngram, ()) if end < len(self.docs[doc])]
 
 
+class ReplyStore:
+    """Replies searchable by suffix like a SuffixIndex, but read-only and compact: the positions of every
+    reply token, sorted once by the `max_match` tokens from there (a suffix array cut at max_match), and
+    found by bisection. A frequent n-gram occurs thousands of times, so a lookup returns an evenly spaced
+    sample of at most `max_occurrences` of them: sorted by what follows, the sample keeps the shares of
+    the continuations.
+    """
+
+    def __init__(self, docs: list[list[int]], order: list[int] | None = None, max_match: int = 8,
+                 max_occurrences: int = 64):
+        """`order`: the sorted positions, numbered through the docs in turn (as `order` returns them);
+        computed when not given."""
+        self.docs = docs
+        self.max_match = max_match
+        self.max_occurrences = max_occurrences
+        self._starts = list(itertools.accumulate((len(d) for d in docs), initial=0))
+        self.order = order if order is not None else sorted(range(self._starts[-1]), key=lambda i: self._ngram(i, max_match))
+
+    def _ngram(self, i: int, n: int) -> list[int]:
+        doc = bisect.bisect_right(self._starts, i) - 1
+        pos = i - self._starts[doc]
+        return self.docs[doc][pos : pos + n]
+
+    def occurrences(self, ngram: tuple[int, ...]) -> list[tuple[list[int], int]]:
+        """(reply, end) of up to `max_occurrences` occurrences of `ngram` that something followed."""
+        n, key = len(ngram), list(ngram)
+        lo = bisect.bisect_left(self.order, key, key=lambda i: self._ngram(i, n))
+        hi = bisect.bisect_right(self.order, key, lo=lo, key=lambda i: self._ngram(i, n))
+        # Occurrences that end a reply sort first (nothing follows them): skip past them.
+        lo = bisect.bisect_right(self.order, key, lo=lo, hi=hi, key=lambda i: self._ngram(i, n + 1))
+        step = max(1.0, (hi - lo) / self.max_occurrences)
+        found = []
+        for k in range(min(hi - lo, self.max_occurrences)):
+            i = self.order[lo + int(k * step)]
+            doc = bisect.bisect_right(self._starts, i) - 1
+            found.append((self.docs[doc], i - self._starts[doc] + n))
+        return found
+
+
 def propose_suffix(
     indexes, context: list[int], trie: TokenTrie, max_depth: int,
     continue_prob: Callable[[int], float] = prior_continue_prob, max_occurrences: int = 64,
@@ -96,25 +143,28 @@ def propose_suffix(
 
 
 def _add_continuations(occurrences, trie: TokenTrie, max_depth: int, matched: int, continue_prob) -> None:
-    counts: dict[tuple[int, ...], int] = defaultdict(int)
-    for seq, end in occurrences:
-        continuation = seq[end : end + max_depth]
-        for d in range(1, len(continuation) + 1):
-            counts[tuple(continuation[:d])] += 1
-    total = len(occurrences)
+    """Insert what followed the occurrences, grouped token by token: a node's conditional probability is
+    continue_prob(L) x (occurrences through it / occurrences through its parent). A branch stops where its
+    path probability would fall below MIN_PATH_PROB: no block sends such a node, and a reply store's
+    sixty-four continuations would otherwise insert a thousand of them a step."""
 
-    def conditional(prefix: tuple[int, ...]) -> float:
-        parent = counts[prefix[:-1]] if len(prefix) > 1 else total
-        return continue_prob(matched + len(prefix) - 1) * counts[prefix] / parent
+    def grow(path: list[int], probs: list[float], path_prob: float, group: list) -> None:
+        children: dict[int, list] = {}
+        if len(path) < max_depth:
+            for seq, pos in group:
+                if pos < len(seq):
+                    children.setdefault(seq[pos], []).append((seq, pos + 1))
+        factor = continue_prob(matched + len(path)) if children else 0.0
+        grew = False
+        for token, members in children.items():
+            p = factor * len(members) / len(group)
+            if path_prob * p >= MIN_PATH_PROB:
+                grew = True
+                grow(path + [token], probs + [p], path_prob * p, members)
+        if path and not grew:  # a leaf: its prefixes go in with it
+            trie.add_path(path, probs, "suffix", [("suffix", matched + d) for d in range(len(path))])
 
-    internal = {path[:-1] for path in counts}
-    for path in counts:
-        if path not in internal:  # leaves only: their prefixes are inserted along the way
-            depths = range(1, len(path) + 1)
-            trie.add_path(
-                list(path), [conditional(path[:d]) for d in depths], "suffix",
-                [("suffix", matched + d - 1) for d in depths],
-            )
+    grow([], [], 1.0, list(occurrences))
 
 
 class TokenRecycling:

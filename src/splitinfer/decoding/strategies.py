@@ -7,8 +7,9 @@
                 head merged into one tree, ranked by estimated path probability (calibrated online from
                 what was accepted; a confident suffix or table path before the head's nodes) and sized each
                 step by the measured cost model (controller.py); Token
-                Recycling starts from the table shipped for the model and the suffix lookup also searches a
-                client's earlier outputs, where given (warm.py); tree-nohead is the same without the head
+                Recycling starts from the table shipped for the model and the suffix lookup also searches
+                the replies shipped with it and a client's earlier outputs, where given (warm.py);
+                tree-nohead is the same without the head
 
 A strategy never checks its own draft; `draft.accept` does, identically for all of them.
 """
@@ -206,6 +207,7 @@ class TreeConfig:
     prompt_rows: int = 256  # prompt rows whose logits seed the successor table (LM head cost, once)
     fixed_nodes: int | None = None  # verify exactly this many nodes per step (no cost model): for studies
     memory_tokens: int = 65_536  # earlier generations' text kept searchable when one Tree serves several
+    reply_store: bool = True  # also search the replies shipped with the successor table (warm.py)
     controller: ControllerConfig = ControllerConfig()
     head: HeadDraftConfig = HeadDraftConfig()  # the learned draft head's tree, when a head is given
     # Draft with the head at least every this many steps even when it seems not to pay, so a changed text
@@ -239,6 +241,7 @@ class Tree(Strategy):
         self.recycling = TokenRecycling(config.recycling_k)
         if recycling_table is not None:
             self.recycling.warm(recycling_table.successors)
+        self.replies = recycling_table.replies if recycling_table is not None and config.reply_store else None
         self.memory = memory
         self.controller = BlockController(config.controller, costs)
         self.calibration = NodeCalibration()  # per-node trust in each source; the controller adds its residual
@@ -309,8 +312,7 @@ class Tree(Strategy):
             draft_ms = self.drafter.draft_ms
         elif self.drafter is not None:
             self.drafter.sync(history[-1])
-        indexes = (self.index,) if self.memory is None else (self.memory.index, self.index)
-        propose_suffix(indexes, history, trie, self.config.suffix_depth, self.calibration.continue_prob,
+        propose_suffix(self._indexes(), history, trie, self.config.suffix_depth, self.calibration.continue_prob,
                        self.index.max_occurrences)
         self.recycling.propose(
             history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
@@ -324,10 +326,15 @@ class Tree(Strategy):
         self._draft_ms = draft_ms
         return self.last_draft
 
+    def _indexes(self) -> tuple:
+        """What the suffix lookup searches, oldest first (the most recent occurrences count when there are
+        too many): the shipped replies, this client's earlier outputs, this text."""
+        older = (self.replies, self.memory.index if self.memory is not None else None)
+        return (*(index for index in older if index is not None), self.index)
+
     def predict(self, history, nodes):
         trie = TokenTrie()
-        indexes = (self.index,) if self.memory is None else (self.memory.index, self.index)
-        propose_suffix(indexes, history, trie, self.config.suffix_depth, self.calibration.continue_prob,
+        propose_suffix(self._indexes(), history, trie, self.config.suffix_depth, self.calibration.continue_prob,
                        self.index.max_occurrences)
         self.recycling.propose(history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
                                weight=self.calibration.recycling_weight)

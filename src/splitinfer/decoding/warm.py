@@ -5,7 +5,9 @@
   from it instead of from an empty table, so the first steps of a generation already have drafts; what
   the text at hand shows replaces an entry as soon as the token is seen. Stored as safetensors beside a
   JSON manifest (model fingerprint, data hash, seed, counts, time); loaded only for the model whose
-  fingerprint it names.
+  fingerprint it names. The replies the table was built from ship with it as a `ReplyStore`
+  (sources.py), which the tree's suffix lookup searches beside the text at hand: another reply that said
+  the same few words often goes on as this one will.
 - `SuffixMemory`: a client process's earlier outputs, searchable by the tree's suffix lookup across
   requests (`api`) and conversations (`chat`). Bounded in tokens, kept in memory only, never sent
   anywhere: it lives on the trusted side like the rest of the drafting state.
@@ -16,6 +18,7 @@ token-identical to sequential decoding.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections import defaultdict
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError
-from .sources import SuffixIndex
+from .sources import ReplyStore, SuffixIndex
 
 TABLE_FILE = "recycling.safetensors"
 MANIFEST_FILE = "recycling.json"
@@ -41,6 +44,7 @@ SUFFIX_MEMORY_TOKENS = 32_768
 class RecyclingTable:
     successors: dict[int, tuple[list[int], list[float]]]  # token -> (top-k next tokens, their probabilities)
     manifest: dict
+    replies: ReplyStore | None = None  # the model's replies the table was built from, searchable by suffix
 
     def save(self, directory: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -55,7 +59,10 @@ class RecyclingTable:
             nxt, ps = self.successors[token]
             ids[row, : len(nxt)] = torch.tensor(nxt, dtype=torch.int32)
             probs[row, : len(ps)] = torch.tensor(ps, dtype=torch.float16)
-        save_file({"token": torch.tensor(tokens, dtype=torch.int32), "next": ids, "prob": probs}, directory / TABLE_FILE)
+        tensors = {"token": torch.tensor(tokens, dtype=torch.int32), "next": ids, "prob": probs}
+        if self.replies is not None:
+            tensors |= _reply_tensors(self.replies)
+        save_file(tensors, directory / TABLE_FILE)
         (directory / MANIFEST_FILE).write_text(json.dumps(self.manifest, indent=1) + "\n")
         return directory / TABLE_FILE
 
@@ -76,7 +83,24 @@ class RecyclingTable:
         for token, ids, ps in zip(tensors["token"].tolist(), tensors["next"].tolist(), tensors["prob"].float().tolist()):
             kept = [i for i, t in enumerate(ids) if t >= 0]
             successors[token] = ([ids[i] for i in kept], [ps[i] for i in kept])
-        return cls(successors, manifest)
+        return cls(successors, manifest, _reply_store(tensors))
+
+
+def _reply_tensors(store: ReplyStore) -> dict[str, torch.Tensor]:
+    """The store as three int32 tensors: the replies end to end, each one's length, the sorted positions."""
+    return {"reply_tokens": torch.tensor([t for doc in store.docs for t in doc], dtype=torch.int32),
+            "reply_lengths": torch.tensor([len(doc) for doc in store.docs], dtype=torch.int32),
+            "reply_order": torch.tensor(store.order, dtype=torch.int32)}
+
+
+def _reply_store(tensors: dict[str, torch.Tensor]) -> ReplyStore | None:
+    """The store saved by `_reply_tensors`, or None for a table saved without one."""
+    if "reply_tokens" not in tensors:
+        return None
+    flat, lengths = tensors["reply_tokens"].tolist(), tensors["reply_lengths"].tolist()
+    starts = [0, *itertools.accumulate(lengths)]
+    docs = [flat[a:b] for a, b in zip(starts, starts[1:])]
+    return ReplyStore(docs, tensors["reply_order"].tolist())
 
 
 def aggregate_successors(rows: list[tuple[list[int], torch.Tensor]], k: int) -> tuple[dict, dict]:
