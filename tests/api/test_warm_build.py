@@ -51,6 +51,7 @@ def test_every_shipped_table_loads_and_names_its_model_and_data():
         for key in ("model_fingerprint", "data_sha256", "seed", "prompts", "generated_tokens", "created", "command"):
             assert key in table.manifest, (folder, key)
         assert len(table.successors) == table.manifest["table_tokens"]
+        assert len(table.replies.order) == table.manifest["reply_tokens"] == sum(map(len, table.replies.docs))
 
 
 def test_a_table_from_drafter_data_reads_each_row_out_as_the_model_does(chat_shards, tmp_path):
