@@ -73,9 +73,8 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
     # `splitinfer train-drafter` with no options remakes it: every recorded option is today's default.
     # (Options added after it was made read as the value that reproduces it.)
-    added_since = {"generate_dtype": "float32"}
     recipe = {k: v for k, v in asdict(train.TrainConfig()).items() if k != "device"}
-    assert {k: shipped["config"].get(k, added_since.get(k)) for k in recipe} == recipe and shipped["steps"] == recipe["steps"]
+    assert {k: shipped["config"].get(k, train.DATA_BEFORE.get(k)) for k in recipe} == recipe and shipped["steps"] == recipe["steps"]
     head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")
     assert head is not None and head.config.draft_vocab_size == train.TrainConfig().draft_vocab_size
     _, tiny = prepare_tiny(tmp_path, "llama", 1, 1)

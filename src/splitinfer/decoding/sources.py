@@ -85,8 +85,8 @@ class ReplyStore:
 
     def __init__(self, docs: list[list[int]], order: list[int] | None = None, max_match: int = 8,
                  max_occurrences: int = 64):
-        """`order`: the sorted positions, numbered through the docs in turn (as `order` returns them);
-        computed when not given."""
+        """`order`: the positions sorted as `self.order` holds them (numbered through the docs in turn),
+        as saved with the table; computed when not given."""
         self.docs = docs
         self.max_match = max_match
         self.max_occurrences = max_occurrences

@@ -42,6 +42,7 @@ PARTIAL = "data.partial.pt"  # the batches generated so far, while collecting
 # The options that shape the data (the rest only shape training, and may change on a resume).
 DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype")
 GENERATE_DTYPES = ("float32", "bfloat16", "float16")
+DATA_BEFORE = {"generate_dtype": "float32"}  # what data made before an option existed was made with
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
@@ -124,7 +125,7 @@ def collect_data(model, tokenizer, config: TrainConfig, out: Path) -> dict:
     saved = torch.load(partial, weights_only=False) if partial.exists() else None
     # The batches are the same whatever the token target, so any target may go on from saved batches.
     same = {k: getattr(config, k) for k in DATA_FIELDS if k != "tokens"}
-    if saved is not None and {k: saved["config"].get(k) for k in same} == same:
+    if saved is not None and {k: saved["config"].get(k, DATA_BEFORE.get(k)) for k in same} == same:
         sequences, generated, done, wall = saved["sequences"], saved["generated"], saved["batches"], saved["wall_s"]
     else:
         sequences, generated, done, wall = [], 0, 0, 0.0
@@ -313,7 +314,8 @@ def load_or_collect(shards: Path, config: TrainConfig, out: Path):
     tokenizer.padding_side = "left"
     if (out / DATA).exists():
         data = torch.load(out / DATA, weights_only=False)
-        if {k: data["config"][k] for k in DATA_FIELDS} != {k: getattr(config, k) for k in DATA_FIELDS}:
+        made = {k: data["config"].get(k, DATA_BEFORE.get(k)) for k in DATA_FIELDS}
+        if made != {k: getattr(config, k) for k in DATA_FIELDS}:
             raise ConfigError(f"{out} holds data made with other options; use another --out or the same options.")
     else:
         data = collect_data(model, tokenizer, config, out) | {"config": asdict(config)}
