@@ -139,6 +139,25 @@ def test_a_capped_reply_lookup_keeps_the_shares_of_the_continuations():
     assert paths[(7,)] == pytest.approx(3 * paths[(8,)])
 
 
+def test_replies_are_searched_only_at_match_lengths_where_the_text_has_none():
+    replies = ReplyStore([[1, 2, 3, 7]] * 10)
+    quoted = SuffixIndex()
+    quoted.add_doc([1, 2, 3, 9, 4, 1, 2, 3])  # this text said 9 after (1, 2, 3) once; ten replies said 7
+    context = quoted.docs[0]
+    trie = TokenTrie()
+    propose_suffix((quoted,), context, trie, max_depth=1, fallback=(replies,))
+    assert set(trie_paths(trie)) == {(9,)}
+    pooled = TokenTrie()
+    propose_suffix((replies, quoted), context, pooled, max_depth=1)
+    assert set(trie_paths(pooled)) == {(7,), (9,)}  # pooled, the replies outvote the quote
+    assert trie_paths(pooled)[(7,)] > trie_paths(pooled)[(9,)]
+    partial = SuffixIndex()
+    partial.add_doc([2, 3, 9, 5, 1, 2, 3])  # (2, 3) went on before, (1, 2, 3) did not
+    trie = TokenTrie()
+    assert propose_suffix((partial,), partial.docs[0], trie, max_depth=1, fallback=(replies,)) == 3
+    assert set(trie_paths(trie)) == {(7,), (9,)}  # the replies at length 3, the text at 2
+
+
 def test_suffix_continuations_stop_below_the_smallest_path_probability():
     index = SuffixIndex()
     index.add_doc([1, 2, 3, 4, 5, 6] + [1, 9] * 40)  # after 1: 2 once in 41 occurrences, 9 forty times

@@ -41,6 +41,7 @@ SOURCES = {
     "tree": "suffix index + Token Recycling from an empty table",
     "tree-warm-noreplies": "suffix index + Token Recycling from the shipped table, without the replies shipped with it",
     "tree-warm": "suffix index over the text and the shipped replies + Token Recycling from the shipped table",
+    "tree-warm-pooled": "tree-warm, the replies' occurrences pooled with the text's at every match length",
     "head": "the learned draft head alone, drafting every step (--head, default: the one installed in the shards)",
     "tree-warm-head": "tree-warm + the learned draft head, drafting every step",
 }
@@ -70,6 +71,7 @@ def _strategy_factory(name: str, nodes: int, table, memory, head=None):
         "tree": lambda: Tree(both),
         "tree-warm-noreplies": lambda: Tree(replace(both, reply_store=False), recycling_table=table),
         "tree-warm": lambda: Tree(both, recycling_table=table),
+        "tree-warm-pooled": lambda: Tree(replace(both, replies_fallback=False), recycling_table=table),
         "head": lambda: Tree(head_only, head=head),
         "tree-warm-head": lambda: Tree(replace(both, head_explore_every=1), recycling_table=table, head=head),
     }

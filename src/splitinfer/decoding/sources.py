@@ -116,21 +116,24 @@ class ReplyStore:
 
 def propose_suffix(
     indexes, context: list[int], trie: TokenTrie, max_depth: int,
-    continue_prob: Callable[[int], float] = prior_continue_prob, max_occurrences: int = 64,
+    continue_prob: Callable[[int], float] = prior_continue_prob, max_occurrences: int = 64, fallback=(),
 ) -> int:
     """Continuations of the context's suffix over several indexes at once (this text, earlier outputs).
 
     Occurrences of a match in every index count together, later indexes as the more recent ones. The
     longest match counts most, but shorter matches add their (other) occurrences too, with less
-    confidence: a single long match gives one path, and the tree wants alternatives below it. Returns the
+    confidence: a single long match gives one path, and the tree wants alternatives below it. `fallback`
+    indexes (the shipped replies) are searched only at match lengths where `indexes` have no occurrence,
+    so what this text said after the same words is not outvoted by what other texts did. Returns the
     longest match length.
     """
     seen: set[tuple[int, int]] = set()
     longest = 0
-    max_match = max(index.max_match for index in indexes)
+    max_match = max(index.max_match for index in (*indexes, *fallback))
     for n in range(min(max_match, len(context)), 0, -1):
         key = tuple(context[-n:])
         found = [(seq, end) for index in indexes for seq, end in index.occurrences(key)]
+        found = found or [(seq, end) for index in fallback for seq, end in index.occurrences(key)]
         occurrences = [(seq, end) for seq, end in found if (id(seq), end) not in seen][-max_occurrences:]
         if not occurrences:
             continue

@@ -208,6 +208,9 @@ class TreeConfig:
     fixed_nodes: int | None = None  # verify exactly this many nodes per step (no cost model): for studies
     memory_tokens: int = 65_536  # earlier generations' text kept searchable when one Tree serves several
     reply_store: bool = True  # also search the replies shipped with the successor table (warm.py)
+    # Search those replies only at match lengths where this text and the memory have no occurrence (False:
+    # pool them with the text's at every length, where another reply's habit can outvote this text's quote).
+    replies_fallback: bool = True
     controller: ControllerConfig = ControllerConfig()
     head: HeadDraftConfig = HeadDraftConfig()  # the learned draft head's tree, when a head is given
     # Draft with the head at least every this many steps even when it seems not to pay, so a changed text
@@ -312,8 +315,7 @@ class Tree(Strategy):
             draft_ms = self.drafter.draft_ms
         elif self.drafter is not None:
             self.drafter.sync(history[-1])
-        propose_suffix(self._indexes(), history, trie, self.config.suffix_depth, self.calibration.continue_prob,
-                       self.index.max_occurrences)
+        self._propose_suffix(history, trie)
         self.recycling.propose(
             history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
             weight=self.calibration.recycling_weight,
@@ -326,16 +328,19 @@ class Tree(Strategy):
         self._draft_ms = draft_ms
         return self.last_draft
 
-    def _indexes(self) -> tuple:
-        """What the suffix lookup searches, oldest first (the most recent occurrences count when there are
-        too many): the shipped replies, this client's earlier outputs, this text."""
-        older = (self.replies, self.memory.index if self.memory is not None else None)
-        return (*(index for index in older if index is not None), self.index)
+    def _propose_suffix(self, history, trie) -> None:
+        """The suffix lookup over, oldest first (the most recent occurrences count when there are too many),
+        the shipped replies, this client's earlier outputs and this text; the replies only where the other
+        two have no occurrence, unless configured to pool them."""
+        own = (self.index,) if self.memory is None else (self.memory.index, self.index)
+        replies = () if self.replies is None else (self.replies,)
+        indexes, fallback = (own, replies) if self.config.replies_fallback else ((*replies, *own), ())
+        propose_suffix(indexes, history, trie, self.config.suffix_depth, self.calibration.continue_prob,
+                       self.index.max_occurrences, fallback)
 
     def predict(self, history, nodes):
         trie = TokenTrie()
-        propose_suffix(self._indexes(), history, trie, self.config.suffix_depth, self.calibration.continue_prob,
-                       self.index.max_occurrences)
+        self._propose_suffix(history, trie)
         self.recycling.propose(history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
                                weight=self.calibration.recycling_weight)
         return trie.best(nodes)
