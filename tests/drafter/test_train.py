@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from splitinfer.drafter import train
+from splitinfer.drafter import corpus
 from splitinfer.drafter.corpus import benchmark_prompts, build_prompts, check_no_overlap
 from splitinfer.errors import ConfigError
 from splitinfer.model.drafthead import HEAD_WEIGHTS
@@ -24,6 +25,24 @@ def test_prompts_never_contain_benchmark_prompts():
     check_no_overlap(prompts, benchmark_prompts())
     with pytest.raises(ConfigError):
         check_no_overlap(prompts + ["Please: " + benchmark_prompts()[0]], benchmark_prompts())
+
+
+def test_corpus_2_leaves_out_every_fill_on_an_evaluated_topic_and_corpus_1_kept_them():
+    evaluated = corpus.evaluation_prompts()
+    assert len(evaluated) == 30
+    fills = [fill for _, fills in corpus.SYNTHETIC for fill in fills]
+    kept = [fill for _, fills in corpus.SYNTHETIC for fill in corpus._fills(fills, 2)]
+    assert not [(f, p) for f in kept for p in evaluated if corpus.on_topic(f, p)]
+    assert {"a lighthouse keeper", "why the sky is blue"} <= set(fills) - set(kept)
+    assert len(set(kept)) > 0.85 * len(set(fills))  # the rest stay (85 of 96)
+    old, new = build_prompts(400, seed=0, corpus=1), build_prompts(400, seed=0, corpus=2)
+    assert any("lighthouse keeper" in p for p in old) and not any("lighthouse keeper" in p for p in new)
+    assert corpus.on_topic("a lighthouse keeper", "A story about a lonely lighthouse keeper.")
+    assert not corpus.on_topic("a baker who wakes up early", "Compose a limerick about a baker whose bread would not rise.")
+    with pytest.raises(ConfigError, match="corpus version"):
+        build_prompts(4, seed=0, corpus=3)
+    with pytest.raises(ValueError, match="corpus"):
+        train.TrainConfig(corpus=0)
 
 
 def test_train_drafter_resumes_to_the_same_head_and_writes_a_manifest(smollm2_shards, tmp_path, monkeypatch):
@@ -71,9 +90,9 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     assert "installed" in install_shipped_drafter(local)
     shipped = json.loads((local / DRAFTER_DIR / "manifest.json").read_text())
     assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
-    # `splitinfer train-drafter` with no options remakes it: every recorded option is today's default.
+    # `splitinfer train-drafter --corpus 1` remakes it: every other recorded option is today's default.
     # (Options added after it was made read as the value that reproduces it.)
-    recipe = {k: v for k, v in asdict(train.TrainConfig()).items() if k != "device"}
+    recipe = {k: v for k, v in asdict(train.TrainConfig(corpus=1)).items() if k != "device"}
     assert {k: shipped["config"].get(k, train.DATA_BEFORE.get(k)) for k in recipe} == recipe and shipped["steps"] == recipe["steps"]
     head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")
     assert head is not None and head.config.draft_vocab_size == train.TrainConfig().draft_vocab_size

@@ -4,7 +4,10 @@ Three kinds: excerpts of Python standard-library docstrings (read from imported 
 /usr/share/common-licenses and /usr/share/doc text files, each wrapped in an instruction ("Summarise",
 "Explain", ...), and synthetic instructions from templates (stories, conversation, code, explanations).
 The order is fixed for a seed, and no prompt may equal or contain a benchmark prompt
-(`check_no_overlap`), so the head is never trained on what it is measured on. Nothing here runs a model.
+(`check_no_overlap`), so the head is never trained on what it is measured on. Corpus version 2 also
+leaves out every template fill on the topic of a benchmark or held-out prompt (`on_topic`: version 1 had
+"a lighthouse keeper" and "why the sky is blue", which the benchmark's prompts ask about). Nothing here
+runs a model.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import importlib
 import inspect
 import json
 import random
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -88,6 +92,43 @@ SYNTHETIC = (
 )
 
 
+CORPUS_VERSIONS = (1, 2)  # 1: every fill (the shipped head's data); 2: fills on an evaluated topic left out
+# Words too common to name a topic: a fill and a prompt sharing only these are not on the same subject.
+COMMON_WORDS = frozenset(
+    "about add after all also and any are been being but can could did does each every for from get give had has "
+    "have her here him his how into its just keep like list make may more most much must not one only other our "
+    "out over said say should show some tell than that the their them then there these they this those three two "
+    "use very was were what when where which while who why will with would write explain describe you your".split()
+)
+
+
+def topic_words(text: str) -> set[str]:
+    """Lower-case words of three letters or more that are not COMMON_WORDS, with a plural or -ing cut."""
+    words = set()
+    for word in re.findall(r"[a-z]+", text.lower()):
+        if len(word) < 3 or word in COMMON_WORDS:
+            continue
+        for suffix in ("ing", "es", "s"):
+            if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+                word = word[: -len(suffix)]
+                break
+        words.add(word)
+    return words
+
+
+def on_topic(fill: str, prompt: str) -> bool:
+    """Whether a template fill is about what `prompt` asks: two topic words shared, or the fill's only one."""
+    fill_words, shared = topic_words(fill), topic_words(fill) & topic_words(prompt)
+    return len(shared) >= 2 or (len(shared) == 1 and len(fill_words) == 1)
+
+
+def _fills(fills: tuple[str, ...], corpus: int) -> tuple[str, ...]:
+    if corpus == 1:
+        return fills
+    evaluated = evaluation_prompts()
+    return tuple(fill for fill in fills if not any(on_topic(fill, prompt) for prompt in evaluated))
+
+
 def _excerpts(text: str, rng: random.Random, size: int = 450, count: int = 2) -> list[str]:
     text = "\n".join(line.rstrip() for line in text.strip().splitlines())
     if len(text) < 80:
@@ -127,9 +168,14 @@ def system_texts(rng: random.Random, limit: int = 1500) -> list[str]:
     return texts
 
 
-def benchmark_prompts() -> list[str]:
-    lines = resources.files("splitinfer.data").joinpath("prompts.jsonl").read_text().splitlines()
+def benchmark_prompts(name: str = "prompts.jsonl") -> list[str]:
+    lines = resources.files("splitinfer.data").joinpath(name).read_text().splitlines()
     return [json.loads(line)["prompt"] for line in lines if line.strip()]
+
+
+def evaluation_prompts() -> list[str]:
+    """The packaged benchmark and held-out prompts: what the drafter is measured on."""
+    return benchmark_prompts() + benchmark_prompts("heldout.jsonl")
 
 
 def check_no_overlap(prompts: list[str], benchmark: list[str]) -> None:
@@ -140,15 +186,19 @@ def check_no_overlap(prompts: list[str], benchmark: list[str]) -> None:
                                   "data must not include benchmark prompts. Remove it from the corpus.")
 
 
-def build_prompts(count: int, seed: int) -> list[str]:
-    """`count` instructions, half from offline text, half synthetic, where there is enough text, shuffled for `seed`."""
+def build_prompts(count: int, seed: int, corpus: int = CORPUS_VERSIONS[-1]) -> list[str]:
+    """`count` instructions, half from offline text, half synthetic, where there is enough text, shuffled for
+    `seed`, from corpus version `corpus` (CORPUS_VERSIONS)."""
+    if corpus not in CORPUS_VERSIONS:
+        raise ConfigError(f"corpus version {corpus} does not exist; choose among {', '.join(map(str, CORPUS_VERSIONS))}.")
     rng = random.Random(seed)
     texts = stdlib_texts(rng) + system_texts(rng)
     rng.shuffle(texts)
     from_text = [rng.choice(TEXT_INSTRUCTIONS).format(text=t) for t in texts[: count // 2]]
+    templates = [(template, _fills(fills, corpus)) for template, fills in SYNTHETIC]
     synthetic = [template.format(x=rng.choice(fill)) + rng.choice(STYLES) for template, fill in
-                 (rng.choice(SYNTHETIC) for _ in range(count - len(from_text)))]
+                 (rng.choice(templates) for _ in range(count - len(from_text)))]
     prompts = from_text + synthetic
     rng.shuffle(prompts)
-    check_no_overlap(prompts, benchmark_prompts())
+    check_no_overlap(prompts, evaluation_prompts())
     return prompts

@@ -33,16 +33,17 @@ from ..errors import ConfigError
 from ..model.drafthead import DraftHead, DraftHeadConfig
 from ..model.shards import basis_identity, load_whole_hf, model_identity, read_manifest
 from ..progress import progress
-from .corpus import build_prompts
+from .corpus import CORPUS_VERSIONS, build_prompts
 from .generate import Sampling, generate_rows
 from .unroll import accuracy, soft_cross_entropy, unroll, window_tensors
 
 DATA = "data.pt"
 PARTIAL = "data.partial.pt"  # the batches generated so far, while collecting
 # The options that shape the data (the rest only shape training, and may change on a resume).
-DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype")
+DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype",
+               "corpus")
 GENERATE_DTYPES = ("float32", "bfloat16", "float16")
-DATA_BEFORE = {"generate_dtype": "float32"}  # what data made before an option existed was made with
+DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1}  # what data made before an option existed was made with
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
@@ -61,6 +62,7 @@ class TrainConfig:
     # The copy of the model that generates the data: bfloat16 generates about twice as fast on a CPU with
     # AVX512-BF16 (drafter notes section 14). Training, its readout and the held-out replies stay float32.
     generate_dtype: str = "float32"
+    corpus: int = CORPUS_VERSIONS[-1]  # version of the offline prompt corpus (drafter/corpus.py)
     batch: int = 4  # windows per step
     window: int = 144  # rows per window: a whole reply of max_new_tokens and the prompt rows before it
     prompt_rows: int = 16  # prompt rows a window starts with, as context for the reply's first drafts
@@ -77,6 +79,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.generate_dtype not in GENERATE_DTYPES:
             raise ValueError(f"generate_dtype must be one of {', '.join(GENERATE_DTYPES)}, not {self.generate_dtype!r}.")
+        if self.corpus not in CORPUS_VERSIONS:
+            raise ValueError(f"corpus must be one of {', '.join(map(str, CORPUS_VERSIONS))}, not {self.corpus!r}.")
 
 
 # -- 1. data --------------------------------------------------------------------------------------
@@ -120,7 +124,7 @@ def collect_data(model, tokenizer, config: TrainConfig, out: Path) -> dict:
     batch's prompts and seed depend only on its index, so the data are the same)."""
     from ..local.text import chat_prompt_ids
 
-    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in build_prompts(config.prompts, config.seed)]
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in build_prompts(config.prompts, config.seed, config.corpus)]
     partial = out / PARTIAL
     saved = torch.load(partial, weights_only=False) if partial.exists() else None
     # The batches are the same whatever the token target, so any target may go on from saved batches.
