@@ -23,3 +23,12 @@ def test_offline_prompts_are_seeded_and_disjoint_from_the_measured_prompts():
         # no measured prompt, nor its opening words, appears in what the tables are built from
         opening = " ".join(prompt.split()[:6])
         assert not any(opening in b for b in built), opening
+
+
+def test_no_offline_template_fill_is_on_the_topic_of_a_measured_prompt():
+    from splitinfer.drafter.corpus import evaluation_prompts, on_topic
+    from splitinfer.offline import SYNTHETIC
+
+    fills = [fill for _, subjects in SYNTHETIC.values() for fill in subjects]
+    assert len(fills) > 40
+    assert not [(f, p) for f in fills for p in evaluation_prompts() if on_topic(f, p)]
