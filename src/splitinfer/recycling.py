@@ -39,7 +39,6 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     from .offline import offline_prompts, prompts_hash
     from .progress import progress
     from .decoding.warm import FORMAT, aggregate_successors
-    from .drafter.train import DATA_BEFORE
     from .model.shards import model_identity
 
     torch.manual_seed(seed)

@@ -118,7 +118,8 @@ def topic_words(text: str) -> set[str]:
 
 def on_topic(fill: str, prompt: str) -> bool:
     """Whether a template fill is about what `prompt` asks: two topic words shared, or the fill's only one."""
-    fill_words, shared = topic_words(fill), topic_words(fill) & topic_words(prompt)
+    fill_words = topic_words(fill)
+    shared = fill_words & topic_words(prompt)
     return len(shared) >= 2 or (len(shared) == 1 and len(fill_words) == 1)
 
 
