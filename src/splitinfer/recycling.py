@@ -99,7 +99,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
     import torch
 
     from .decoding.warm import FORMAT, aggregate_successors
-    from .drafter.train import DATA_BEFORE
+    from .drafter.train import made_with
     from .model.shards import load_whole_hf, model_identity, read_manifest
     from .progress import progress
 
@@ -125,8 +125,8 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
         "source": "train-drafter data",
         "seed": data["config"].get("seed"),
         "prompts": len(data["sequences"]),
-        "data_config": {key: data["config"].get(key, DATA_BEFORE.get(key)) for key in
-                        ("tokens", "prompts", "seed", "max_new_tokens", "sampled_share", "generate_dtype", "corpus")},
+        "data_config": made_with(data["config"], ("tokens", "prompts", "seed", "max_new_tokens", "sampled_share",
+                                                  "generate_dtype", "corpus")),
         "data_sha256": data["sha256"],
     } | _made(table, data["generated_tokens"], sum(seen.values()), t0)
     return _with_replies(table, manifest, [s["tokens"][s["prompt_len"] :] for s in data["sequences"]])

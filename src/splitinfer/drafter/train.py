@@ -49,6 +49,11 @@ MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
 
+def made_with(config: dict, keys=DATA_FIELDS) -> dict:
+    """The options of saved data (or a manifest's config), an option added since read as DATA_BEFORE says."""
+    return {k: config.get(k, DATA_BEFORE.get(k)) for k in keys}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     tokens: int = 400_000  # generated tokens (continuations) to train on
@@ -129,7 +134,7 @@ def collect_data(model, tokenizer, config: TrainConfig, out: Path) -> dict:
     saved = torch.load(partial, weights_only=False) if partial.exists() else None
     # The batches are the same whatever the token target, so any target may go on from saved batches.
     same = {k: getattr(config, k) for k in DATA_FIELDS if k != "tokens"}
-    if saved is not None and {k: saved["config"].get(k, DATA_BEFORE.get(k)) for k in same} == same:
+    if saved is not None and made_with(saved["config"], same) == same:
         sequences, generated, done, wall = saved["sequences"], saved["generated"], saved["batches"], saved["wall_s"]
     else:
         sequences, generated, done, wall = [], 0, 0, 0.0
@@ -318,8 +323,7 @@ def load_or_collect(shards: Path, config: TrainConfig, out: Path):
     tokenizer.padding_side = "left"
     if (out / DATA).exists():
         data = torch.load(out / DATA, weights_only=False)
-        made = {k: data["config"].get(k, DATA_BEFORE.get(k)) for k in DATA_FIELDS}
-        if made != {k: getattr(config, k) for k in DATA_FIELDS}:
+        if made_with(data["config"]) != {k: getattr(config, k) for k in DATA_FIELDS}:
             raise ConfigError(f"{out} holds data made with other options; use another --out or the same options.")
     else:
         data = collect_data(model, tokenizer, config, out) | {"config": asdict(config)}
