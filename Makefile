@@ -24,7 +24,8 @@ $(VENV)/.installed: pyproject.toml
 
 prepare: $(SHARDS)/local/manifest.json
 
-$(SHARDS)/local/manifest.json: $(VENV)/.installed
+# Remade when the shipped drafting files change too: prepare installs the shipped head into the shards.
+$(SHARDS)/local/manifest.json: $(VENV)/.installed $(wildcard src/splitinfer/data/drafters/*/*)
 	$(VENV)/bin/splitinfer prepare --out $(SHARDS)
 
 demo: prepare

@@ -90,9 +90,9 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     assert "installed" in install_shipped_drafter(local)
     shipped = json.loads((local / DRAFTER_DIR / "manifest.json").read_text())
     assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
-    # `splitinfer train-drafter --corpus 1` remakes it: every other recorded option is today's default.
-    # (Options added after it was made read as the value that reproduces it.)
-    recipe = {k: v for k, v in asdict(train.TrainConfig(corpus=1)).items() if k != "device"}
+    # `splitinfer train-drafter --tokens 200000 --prompts 2400` remakes it (the data the shipped successor
+    # table was built from): every other recorded option is today's default.
+    recipe = {k: v for k, v in asdict(train.TrainConfig(tokens=200_000, prompts=2400)).items() if k != "device"}
     assert {k: shipped["config"].get(k, train.DATA_BEFORE.get(k)) for k in recipe} == recipe and shipped["steps"] == recipe["steps"]
     head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")
     assert head is not None and head.config.draft_vocab_size == train.TrainConfig().draft_vocab_size
