@@ -93,7 +93,7 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     # `splitinfer train-drafter --tokens 200000 --prompts 2400` remakes it (the data the shipped successor
     # table was built from): every other recorded option is today's default.
     recipe = {k: v for k, v in asdict(train.TrainConfig(tokens=200_000, prompts=2400)).items() if k != "device"}
-    assert {k: shipped["config"].get(k, train.DATA_BEFORE.get(k)) for k in recipe} == recipe and shipped["steps"] == recipe["steps"]
+    assert train.made_with(shipped["config"], recipe) == recipe and shipped["steps"] == recipe["steps"]
     # The successor table and its replies were built from the same data run (`build-recycling --from-data`).
     assert json.loads((local / DRAFTER_DIR / "recycling.json").read_text())["data_sha256"] == shipped["data_sha256"]
     head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")

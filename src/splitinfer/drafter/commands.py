@@ -23,7 +23,7 @@ TRAIN_OPTIONS = (
     Opt("generate_dtype", help="dtype of the model copy that generates the data: float32, bfloat16 (about twice "
         "as fast on CPUs with AVX512-BF16) or float16"),
     Opt("corpus", help="version of the offline prompt corpus: 2 leaves out every template fill on the topic of a "
-        "benchmark or held-out prompt; 1 (the shipped head's) does not"),
+        "benchmark or held-out prompt; 1 (the data of heads shipped before) does not"),
     Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),
 )
 

@@ -92,7 +92,7 @@ SYNTHETIC = (
 )
 
 
-CORPUS_VERSIONS = (1, 2)  # 1: every fill (the shipped head's data); 2: fills on an evaluated topic left out
+CORPUS_VERSIONS = (1, 2)  # 1: every fill (the data of heads shipped before); 2: fills on an evaluated topic left out
 # Words too common to name a topic: a fill and a prompt sharing only these are not on the same subject.
 COMMON_WORDS = frozenset(
     "about add after all also and any are been being but can could did does each every for from get give had has "
