@@ -1,21 +1,29 @@
-"""Matrix products over a few rows on a CPU: the shape of every decode step.
+"""Weight products of a decode step on a CPU: oneDNN with the weight packed once, not per call.
 
 A decode step multiplies q rows (the root, and q - 1 draft nodes when speculating) by every weight
-matrix. On the CPU build of torch (MKL), `F.linear` with 2 or 3 rows runs about one matrix-vector
-product per row, so the whole weight streams from memory once per row, and its one-row product is
-slower than a two-column matrix product. Written as weight @ x.T (one row padded to two), the weight
-streams once for a few rows. `splitinfer bench-kernels` measures both forms on the machine at hand;
-on this project's 2-core CPU (docs/bench/kernels/, one thread) SmolLM2-135M's LM head costs
-F.linear 11 / 23 / 37 / 20 ms for q = 1 / 2 / 3 / 4 rows and the few-rows form 8 / 9 / 9 / 11 ms,
-its 30 layers 43 / 68 / 80 / 56 ms against 39 / 32 / 49 / 50 ms; from 5 rows on F.linear is as fast
-or faster (layers 56 against 60 ms, 68 against 93 at 6), so only q <= `SMALL_ROWS_MAX` take the
-few-rows form. With two threads (docs/bench/kernels-2threads/) the one-row product gains most (layers
-41 -> 26 ms, LM head 11 -> 4 ms), because MKL runs its matrix-vector product on one thread.
+matrix; on a CPU the step is bound by streaming those weights from memory. `F.linear` hands each product
+to MKL's sgemm, which for a few rows repacks the weight into its blocked layout on every call: for 4-16
+rows the repacking costs more than the product (26 SmolLM2 layers, one core: 90 / 104 / 115 ms for 4 / 8
+/ 16 rows, against a 54 ms one-row step). oneDNN's linear takes a weight reordered into its own layout
+once (`torch.ops.mkldnn._reorder_linear_weight`, the kernel `torch.compile` uses for CPU linears), so a
+step of any row count streams each weight once, as a product should. One row stays with `F.linear`
+(MKL's matrix-vector product, already at the bandwidth limit, and what plain transformers runs). `splitinfer bench step` measures
+whole steps both ways against plain transformers.
 
-Both forms compute the same dot products in a different order, so their float32 results differ in the
-last bits (about 4e-5 on logits of magnitude 10-30), as a block of q rows already differs from q single
-rows; exactness against sequential decoding is measured, as it always was, by comparing token ids.
-Only float32 on the CPU is rerouted: other devices and dtypes keep `F.linear`.
+The packed copy is made on the first CPU forward and remade whenever the weight changes in place or is
+replaced (privatization, tensor-parallel slicing and tests edit weights after loading), so the module's
+`weight` stays the one source of truth and its state dict is unchanged. It costs one more copy of the
+weights in memory on the CPU. Other devices, dtypes other than float32/bfloat16, autograd and a torch
+build without oneDNN keep `F.linear`.
+
+Both kernels compute the same dot products in another order, so float32 results differ in the last bits
+(about 6e-5 on values of magnitude 10); a block of q rows already differed from q single rows. Exactness
+against sequential decoding is measured, as always, on token ids.
+
+History (kept because it misled once): until this module the CPU path was `weight @ x.T` for 1-4 rows
+("few-rows form"). A kernel micro-benchmark favoured it; the whole step doubled (one row: 53 -> 109 ms
+local-only), and plain transformers, which calls `F.linear`, stayed at ~50 ms. A micro-benchmark never
+decides alone: `bench step` times the whole step against the anchor.
 """
 
 from __future__ import annotations
@@ -24,39 +32,74 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SMALL_ROWS_MAX = 4  # rows up to which the few-rows form beats F.linear on one thread (measured, docstring)
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# One row is a matrix-vector product, which MKL streams at the bandwidth limit with no packing (and which
+# plain transformers runs); oneDNN's packed one-row product measured slower in the whole step
+# (26 layers, one core: 51 against 38 ms). Blocks of two rows and more take the packed form.
+PACKED_MIN_ROWS = 2
 
 
-def small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when x [..., in] times `weight` [out, in] takes the few-rows form."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return 1 <= rows <= SMALL_ROWS_MAX and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+def _onednn_linear_available() -> bool:
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+    )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through weight @ x.T when x has a few rows (module docstring)."""
-    if not small_rows(x, weight):
-        return F.linear(x, weight, bias)
-    out = few_rows_product(x.reshape(-1, x.shape[-1]), weight)
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+ONEDNN = _onednn_linear_available()
 
 
-def few_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] -> x @ weight.T [rows, out], computed as weight @ x.T; a single row is padded to two
-    (MKL's two-column product beats its matrix-vector one). Contiguous, so callers may .view() it."""
-    rows = x.shape[0]
-    if rows == 1:
-        x = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return (weight @ x.T).T[:rows].contiguous()
+def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when x @ weight.T takes oneDNN's packed linear (CPU, float32/bfloat16, 2+ rows, no autograd)."""
+    return (
+        ONEDNN
+        and x.device.type == "cpu"
+        and x.numel() >= PACKED_MIN_ROWS * x.shape[-1]
+        and x.dtype == weight.dtype
+        and weight.dtype in PACKED_DTYPES
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] times a `pack`ed weight -> [..., out], contiguous."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class RowsLinear(nn.Linear):
-    """nn.Linear whose forward is `linear` above; same parameters and state dict."""
+    """nn.Linear whose CPU forward runs oneDNN on a packed copy of `weight`; same parameters and state dict."""
+
+    _packed: torch.Tensor | None = None
+    _packed_of: tuple | None = None  # (storage pointer, version, dtype, shape) the copy was made from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        if not packs(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.packed_weight(), self.bias)
+
+    def __getstate__(self) -> dict:
+        # The packed copy is opaque (no storage): copies and pickles drop it and repack on first use.
+        state = super().__getstate__()
+        state.pop("_packed", None), state.pop("_packed_of", None)
+        return state
+
+    def packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), _version(w), w.dtype, tuple(w.shape))
+        if self._packed_of != key:
+            self._packed, self._packed_of = pack(w), key
+        return self._packed
+
+
+def _version(t: torch.Tensor) -> int:
+    # Inference tensors keep no version counter; an in-place edit of one is not seen (nothing does one).
+    return -1 if t.is_inference() else t._version
 
 
 def use_row_kernels(module: nn.Module) -> nn.Module:
@@ -65,3 +108,8 @@ def use_row_kernels(module: nn.Module) -> nn.Module:
         if type(sub) is nn.Linear:
             sub.__class__ = RowsLinear
     return module
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a weight used once (no packed copy kept): the functional form callers outside a module use."""
+    return F.linear(x, weight, bias)

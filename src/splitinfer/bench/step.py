@@ -1,0 +1,426 @@
+"""`splitinfer bench-step`: what one decode step's compute costs, beside plain transformers and the bound.
+
+For each side of the split (the cloud's middle layers; the local head and tail layers with the final
+norm and the LM head) and each block of q rows at each context length, three figures on the same core
+and threads:
+
+- **splitinfer**: the side's own code as a step runs it (`LayerStack` on a `KVCache`, the explicit mask,
+  the packed CPU linears of model/rows.py, the LM head over every row);
+- **transformers**: the same layers in plain transformers (a model of that many layers holding the same
+  weights, its own `DynamicCache` and masks, logits for every row on the local side);
+- **bound**: bytes the step must stream (the side's weights once, plus the cached keys and values it
+  reads) over this machine's measured memory bandwidth (one thread summing a 1 GiB buffer).
+
+Configurations run in a shuffled order every repetition after a warm-up; medians are reported. One
+profiled pass per configuration splits the splitinfer step into weight products, attention, other
+operators (norms, rotary, activation, residual adds, cache writes) and the rest (Python and dispatch,
+wall time minus operator time). `--e2e` adds whole generations: the local-only path (sequential, the
+whole model in one process) against transformers greedy decoding with its own cache, per token.
+
+`--max-ratio R` is the release guard: the command exits 1 when, for any block of at most `--guard-rows`
+rows, splitinfer's step costs more than R times transformers' (and `--e2e-max-ratio` for generations).
+The guard runs inside the benchmark, never as a timed test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import __version__
+from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
+from ..model.stack import LayerStack
+
+GROUPS = ("products", "attention", "other ops", "python and dispatch")
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul")
+
+
+@dataclass(frozen=True)
+class StepBenchConfig:
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # block rows q
+    contexts: tuple[int, ...] = (64, 2048)  # committed rows in the cache before the block
+    threads: int = 1  # torch threads (bench-spec runs each side on one)
+    cpu: int = 0  # core to pin to (-1: no pinning)
+    dtype: str | None = None  # compute dtype of both sides (None: the shards')
+    repeats: int = 7  # timed repetitions of every configuration, after one warm-up round
+    max_ratio: float = 0.0  # guard: splitinfer / transformers per step, blocks of <= guard_rows; 0 = off
+    guard_rows: int = 8
+    e2e_prompts: int = 0  # whole generations: local-only vs transformers greedy on this many prompts (0 = off)
+    e2e_tokens: int = 64
+    e2e_max_ratio: float = 0.0  # guard on the generations' ms per token; 0 = off
+
+
+# -- the two implementations of a side -----------------------------------------------------------------
+
+
+def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, with_norm: nn.Module | None) -> nn.Module:
+    """A plain transformers causal LM over the layers of `stacks` (renumbered 0..n-1), sharing their weights."""
+    from transformers import AutoModelForCausalLM
+
+    layers = [layer for stack in stacks for layer in stack.layers]
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = len(layers)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [config.layer_types[s.start + i] for s in stacks for i in range(len(s.layers))]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    body = model.model
+    body.layers = nn.ModuleList([_plain(copy.copy(layer), i) for i, layer in enumerate(layers)])
+    body.rotary_emb = stacks[0].rotary
+    body.norm = with_norm if with_norm is not None else nn.Identity()
+    body.embed_tokens = nn.Identity()
+    model.lm_head = _plain_linear(with_head) if with_head is not None else nn.Identity()
+    return model.eval()
+
+
+def _plain_linear(linear: nn.Linear) -> nn.Linear:
+    """The same weights as a plain nn.Linear (F.linear: what transformers runs), no packed copy."""
+    plain = nn.Linear.__new__(nn.Linear)
+    plain.__dict__ = {k: v for k, v in linear.__dict__.items() if k not in ("_packed", "_packed_of")}
+    return plain
+
+
+def _plain(layer: nn.Module, index: int) -> nn.Module:
+    """A shallow copy of a decoder layer with plain nn.Linear products (transformers' own) and its own index."""
+    layer = copy.copy(layer)
+    layer._modules = dict(layer._modules)
+    for name, child in list(layer._modules.items()):
+        if isinstance(child, nn.Linear):
+            layer._modules[name] = _plain_linear(child)
+        elif len(child._modules):
+            layer._modules[name] = _plain(child, index)
+    if hasattr(layer, "self_attn"):
+        layer.self_attn.layer_idx = index
+    if hasattr(layer, "layer_idx"):
+        layer.layer_idx = index
+    return layer
+
+
+class Side:
+    """One side's step both ways at one context: `ours(q)` and `anchor(q)` each run one block of q rows."""
+
+    def __init__(self, name: str, stacks: list[LayerStack], tail: tuple[nn.Module, nn.Module] | None, context: int,
+                 inputs: torch.Tensor):
+        from transformers import DynamicCache
+
+        self.name, self.stacks, self.tail, self.context = name, stacks, tail, context
+        self.inputs = inputs  # [1, n, d]: the side's real input rows, context first, then the blocks
+        self.d, self.dtype = inputs.shape[-1], inputs.dtype
+        self.hf = hf_layers(stacks[0].config, stacks, *(tail or (None, None))[::-1])
+        self.hf_cache = DynamicCache(config=self.hf.config)
+        self.caches = [s.new_cache() for s in stacks]
+        with torch.inference_mode():
+            prompt = inputs[:, :context]
+            self.hf(inputs_embeds=prompt, cache=self.hf_cache, use_cache=True, logits_to_keep=1)
+            allowed = np.tril(np.ones((context, context), dtype=bool))
+            for stack, cache in zip(stacks, self.caches):  # chained, as the anchor's layers are
+                prompt = stack(prompt, torch.arange(context), allowed, cache)
+                cache.commit_all()
+
+    def block(self, q: int) -> torch.Tensor:
+        """The q input rows after the context: [1, q, d]."""
+        return self.inputs[:, self.context : self.context + q]
+
+    @torch.inference_mode()
+    def ours(self, q: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The side's output for the block: hidden states (cloud) or logits (local) [1, q, *]."""
+        positions = torch.arange(self.context, self.context + q)
+        allowed = np.tril(np.ones((q, q), dtype=bool))
+        for stack, cache in zip(self.stacks, self.caches):
+            hidden = stack(hidden, positions, allowed, cache)
+            cache.truncate(cache.length)
+        if self.tail is not None:
+            norm, lm_head = self.tail
+            hidden = lm_head(norm(hidden))
+        return hidden
+
+    @torch.inference_mode()
+    def anchor(self, q: int, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in getattr(self.hf_cache, "layers", ()):
+            # Sliding-window layers (Gemma 3) only allow a rollback when told before the block.
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        out = self.hf(inputs_embeds=hidden, cache=self.hf_cache, use_cache=True, logits_to_keep=0).logits
+        self.hf_cache.crop(-q)
+        return out
+
+    def streamed_bytes(self) -> int:
+        """Weights read once plus the cached keys and values attended to, per step."""
+        modules = list(self.stacks) + list(self.tail or ())
+        weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+        return weights + sum(s.kv_bytes_per_token() for s in self.stacks) * self.context
+
+
+def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], dtype: str | None = None) -> list[Side]:
+    local = load_local(shards / "local", dtype=dtype, verify=False)
+    cloud = load_cloud(shards / "cloud", dtype=dtype, verify=False)
+    embedded, activations = real_inputs(local, max(contexts) + max(rows))
+    sides = []
+    for context in contexts:
+        sides.append(Side("cloud", [cloud.stack], None, context, activations))
+        sides.append(Side("local", [local.head, local.tail], (local.norm, local.lm_head), context, embedded))
+    return sides
+
+
+@torch.inference_mode()
+def real_inputs(local: LocalHalf, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token embeddings [1, n, d] of the benchmark prompts' text, and the local head's output for them (what
+    the cloud receives): real activations, as a step sees them. Without a tokenizer (test models), seeded
+    random ids."""
+    from .runtime import load_prompts
+
+    if local.tokenizer is not None:
+        text = "\n".join(p["prompt"] for p in load_prompts(None, 3))
+        ids = list(local.tokenizer(text)["input_ids"])
+        ids = (ids * (n // len(ids) + 1))[:n]
+    else:
+        ids = torch.randint(0, local.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    embedded = local.embed(torch.tensor([ids]))
+    head = local.head
+    out = head(embedded, torch.arange(n), np.tril(np.ones((n, n), dtype=bool)), head.new_cache())
+    return embedded, out
+
+
+# -- measuring -----------------------------------------------------------------------------------------
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features the products' speed depends on (the same torch differs between CPUs of one kind)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+
+
+def bandwidth_gbps(repeats: int = 5) -> float:
+    """One thread's read bandwidth: a 1 GiB float32 buffer summed, median of `repeats`."""
+    buf = torch.ones(1 << 28)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(times) / 1e9
+
+
+def time_configs(sides: list[Side], rows: tuple[int, ...], repeats: int) -> dict[tuple, list[float]]:
+    """{(side index, q, 'ours'|'anchor'): [ms, ...]}, every configuration once per round, shuffled."""
+    configs = [(i, q, impl) for i in range(len(sides)) for q in rows for impl in ("ours", "anchor")]
+    inputs = {(i, q): s.block(q) for i, s in enumerate(sides) for q in rows}
+    times: dict[tuple, list[float]] = {c: [] for c in configs}
+    rng = random.Random(0)
+    for round_ in range(repeats + 1):  # round 0 warms up (packs weights, allocates buffers) and is dropped
+        rng.shuffle(configs)
+        for i, q, impl in configs:
+            run = getattr(sides[i], impl)
+            t0 = time.perf_counter()
+            run(q, inputs[(i, q)])
+            if round_:
+                times[(i, q, impl)].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def breakdown(side: Side, q: int) -> dict[str, float]:
+    """ms of one splitinfer step by group (module docstring), from one profiled pass after one plain pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden = side.block(q)
+    side.ours(q, hidden)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        side.ours(q, hidden)
+        wall = (time.perf_counter() - t0) * 1e3
+    groups = dict.fromkeys(GROUPS, 0.0)
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1e3
+        if event.key in PRODUCT_OPS:
+            groups["products"] += ms
+        elif "scaled_dot_product" in event.key:
+            groups["attention"] += ms
+        elif event.key.startswith(("aten::", "mkldnn::")):
+            groups["other ops"] += ms
+    ops = sum(groups.values())
+    # The profiler's own cost lands in the wall time; shares are reported against the operators' sum plus
+    # the remainder, scaled to the unprofiled median by the caller.
+    groups["python and dispatch"] = max(wall - ops, 0.0)
+    total = sum(groups.values()) or 1.0
+    return {k: v / total for k, v in groups.items()}
+
+
+def greedy_transformers(model: nn.Module, prompt_ids: list[int], tokens: int) -> tuple[list[int], float]:
+    """Plain transformers greedy decoding with its own cache: (generated ids, ms per token after the first)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
+        out = [int(logits[0, -1].argmax())]
+        t0 = time.perf_counter()
+        for _ in range(tokens - 1):
+            logits = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits
+            out.append(int(logits[0, -1].argmax()))
+        ms = (time.perf_counter() - t0) * 1e3 / max(tokens - 1, 1)
+    return out, ms
+
+
+def e2e(shards: Path, config: StepBenchConfig, log) -> dict:
+    """Local-only sequential generation against transformers greedy on the first benchmark prompts."""
+    from ..inprocess import local_only_client
+    from .runtime import load_prompts
+
+    client = local_only_client(shards, drafter="off")
+    prompts = load_prompts(None, 1)[: config.e2e_prompts]
+    ids = {p["id"]: client.encode_prompt(p["prompt"], p.get("chat", True)) for p in prompts}
+    return generations(client, load_whole_hf(shards), ids, config.e2e_tokens, config.repeats // 2 + 1, log)
+
+
+def generations(client, whole: nn.Module, prompts: dict[str, list[int]], tokens: int, repeats: int, log) -> dict:
+    """Both paths on every prompt, interleaved, after one warm-up round; medians of ms per token."""
+    runs = []
+    for rep in range(repeats + 1):
+        for name, ids in prompts.items():
+            ref, ref_ms = greedy_transformers(whole, ids, tokens)
+            g = client.generate(ids, tokens, strategy="sequential", stop_ids=set())
+            ours_ms = _decode_ms_per_token(g)
+            if rep:
+                runs.append({"prompt_id": name, "repeat": rep, "transformers_ms": round(ref_ms, 3),
+                             "splitinfer_ms": round(ours_ms, 3), "identical": g.token_ids == ref})
+                log(f"e2e {name:<14} transformers {ref_ms:6.1f} ms/token  splitinfer {ours_ms:6.1f}")
+    t = statistics.median(r["transformers_ms"] for r in runs)
+    s = statistics.median(r["splitinfer_ms"] for r in runs)
+    return {"tokens": tokens, "prompts": list(prompts), "runs": runs, "transformers_ms_per_token": round(t, 2),
+            "splitinfer_ms_per_token": round(s, 2), "ratio": round(s / t, 3),
+            "identical": f"{sum(r['identical'] for r in runs)} of {len(runs)}"}
+
+
+def _decode_ms_per_token(g) -> float:
+    """Decode wall time per token after the first (which comes out of the prefill), as transformers' is timed."""
+    return g.stats["decode_s"] * 1e3 / max(len(g.token_ids) - 1, 1)
+
+
+# -- the report ----------------------------------------------------------------------------------------
+
+
+def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
+    if config.cpu >= 0 and hasattr(__import__("os"), "sched_setaffinity"):
+        __import__("os").sched_setaffinity(0, {config.cpu})
+    torch.set_num_threads(config.threads)
+    gbps = bandwidth_gbps()
+    log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
+    sides = build_sides(shards, config.contexts, config.rows, config.dtype)
+    times = time_configs(sides, config.rows, config.repeats)
+    rows = []
+    for i, side in enumerate(sides):
+        for q in config.rows:
+            ours = statistics.median(times[(i, q, "ours")])
+            anchor = statistics.median(times[(i, q, "anchor")])
+            shares = breakdown(side, q)
+            rows.append({
+                "side": side.name, "context": side.context, "rows": q,
+                "splitinfer_ms": round(ours, 2), "transformers_ms": round(anchor, 2), "ratio": round(ours / anchor, 3),
+                "bound_ms": round(side.streamed_bytes() / gbps / 1e6, 2),
+                "breakdown_ms": {k: round(v * ours, 2) for k, v in shares.items()},
+            })
+            log(f"{side.name:<5} ctx {side.context:>5} q {q:>2}: splitinfer {ours:7.1f} ms  transformers {anchor:7.1f} ms  "
+                f"x{ours / anchor:.2f}  bound {rows[-1]['bound_ms']} ms")
+    report = {
+        "command": "splitinfer " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("splitinfer") else shlex.join(sys.argv),
+        "version": __version__, "torch": torch.__version__, "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(), "config": asdict(config),
+        "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2), "rows": rows,
+    }
+    if config.e2e_prompts:
+        report["e2e"] = e2e(shards, config, log)
+    report["guard"] = guard(report, config)
+    return report
+
+
+def guard(report: dict, config: StepBenchConfig) -> dict:
+    """The release guard's verdict: every checked ratio and whether it held."""
+    failures = []
+    if config.max_ratio:
+        failures += [f"{r['side']} ctx {r['context']} q {r['rows']}: x{r['ratio']}" for r in report["rows"]
+                     if r["rows"] <= config.guard_rows and r["ratio"] > config.max_ratio]
+    e2e_ = report.get("e2e")
+    if config.e2e_max_ratio and e2e_ and e2e_["ratio"] > config.e2e_max_ratio:
+        failures.append(f"generation ms per token: x{e2e_['ratio']}")
+    return {"max_ratio": config.max_ratio, "guard_rows": config.guard_rows, "e2e_max_ratio": config.e2e_max_ratio,
+            "failures": failures, "passed": not failures}
+
+
+def markdown(report: dict) -> str:
+    from .report import _table as table
+
+    lines = [f"# One decode step: splitinfer against plain transformers ({report['dtype']})", "",
+             f"`{report['command']}`", "",
+             f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}), {report['config']['threads']} thread(s) pinned to "
+             f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s (one thread). Medians of "
+             f"{report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Bound: the side's weights "
+             "plus the cached keys/values it reads, over that bandwidth.", ""]
+    header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "bound", *GROUPS]
+    body = [[r["side"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], f"{r['ratio']}x", r["bound_ms"],
+             *(r["breakdown_ms"][g] for g in GROUPS)] for r in report["rows"]]
+    lines += table(header, body, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|") + [""]
+    e2e_ = report.get("e2e")
+    if e2e_:
+        lines += [f"Whole generations, {e2e_['tokens']} tokens, prompts {', '.join(e2e_['prompts'])}: local-only "
+                  f"sequential {e2e_['splitinfer_ms_per_token']} ms a token, transformers greedy "
+                  f"{e2e_['transformers_ms_per_token']} ({e2e_['ratio']}x); token-identical {e2e_['identical']}.", ""]
+    g = report["guard"]
+    verdict = "passed" if g["passed"] else "FAILED: " + "; ".join(g["failures"])
+    lines.append(f"Guard (step ratio <= {g['max_ratio'] or 'off'} for <= {g['guard_rows']} rows, generation ratio <= "
+                 f"{g['e2e_max_ratio'] or 'off'}): {verdict}.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, out: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    keys = sorted({(r["side"], r["context"]) for r in report["rows"]})
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+    for ax, (side, context) in zip(axes[0], keys):
+        rs = [r for r in report["rows"] if (r["side"], r["context"]) == (side, context)]
+        qs = [r["rows"] for r in rs]
+        for field, label in (("splitinfer_ms", "splitinfer"), ("transformers_ms", "transformers"), ("bound_ms", "bound")):
+            ax.plot(qs, [r[field] for r in rs], marker="o", label=label, linestyle=":" if field == "bound_ms" else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{side}, context {context}")
+        ax.set_xlabel("block rows")
+        ax.set_ylabel("ms per step")
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend()
+    fig.tight_layout()
+    path = out / "step.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def run_step_bench(shards: Path, out: Path, config: StepBenchConfig, log=print) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    report = run(shards, config, log)
+    (out / "step.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, out)
+    (out / "step.md").write_text(markdown(report))
+    log(f"wrote {out / 'step.json'}, step.md, step.png")
+    return report

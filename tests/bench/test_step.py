@@ -1,0 +1,52 @@
+"""bench/step.py: the step benchmark runs both implementations of each side on a tiny model, writes its
+report, and its guard fails exactly when a ratio is over the margin (ratios are measured, never asserted)."""
+
+import json
+
+import pytest
+import torch
+
+from splitinfer.bench import step
+from splitinfer.bench.step import StepBenchConfig
+from tiny import prepare_tiny
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_both_sides_run_and_the_anchor_computes_the_same_layers(tmp_path, family):
+    _, shards = prepare_tiny(tmp_path, family, 1, 1)
+    sides = step.build_sides(shards, (5,), (3,))
+    assert [s.name for s in sides] == ["cloud", "local"]
+    # The anchor is plain transformers over the same weights: on the same causal block it computes the same
+    # hidden states (cloud) and logits (local), and its cache rolls back as ours does.
+    for side in sides:
+        hidden = side.block(3)
+        assert hidden.shape == (1, 3, side.d)
+        for _ in range(2):
+            torch.testing.assert_close(side.ours(3, hidden), side.anchor(3, hidden), rtol=1e-4, atol=1e-4)
+    cloud = sides[0]
+    assert all(type(m) is torch.nn.Linear for m in cloud.hf.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_the_report_and_the_guard(tmp_path):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    config = StepBenchConfig(rows=(1, 4), contexts=(8,), repeats=1, cpu=-1)
+    report = step.run_step_bench(shards, tmp_path / "out", config, log=lambda _: None)
+    saved = json.loads((tmp_path / "out" / "step.json").read_text())
+    assert saved["rows"] == report["rows"] and len(report["rows"]) == 4
+    row = report["rows"][0]
+    assert row["splitinfer_ms"] > 0 and row["transformers_ms"] > 0 and row["bound_ms"] > 0
+    assert set(row["breakdown_ms"]) == set(step.GROUPS)
+    assert "| cloud | 8 | 1 |" in (tmp_path / "out" / "step.md").read_text()
+    strict = step.guard(report, StepBenchConfig(max_ratio=1e-9))
+    loose = step.guard(report, StepBenchConfig(max_ratio=1e9))
+    assert not strict["passed"] and len(strict["failures"]) == 4 and loose["passed"]
+
+
+def test_generations_compare_local_only_with_transformers_greedy(tmp_path):
+    from splitinfer.inprocess import local_only_client
+    from splitinfer.model.shards import load_whole_hf
+
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    client = local_only_client(shards, drafter="off")
+    out = step.generations(client, load_whole_hf(shards), {"a": [1, 5, 7], "b": [3, 3]}, 6, 1, log=lambda _: None)
+    assert out["identical"] == "2 of 2" and len(out["runs"]) == 2 and out["ratio"] > 0
