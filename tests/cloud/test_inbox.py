@@ -1,5 +1,9 @@
 """A connection's inbox: messages handed out in order, read ahead within a bound, looked ahead up to the
-first message that is not a step."""
+first message that is not a step.
+
+Ordering comes from the event loop, not the clock: `run_ready` yields until every ready task has run as
+far as it can, so no test waits on real time.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ class Peer:
     def __init__(self, messages: list[bytes]):
         self.messages = messages
         self.read = 0
+        self.ended = False  # the reader asked past the last message (all before it were placed)
 
     def __aiter__(self):
         return self
@@ -32,9 +37,16 @@ class Peer:
     async def __anext__(self) -> bytes:
         await asyncio.sleep(0)
         if self.read == len(self.messages):
+            self.ended = True
             raise StopAsyncIteration
         self.read += 1
         return self.messages[self.read - 1]
+
+
+async def run_ready(turns: int = 100) -> None:
+    """Give the loop's other tasks `turns` turns: the inbox's reader runs until it waits on the peer or its bound."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
 
 
 def test_messages_come_in_order_and_the_look_ahead_stops_at_another_kind():
@@ -43,9 +55,11 @@ def test_messages_come_in_order_and_the_look_ahead_stops_at_another_kind():
             step(4).encode(), b"\x00garbage", Close().encode()]
 
     async def scenario():
-        async with Inbox(Peer(sent), LIMITS, limit=16) as inbox:
+        peer = Peer(sent)
+        async with Inbox(peer, LIMITS, limit=16) as inbox:
             first = await inbox.next()
-            await asyncio.sleep(0.01)  # the rest arrives while the first is handled
+            await run_ready()  # the rest arrives while the first is handled
+            assert peer.ended
             later = [s.seq for s in inbox.later_steps()]
             got = [first] + [m async for m in _drain(inbox)]
         return later, got
@@ -65,12 +79,12 @@ def test_the_inbox_reads_no_further_ahead_than_its_limit():
 
     async def scenario():
         async with Inbox(peer, LIMITS, limit=3) as inbox:
-            await asyncio.sleep(0.02)
+            await run_ready()
             held = peer.read
             first = await inbox.next()
-            await asyncio.sleep(0.02)
+            await run_ready()
             return held, peer.read, first
 
     held, after_one, first = asyncio.run(scenario())
     assert first == step(0).encode()
-    assert held <= 4 and after_one <= 5  # at most `limit` waiting, plus one read and not yet placed
+    assert (held, after_one) == (4, 5)  # `limit` waiting, plus one read and not yet placed

@@ -75,7 +75,7 @@ def test_lone_session_does_not_wait_for_the_window(half):
         scheduler.close()
 
 
-def test_burst_of_steps_is_batched_and_exact(half):
+def test_burst_of_steps_is_batched_and_exact(half, settle):
     """Eight sessions (different lengths) submit at once: fewer passes than steps, lone-identical rows; a
     step with a wrong seq fails alone."""
     lengths = [3, 7, 12, 15, 20, 1, 9, 30]
@@ -102,15 +102,13 @@ def test_burst_of_steps_is_batched_and_exact(half):
             torch.testing.assert_close(future.result(timeout=30).hidden, want, atol=2e-5, rtol=0)
         assert scheduler.passes - passes_before < len(lengths) - 1, scheduler.stats()
         assert max(scheduler.batch_sizes) > 1
-        deadline = time.monotonic() + 5  # claims are released just after the futures are answered
-        while any(s.busy for s in sessions) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert all(s.busy == 0 for s in sessions)
+        # claims are released just after the futures are answered
+        assert settle(lambda: all(s.busy == 0 for s in sessions))
     finally:
         scheduler.close()
 
 
-def test_cancelled_step_is_skipped(half):
+def test_cancelled_step_is_skipped(half, settle):
     """A step cancelled while queued (its connection went away) is not run; the session can go on."""
     table = SessionTable(half, SessionConfig())
     scheduler = Scheduler(table, BatchConfig(window_ms=0))
@@ -118,16 +116,15 @@ def test_cancelled_step_is_skipped(half):
         blocker, session = open_sessions(table, 2)
         with blocker.lock:  # hold the compute thread inside a pass on `blocker`
             busy = scheduler.submit(blocker, prefill_step(4, 0), 0.0)
-            time.sleep(0.2)
+            # running: the compute thread took it and waits on the lock; the next step can only queue
+            assert settle(busy.running)
             queued = scheduler.submit(session, prefill_step(3, 1), 0.0)
             assert queued.cancel()
         busy.result(timeout=30)
         # Had the cancelled step run, this second seq-0 step would be refused as out of order.
         scheduler.submit(session, prefill_step(3, 1), 0.0).result(timeout=30)
         assert session.next_seq == 1
-        deadline = time.monotonic() + 5  # claims are released just after the futures are answered
-        while (session.busy or blocker.busy) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert session.busy == blocker.busy == 0
+        # claims are released just after the futures are answered
+        assert settle(lambda: session.busy == blocker.busy == 0)
     finally:
         scheduler.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from splitinfer.wire.frame import decode_frame
 from splitinfer.masks import BlockStructure
 from splitinfer.wire.messages import Hello, Limits, Result, Step, Welcome, decode_server_message
 
+from clock import FakeClock, expire_all
 from tiny import prepare_tiny
 
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
@@ -56,16 +56,18 @@ def remote(local, url, dtype="float32"):
     return RemoteMiddle(url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, dtype)
 
 
-def test_ttl_expiry_is_recovered_with_identical_output(tiny):
+def test_ttl_expiry_is_recovered_with_identical_output(tiny, settle):
     shards, expected = tiny
     local = load_local(shards / "local")
-    config = ServerConfig(port=0, sessions=SessionConfig(ttl_s=0.2), sweep_interval_s=0.05)
-    with ServerThread(load_cloud(shards / "cloud"), config) as server:
+    clock = FakeClock()
+    with ServerThread(load_cloud(shards / "cloud"), ServerConfig(port=0, sessions=SessionConfig(ttl_s=10))) as server:
+        table = server.server.table
+        table.clock = clock  # set before any session opens; the server's sweep reads it too
 
         def idle(i, session):
             if i == 6:
-                time.sleep(0.6)  # longer than the TTL: the server drops the session
-                assert len(server.server.table) == 0
+                clock.advance(11)  # longer than the TTL: the server drops the session
+                assert settle(lambda: expire_all(table))
 
         tokens, session = run_with_hook(local, remote(local, server.url), 20, idle)
     assert tokens == expected

@@ -77,6 +77,7 @@ def test_delay_spikes_past_the_reply_timeout(tiny, settle):
     assert recoveries(session) >= 1
 
 
+@pytest.mark.slow  # a real outage of a real server on the wall clock (about a minute here)
 def test_outage_is_bridged_by_backoff(tiny):
     """The server is gone for ~1 s; reconnect attempts back off until it is back."""
     shards, expected = tiny
@@ -117,6 +118,7 @@ def test_gives_up_with_a_transport_error_when_nobody_listens(tiny):
         decode_with_hook(local, remote(local, f"ws://127.0.0.1:{free_port()}", open_timeout_s=2), config=config)
 
 
+@pytest.mark.slow  # a server process
 def test_server_process_killed_and_restarted_over_tls(tiny, pki, token_file):
     """SIGKILL of a `splitinfer serve` child (TLS + token); a server with the same keys and tokens comes
     back on the same port (in-process, to save a second interpreter start): identical output."""
