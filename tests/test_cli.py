@@ -26,6 +26,9 @@ MUST_MIRROR = {
     ("generate", "prefill_chunk"), ("generate", "wire_dtype"), ("generate", "ngram"), ("generate", "top_p"),
     ("chat", "prefill_chunk"), ("api", "prefill_chunk"), ("api", "wire_dtype"),
     ("wan", "jitter_ms"), ("wan", "spike_prob"), ("plan", "cloud_tflops"), ("privatize", "rank"),
+    ("generate", "max_new_tokens"), ("generate", "strategy"), ("generate", "device"), ("api", "port"),
+    ("prepare", "head_layers"), ("plan", "head_layers"), ("plan", "dtype"), ("privacy-table", "depth"),
+    ("demo", "shards"), ("bench-spec", "max_new_tokens"), ("bench-batch", "rtt_ms"), ("serve", "tp"),
 }
 
 

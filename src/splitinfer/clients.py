@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .local.auth import ClientAuth, client_auth_from_args
@@ -19,7 +20,7 @@ from .local.commands import (
     CLIENT_OPTIONS, LOOKAHEAD_OPTIONS, add_client_options, add_sampling_options, connect_client, sampling_from_args,
     stats_table,
 )
-from .options import add_options, config_from_args, defer
+from .options import Opt, add_options, config_from_args, defer
 
 
 def open_client(
@@ -99,10 +100,17 @@ def _generate_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--steps", action="store_true", help="with --json, include per-step telemetry")
 
 
+@dataclass(frozen=True)
+class GenerateOptions:
+    """The defaults of `splitinfer generate` beyond the client's (local/commands.py)."""
+
+    max_new_tokens: int = 128  # tokens to generate
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("generate", help="generate text; tokens never leave this machine")
     s.add_argument("--prompt", required=True)
     s.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    s.add_argument("--max-new-tokens", type=int, default=128)
+    add_options(s, GenerateOptions, (Opt("max_new_tokens"),))
     defer(s, _generate_options)
     s.set_defaults(func=cmd_generate)

@@ -13,11 +13,13 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
 from .local.commands import ALLOW_PUBLIC_HELP
 from .netem.commands import WAN_RTT_MS
+from .options import Opt, Shared, add_options
 
 
 def free_port() -> int:
@@ -131,11 +133,18 @@ def cmd_demo(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class DemoOptions:
+    """`splitinfer demo`'s defaults beyond the shared ones."""
+
+    max_new_tokens: int = 96  # tokens the demo generates
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("demo", help="serve + emulated WAN + generate, on loopback")
-    s.add_argument("--shards", default="shards/smollm2")
+    add_options(s, Shared, (Opt("shards"),))
     s.add_argument("--rtt-ms", type=float, default=WAN_RTT_MS, help="added round trip of the emulated WAN")
-    s.add_argument("--max-new-tokens", type=int, default=96)
+    add_options(s, DemoOptions, (Opt("max_new_tokens"),))
     s.add_argument("--prompt", default=DEMO_PROMPT)
     s.add_argument("--allow-public-weights", action="store_true", help=ALLOW_PUBLIC_HELP)
     s.set_defaults(func=cmd_demo)

@@ -35,6 +35,7 @@ class Opt:
     type: Callable | None = None  # default: the field's type (int, float or str)
     default: object = _UNSET  # a command's own default where it deliberately differs from the field's
     choices: Sequence | None = None
+    metavar: str | None = None
 
     @property
     def option(self) -> str:
@@ -57,6 +58,16 @@ class Mirror:
     def field_default(self):
         value = field_default(self.cls, self.field)
         return value if self.scale is None or value is None else _unscale(value, self.scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """Defaults that several commands share, each written once; a command adds the ones it takes as `Opt`s."""
+
+    shards: str = "shards/smollm2"  # a prepared OUT directory (`make prepare` writes this one)
+    out: str = "bench-out"  # where a benchmark writes its JSON and Markdown
+    device: str = "cpu"  # torch device of the layers this process runs: cpu, cuda, cuda:1 ...
+    host: str = "127.0.0.1"  # the interface a listener binds: loopback unless told
 
 
 def field_default(cls: type, name: str):
@@ -98,7 +109,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, opts: Sequence[Opt])
             action = parser.add_argument(opt.option, action="store_true", help=opt.help)
         else:
             action = parser.add_argument(opt.option, type=opt.type or (None if kind is str else kind),
-                                         default=default, choices=opt.choices, help=opt.help)
+                                         default=default, choices=opt.choices, help=opt.help, metavar=opt.metavar)
         action.mirror = mirror
 
 

@@ -24,10 +24,11 @@ import datetime
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
-from .options import defer
+from .options import Opt, Shared, add_options, defer
 
 
 def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: int, seed: int):
@@ -132,13 +133,25 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
     return _with_replies(table, manifest, [s["tokens"][s["prompt_len"] :] for s in data["sequences"]])
 
 
+@dataclass(frozen=True)
+class RecyclingOptions:
+    """`splitinfer build-recycling`'s defaults."""
+
+    prompts: int = 96  # offline prompts to generate from
+    max_new_tokens: int = 96  # greedy tokens generated per prompt
+    k: int = 8  # successors kept per token
+    seed: int = 0  # which offline prompts are drawn
+
+
 def _options(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--shards", default="shards/smollm2", help="prepared OUT directory (OUT/local + OUT/cloud)")
+    add_options(s, Shared, (Opt("shards", help="prepared OUT directory (OUT/local + OUT/cloud)"),))
     s.add_argument("--out", required=True, help="folder for recycling.safetensors and recycling.json")
-    s.add_argument("--prompts", type=int, default=96, help="offline prompts to generate from")
-    s.add_argument("--max-new-tokens", type=int, default=96, help="greedy tokens generated per prompt")
-    s.add_argument("--k", type=int, default=8, help="successors kept per token")
-    s.add_argument("--seed", type=int, default=0, help="which offline prompts are drawn")
+    add_options(s, RecyclingOptions, (
+        Opt("prompts", help="offline prompts to generate from"),
+        Opt("max_new_tokens", help="greedy tokens generated per prompt"),
+        Opt("k", help="successors kept per token"),
+        Opt("seed", help="which offline prompts are drawn"),
+    ))
     s.add_argument("--from-data", default=None,
                    help="a train-drafter data.pt: build from its generations instead of generating (--prompts, "
                         "--max-new-tokens and --seed are then the data's own)")

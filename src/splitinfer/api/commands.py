@@ -8,34 +8,47 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..tokens import read_token_file
 from ..clients import load_client
 from ..local.commands import add_client_options, add_sampling_options, sampling_from_args
-from ..options import defer
+from ..options import Opt, Shared, add_options, defer
 
 log = logging.getLogger("splitinfer.api")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+@dataclass(frozen=True)
+class ApiOptions:
+    """The defaults of `splitinfer api` and `splitinfer chat` beyond the client's own (ClientConfig)."""
+
+    port: int = 8000  # the API's HTTP port
+    max_concurrent: int = 4  # requests generating at once; more wait
+    max_queued: int = 60  # requests waiting beyond max_concurrent; more get 429
+    max_new_tokens: int = 256  # a reply's token limit: max_tokens when a request gives none, and chat's
+
+
 def _api_options(s: argparse.ArgumentParser) -> None:
     add_client_options(s)
-    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    add_options(s, Shared, (Opt("host", help="interface to bind (default loopback)"),))
     s.add_argument("--api-key-file", help="accepted API keys, one per line; requests must send one as the bearer token")
-    s.add_argument("--port", type=int, default=8000)
+    add_options(s, ApiOptions, (Opt("port"),))
     s.add_argument("--model-name", help="model id the API answers to (default: the shard's model id)")
-    s.add_argument("--max-concurrent", type=int, default=4, help="requests generating at once; more wait")
-    s.add_argument("--max-queued", type=int, default=60, help="requests waiting beyond --max-concurrent; more get 429")
-    s.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    add_options(s, ApiOptions, (
+        Opt("max_concurrent", help="requests generating at once; more wait"),
+        Opt("max_queued", help="requests waiting beyond --max-concurrent; more get 429"),
+        Opt("max_new_tokens", "--default-max-tokens", help="max_tokens when a request gives none"),
+    ))
     _memory_option(s)
 
 
 def _chat_options(s: argparse.ArgumentParser) -> None:
     add_client_options(s)
     s.add_argument("--system", help="system prompt")
-    s.add_argument("--max-new-tokens", type=int, default=256)
+    add_options(s, ApiOptions, (Opt("max_new_tokens"),))
     add_sampling_options(s)
     _memory_option(s)
 

@@ -25,11 +25,11 @@ import json
 import shlex
 import sys
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import defer
+from ..options import Opt, Shared, add_options, defer
 
 # name -> what it measures; "tree" is the default strategy's merged tree
 SOURCES = {
@@ -273,14 +273,25 @@ def run(args) -> dict:
     return report
 
 
+@dataclass(frozen=True)
+class AcceptanceOptions:
+    """The defaults of `splitinfer bench-acceptance`."""
+
+    per_category: int = 3  # prompts taken from each category
+    sources: str = DEFAULT_SOURCES  # comma-separated sources or strategy names
+    nodes: int = 16  # draft nodes per step for the named sources
+    max_new_tokens: int = 96  # tokens per generation
+
+
 def _options(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--shards", default="shards/smollm2")
-    s.add_argument("--out", default="bench-out", help="directory for acceptance.json and acceptance.md")
+    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for acceptance.json and acceptance.md")))
     s.add_argument("--prompts", help="JSONL prompt file (default: the packaged held-out prompts)")
-    s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
-    s.add_argument("--sources", default=DEFAULT_SOURCES, help="comma-separated sources or strategy names")
-    s.add_argument("--nodes", type=int, default=16, help="draft nodes per step for the named sources")
-    s.add_argument("--max-new-tokens", type=int, default=96)
+    add_options(s, AcceptanceOptions, (
+        Opt("per_category", help="prompts taken from each category"),
+        Opt("sources", help="comma-separated sources or strategy names"),
+        Opt("nodes", help="draft nodes per step for the named sources"),
+        Opt("max_new_tokens"),
+    ))
     s.add_argument("--recycling-table", help="folder of a recycling table for the -warm sources (default: the shipped one)")
     s.add_argument("--head", help="folder of a draft head for the head sources (default: the one installed in the shards)")
 

@@ -25,9 +25,11 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..options import Opt, Shared, add_options
 from ..wire.dtypes import DTYPE_NAMES
 
 
@@ -386,22 +388,37 @@ def run(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class BatchBenchOptions:
+    """The defaults of `splitinfer bench-batch`."""
+
+    sizes: str = "1,4,16,64"  # decode batch sizes for the cloud-side measurement
+    context: int = 128  # committed rows per session (varied by up to +56)
+    repeats: int = 3  # measured repetitions
+    load_clients: str = "1,4,16,64"  # model-less concurrent clients driving the real server ('' skips that part)
+    load_steps: int = 16  # decode steps per model-less client
+    clients: str = "1,4,16"  # concurrent clients end to end ('' skips that part)
+    rtt_ms: float = 80.0  # added round trip end to end
+    max_new_tokens: int = 32  # tokens per client end to end
+    threads: int = 1  # torch threads for the cloud-side part
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser(
         "bench-batch", help="batched vs one-at-a-time cloud compute, and concurrent clients end to end"
     )
-    s.add_argument("--shards", default="shards/smollm2")
-    s.add_argument("--out", default="bench-out", help="directory for batching.json and batching.md")
-    s.add_argument("--sizes", default="1,4,16,64", help="decode batch sizes for the cloud-side measurement")
-    s.add_argument("--context", type=int, default=128, help="committed rows per session (varied by up to +56)")
-    s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--load-clients", default="1,4,16,64",
-                   help="model-less concurrent clients driving the real server ('' skips that part)")
-    s.add_argument("--load-steps", type=int, default=16, help="decode steps per model-less client")
-    s.add_argument("--clients", default="1,4,16", help="concurrent clients end to end ('' skips that part)")
-    s.add_argument("--rtt-ms", type=float, default=80.0, help="added round trip end to end")
-    s.add_argument("--max-new-tokens", type=int, default=32, help="tokens per client end to end")
-    s.add_argument("--threads", type=int, default=1, help="torch threads for the cloud-side part")
-    s.add_argument("--device", default="cpu", help="cloud-side part: cpu, cuda, cuda:1 ...")
+    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for batching.json and batching.md")))
+    add_options(s, BatchBenchOptions, (
+        Opt("sizes", help="decode batch sizes for the cloud-side measurement"),
+        Opt("context", help="committed rows per session (varied by up to +56)"),
+        Opt("repeats"),
+        Opt("load_clients", help="model-less concurrent clients driving the real server ('' skips that part)"),
+        Opt("load_steps", help="decode steps per model-less client"),
+        Opt("clients", help="concurrent clients end to end ('' skips that part)"),
+        Opt("rtt_ms", help="added round trip end to end"),
+        Opt("max_new_tokens", help="tokens per client end to end"),
+        Opt("threads", help="torch threads for the cloud-side part"),
+    ))
+    add_options(s, Shared, (Opt("device", help="cloud-side part: cpu, cuda, cuda:1 ..."),))
     s.add_argument("--dtype", choices=DTYPE_NAMES, help="cloud-side compute dtype")
     s.set_defaults(func=run)

@@ -19,12 +19,12 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..wire.dtypes import DTYPE_NAMES
-from ..options import MIB, Opt, add_options, config_from_args, defer
+from ..model.commands import SplitOptions
+from ..options import MIB, Opt, Shared, add_options, config_from_args, defer
 from ..wire.dtypes import DTYPE_NAMES
 from .plan import DEFAULT_MESSAGE_BYTES, Rates
 
@@ -35,6 +35,55 @@ RATE_OPTIONS = (
     Opt("local_tflops"),
     Opt("local_gbps"),
 )
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """The defaults of `splitinfer bench` beyond SweepConfig's: the projection and the prefill measurement."""
+
+    project_rtt_ms: str = "1,5,10,200,300,500"  # RTTs for the projection table
+    prefill_tokens: str = "1024,8192,32768"  # prompt lengths for the prefill measurement
+    prefill_mbit: float = 100.0  # bandwidth limit per direction for prefill
+    prefill_rtt_ms: float = 40.0  # added round trip for prefill
+    prefill_real_max: int = 1024  # largest prompt also prefilled for real
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """The defaults of `splitinfer probe`."""
+
+    small: int = 50  # small messages for the round trip
+    large: int = 3  # large messages each way for the bandwidth
+    large_kb: int = 1024  # size of a large message, KiB
+
+
+@dataclass(frozen=True)
+class SpecBenchOptions:
+    """The defaults of `splitinfer bench-spec`."""
+
+    strategies: str = "sequential,lookahead,tree"  # comma-separated strategy names; sequential always runs
+    rtt_ms: str = "0,80"  # comma-separated added round trips
+    max_new_tokens: int = 128  # tokens per generation
+    repeats: int = 2  # measured repetitions
+    per_category: int = 3  # prompts taken from each category
+    in_flight: str = "1"  # comma-separated blocks in flight (1-3, or auto)
+    cloud_pass_ms: float = 0.0  # the fast-cloud scenario's least pass time (serve --min-pass-ms); 0: off
+
+
+@dataclass(frozen=True)
+class KernelBenchOptions:
+    """The defaults of `splitinfer bench-kernels`."""
+
+    rows: str = "1,2,3,4,5,6,8,12,16"  # comma-separated block row counts
+    threads: int = 1  # torch threads (bench-spec runs each side on one)
+    repeats: int = 9  # measured repetitions
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The defaults of `splitinfer plan` beyond the split (SplitOptions)."""
+
+    dtype: str = "float16"  # weights and KV: a model sized for serving, unlike the float32 shards `prepare` makes
 
 
 def _floats(text: str, name: str) -> tuple[float, ...]:
@@ -183,8 +232,7 @@ def _bench_options(s) -> None:
     from .runtime import MODES, QUICK, SweepConfig
 
     full = SweepConfig()
-    s.add_argument("--shards", default="shards/smollm2")
-    s.add_argument("--out", default="bench-out", help="directory for bench.json, bench.md and the plots")
+    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for bench.json, bench.md and the plots")))
     s.add_argument("--quick", action="store_true", help=f"RTT {_listed(QUICK.rtts_ms)}, {QUICK.max_new_tokens} tokens, "
                    f"{QUICK.repeats} repetition(s) (a few minutes)")
     s.add_argument("--report-only", action="store_true", help="rebuild bench.md and the plots from OUT/bench.json")
@@ -199,12 +247,14 @@ def _bench_options(s) -> None:
     s.add_argument("--repeats", type=int,
                    help=f"measured repetitions after the warm-up (default {full.repeats}; --quick {QUICK.repeats})")
     s.add_argument("--gpu-price", type=float, help="assumed $ per GPU-hour for the cost table (default 2.0)")
-    s.add_argument("--project-rtt-ms", default="1,5,10,200,300,500", help="RTTs for the projection table")
+    add_options(s, BenchOptions, (Opt("project_rtt_ms", help="RTTs for the projection table"),))
     s.add_argument("--no-prefill", action="store_true", help="skip the prefill measurement")
-    s.add_argument("--prefill-tokens", default="1024,8192,32768", help="prompt lengths for the prefill measurement")
-    s.add_argument("--prefill-mbit", type=float, default=100.0, help="bandwidth limit per direction for prefill")
-    s.add_argument("--prefill-rtt-ms", type=float, default=40.0, help="added round trip for prefill")
-    s.add_argument("--prefill-real-max", type=int, default=1024, help="largest prompt also prefilled for real")
+    add_options(s, BenchOptions, (
+        Opt("prefill_tokens", help="prompt lengths for the prefill measurement"),
+        Opt("prefill_mbit", help="bandwidth limit per direction for prefill"),
+        Opt("prefill_rtt_ms", help="added round trip for prefill"),
+        Opt("prefill_real_max", help="largest prompt also prefilled for real"),
+    ))
 
 
 def _listed(values) -> str:
@@ -220,9 +270,11 @@ def register(sub) -> None:
 
     s = sub.add_parser("probe", help="measure round trip and bandwidth to a server; expected tok/s per mode")
     s.add_argument("--server", required=True, help="ws:// or wss:// URL of `splitinfer serve`")
-    s.add_argument("--small", type=int, default=50, help="small messages for the round trip")
-    s.add_argument("--large", type=int, default=3, help="large messages each way for the bandwidth")
-    s.add_argument("--large-kb", type=int, default=1024, help="size of a large message, KiB")
+    add_options(s, ProbeOptions, (
+        Opt("small", help="small messages for the round trip"),
+        Opt("large", help="large messages each way for the bandwidth"),
+        Opt("large_kb", help="size of a large message, KiB"),
+    ))
     s.add_argument("--bench", help="bench.json with the fitted model (default: docs/bench/bench.json if present)")
     s.add_argument("--expect-rtt-ms", type=float, help="check the median round trip is within 10%% of this")
     s.add_argument("--json", action="store_true")
@@ -232,9 +284,8 @@ def register(sub) -> None:
     s = sub.add_parser("plan", help="size a split from a model config: memory, KV, wire bytes, RTT/compute")
     s.add_argument("--config", required=True, help="config.json path, or mistral-7b-v0.1, mistral-nemo-12b, "
                    "llama-3.1-70b, llama-3.1-405b")
-    s.add_argument("--head-layers", type=int, default=2)
-    s.add_argument("--tail-layers", type=int, default=2)
-    s.add_argument("--dtype", default="float16", choices=DTYPE_NAMES, help="weights and KV")
+    add_options(s, SplitOptions, (Opt("head_layers"), Opt("tail_layers")))
+    add_options(s, PlanOptions, (Opt("dtype", choices=DTYPE_NAMES, help="weights and KV"),))
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, help="default: --dtype")
     s.add_argument("--max-message-mb", type=int, default=DEFAULT_MESSAGE_BYTES // MIB,
                    help="the server's message limit, MiB")
@@ -243,30 +294,33 @@ def register(sub) -> None:
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("bench-spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
-    s.add_argument("--shards", default="shards/smollm2")
-    s.add_argument("--out", default="bench-out", help="directory for speculative.json and speculative.md")
+    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for speculative.json and speculative.md")))
     s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
-    s.add_argument("--strategies", default="sequential,lookahead,tree",
-                   help="comma-separated strategy names: any registered one (a learned head's joins by its "
-                   "name); sequential is always run")
-    s.add_argument("--rtt-ms", default="0,80", help="comma-separated added round trips")
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--repeats", type=int, default=2)
-    s.add_argument("--per-category", type=int, default=3, help="prompts taken from each category")
+    add_options(s, SpecBenchOptions, (
+        Opt("strategies", help="comma-separated strategy names: any registered one (a learned head's joins by its "
+                               "name); sequential is always run"),
+        Opt("rtt_ms", help="comma-separated added round trips"),
+        Opt("max_new_tokens"),
+        Opt("repeats"),
+        Opt("per_category", help="prompts taken from each category"),
+    ))
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, default=None,
                    help="dtype of hidden states on the wire (default: the client default, float16; Gemma 3 needs bfloat16 or float32)")
     s.add_argument("--cloud-device", help="device of the cloud server child (serve --device), e.g. cuda; default cpu")
-    s.add_argument("--in-flight", default="1", help="comma-separated blocks in flight (1-3, or auto: the controller "
-                   "chooses) to run each speculative strategy with, e.g. 1,2,3,auto; D > 1 rows are reported against their bound")
-    s.add_argument("--cloud-pass-ms", type=float, default=0.0, help="the fast-cloud scenario: every cloud pass lasts at "
-                   "least this long (serve --min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud")
+    add_options(s, SpecBenchOptions, (
+        Opt("in_flight", help="comma-separated blocks in flight (1-3, or auto: the controller chooses) to run each "
+                              "speculative strategy with, e.g. 1,2,3,auto; D > 1 rows are reported against their bound"),
+        Opt("cloud_pass_ms", help="the fast-cloud scenario: every cloud pass lasts at least this long (serve "
+                                  "--min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud"),
+    ))
     s.add_argument("--readme", help="also put the results table between the bench-spec markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)
 
     s = sub.add_parser("bench-kernels", help="weight products by block rows: F.linear against the few-rows form")
-    s.add_argument("--shards", default="shards/smollm2")
-    s.add_argument("--out", default="bench-out", help="directory for kernels.json and kernels.md")
-    s.add_argument("--rows", default="1,2,3,4,5,6,8,12,16", help="comma-separated block row counts")
-    s.add_argument("--threads", type=int, default=1, help="torch threads (bench-spec runs each side on one)")
-    s.add_argument("--repeats", type=int, default=9)
+    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for kernels.json and kernels.md")))
+    add_options(s, KernelBenchOptions, (
+        Opt("rows", help="comma-separated block row counts"),
+        Opt("threads", help="torch threads (bench-spec runs each side on one)"),
+        Opt("repeats"),
+    ))
     s.set_defaults(func=cmd_bench_kernels)

@@ -19,6 +19,7 @@ import platform
 import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from ..local.client import SplitClient
 from ..local.session import ClientConfig
 from ..model.shards import load_cloud
 from ..model.source import SourceModel, load_source
+from ..options import Opt, add_options
 from .runtime import load_prompts
 
 
@@ -104,14 +106,23 @@ def crosscheck(
     }
 
 
+@dataclass(frozen=True)
+class CrosscheckOptions:
+    """The defaults of `python -m splitinfer.bench.crosscheck`."""
+
+    max_new_tokens: int = 64  # greedy tokens per prompt
+    wire_dtypes: str = "float32,bfloat16,float16"  # comma-separated wire dtypes to compare
+    per_category: int = 1000  # prompts per category (more than any category holds: all of them)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="the model file or directory that `prepare` read")
     parser.add_argument("--shards", required=True, help="the directory `prepare --out` wrote")
     parser.add_argument("--out", required=True, help="where to write the JSON result")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--wire-dtypes", default="float32,bfloat16,float16")
-    parser.add_argument("--per-category", type=int, default=1000, help="prompts per category (default: all)")
+    add_options(parser, CrosscheckOptions, (
+        Opt("max_new_tokens"), Opt("wire_dtypes"), Opt("per_category", help="prompts per category (default: all)"),
+    ))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     prompts = load_prompts(None, args.per_category)

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..errors import CapacityError
+from ..options import Opt, Shared, add_options
 from ..wire.dtypes import DTYPE_NAMES
 
 
@@ -172,14 +173,28 @@ def _prompts(local, count: int) -> list[list[int]]:
     return [list(local.tokenizer(text)["input_ids"]) for text in texts]
 
 
+@dataclass(frozen=True)
+class LoadTestOptions:
+    """The defaults of `splitinfer load-test`."""
+
+    sessions: int = 64  # concurrent client sessions
+    max_sessions: int = 48  # the server's session limit
+    max_cached_tokens: int = 262_144  # the server's KV budget (rows)
+    max_new_tokens: int = 32  # tokens per session
+    prompts: int = 8  # distinct prompts from the packaged set
+    wire_dtype: str = "float32"  # hidden states on the wire
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("load-test", help="many concurrent sessions against one in-process server")
-    s.add_argument("--shards", default="shards/smollm2", help="a prepared OUT directory (OUT/local + OUT/cloud)")
-    s.add_argument("--sessions", type=int, default=64, help="concurrent client sessions")
-    s.add_argument("--max-sessions", type=int, default=48, help="the server's session limit")
-    s.add_argument("--max-cached-tokens", type=int, default=262_144, help="the server's KV budget (rows)")
-    s.add_argument("--max-new-tokens", type=int, default=32)
-    s.add_argument("--prompts", type=int, default=8, help="distinct prompts from the packaged set")
-    s.add_argument("--wire-dtype", default="float32", choices=DTYPE_NAMES)
+    add_options(s, Shared, (Opt("shards", help="a prepared OUT directory (OUT/local + OUT/cloud)"),))
+    add_options(s, LoadTestOptions, (
+        Opt("sessions", help="concurrent client sessions"),
+        Opt("max_sessions", help="the server's session limit"),
+        Opt("max_cached_tokens", help="the server's KV budget (rows)"),
+        Opt("max_new_tokens"),
+        Opt("prompts", help="distinct prompts from the packaged set"),
+        Opt("wire_dtype", choices=DTYPE_NAMES),
+    ))
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_load_test)

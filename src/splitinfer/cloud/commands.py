@@ -7,14 +7,14 @@ heavy is imported at module level.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import argparse
 import asyncio
 import logging
 
 from ..errors import ConfigError
-from ..options import MIB, Opt, add_options, config_from_args, defer
+from ..options import MIB, Opt, Shared, add_options, config_from_args, defer
 from ..wire.dtypes import DTYPE_NAMES
 
 log = logging.getLogger("splitinfer.cloud")
@@ -44,6 +44,13 @@ BATCH_OPTIONS = (
 )
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """`splitinfer serve`'s defaults beyond ServerConfig, SessionConfig and BatchConfig."""
+
+    tp: int = 1  # ranks every middle layer is split over (tensor parallel; > 1 starts torchrun)
+
+
 def _serve_options(s: argparse.ArgumentParser) -> None:
     from .rayserve import RayConfig as RAY_DEFAULTS
     from .scheduler import BatchConfig
@@ -54,21 +61,21 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
     add_options(s, ServerConfig, SERVER_OPTIONS)
     add_options(s, SessionConfig, SESSION_OPTIONS)
     add_options(s, BatchConfig, BATCH_OPTIONS)
-    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    add_options(s, Shared, (Opt("device", help="cpu, cuda, cuda:1 ..."),))
     s.add_argument("--devices", help="spread the layers over several GPUs by memory: cuda:0,cuda:1 or auto")
     s.add_argument("--dtype", choices=DTYPE_NAMES, help="compute dtype (default: the shard's; GPUs: float16/bfloat16)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.add_argument("--token-file", help="accepted bearer tokens, one per line (or set SPLITINFER_SERVER_TOKENS)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics")
-    s.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (default loopback)")
+    add_options(s, Shared, (Opt("host", "--metrics-host", help="interface for --metrics-port (default loopback)"),))
     s.add_argument("--ray", action="store_true",
                    help="run the cloud half as Ray Serve replicas, each on its own port from --port on (the ray extra)")
     s.add_argument("--replicas", type=int, default=RAY_DEFAULTS.replicas, help="with --ray: replicas to run")
     s.add_argument("--max-replicas", type=int,
                    help="with --ray: autoscale up to this many replicas on KV bytes reserved and capacity refusals")
     s.add_argument("--address", help="with --ray: an existing Ray cluster (default: start a local one)")
-    s.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="split every middle layer over N ranks (tensor parallel; starts torchrun with N processes)")
+    add_options(s, ServeOptions, (Opt("tp", metavar="N", help="split every middle layer over N ranks (tensor "
+                                                                "parallel; starts torchrun with N processes)"),))
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
 

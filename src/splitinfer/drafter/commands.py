@@ -6,6 +6,7 @@ No torch import at module level: the CLI parses arguments before anything heavy 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from ..options import Opt, add_options, config_from_args, defer
 
@@ -41,11 +42,18 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class DrafterOptions:
+    """`splitinfer train-drafter`'s defaults beyond TrainConfig's."""
+
+    threads: int = 0  # torch threads; 0: torch's choice
+
+
 def register(sub) -> None:
     p = sub.add_parser("train-drafter", help="train the draft head for prepared shards (resumable)")
     p.add_argument("--shards", required=True, help="a prepared OUT directory (OUT/local + OUT/cloud)")
     p.add_argument("--out", required=True, help="where the head, its manifest and checkpoints go")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    add_options(p, DrafterOptions, (Opt("threads", help="torch threads (default: torch's choice)"),))
 
     def add(parser):
         from .train import TrainConfig

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..configfile import Repeated
 from ..errors import ConfigError, TransportError
-from ..options import Opt, add_options, config_from_args
+from ..options import Opt, Shared, add_options, config_from_args
 from ..wire.dtypes import DTYPE_NAMES
 from .auth import ClientAuth, add_client_auth_args
 
@@ -56,6 +57,15 @@ LOOKAHEAD_OPTIONS = (
     Opt("candidates", help="lookahead: candidates G verified per step"),
     Opt("window", help="lookahead: Jacobi lookahead window W (0: off)"),
 )
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """The client commands' defaults beyond ClientConfig's."""
+
+    strategy: str = "tree"  # decoding strategy (decoding/strategies.py STRATEGIES); all give the same greedy output
+
+
 ALLOW_PUBLIC_HELP = "run even though the local layers are the stock public weights (the cloud can invert them)"
 
 
@@ -71,10 +81,10 @@ def add_client_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--local-only", action="store_true", help="run the whole model here, for comparison")
     s.add_argument("--shards", help="with --local-only: a prepared OUT directory")
     s.add_argument("--model", help="with --local-only: a HF directory or .gguf file (default: the embedded model)")
-    s.add_argument("--strategy", default="tree", choices=tuple(STRATEGIES),
-                   help="decoding strategy; all give the same greedy output (default: tree)")
+    add_options(s, ClientOptions, (Opt("strategy", choices=tuple(STRATEGIES),
+                                       help="decoding strategy; all give the same greedy output (default: tree)"),))
     add_options(s, ClientConfig, CLIENT_OPTIONS)
-    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    add_options(s, Shared, (Opt("device", help="cpu, cuda, cuda:1 ..."),))
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     add_client_auth_args(s)
     s.add_argument("--allow-public-weights", action="store_true", help=ALLOW_PUBLIC_HELP)

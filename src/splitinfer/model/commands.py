@@ -7,10 +7,21 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..options import Opt, add_options
 from ..wire.dtypes import DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """The default split and shard dtype: `prepare` makes it, `plan` sizes it, the privacy table reports it."""
+
+    head_layers: int = 2  # k: decoder layers kept local before the cloud
+    tail_layers: int = 2  # m: decoder layers kept local after the cloud
+    dtype: str = "float32"  # the weights' dtype in prepared shards
 
 
 def parse_split_range(text: str) -> tuple[int, int]:
@@ -83,10 +94,12 @@ def register(subparsers) -> None:
     s = subparsers.add_parser("prepare", help="convert a model once into a local shard and a cloud shard")
     s.add_argument("--out", required=True, help="output directory; OUT/local and OUT/cloud are written")
     s.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    s.add_argument("--head-layers", type=int, default=2, help="decoder layers kept local before the cloud (k)")
+    add_options(s, SplitOptions, (Opt("head_layers", help="decoder layers kept local before the cloud (k)"),))
     s.add_argument("--split-range", metavar="K1-K2",
                    help="split-point randomisation instead of --head-layers: each session runs k in [K1, K2] head "
                         "layers, drawn at random; the local shard holds layers [0, K2), the cloud [K1, N-m)")
-    s.add_argument("--tail-layers", type=int, default=2, help="decoder layers kept local after the cloud (m)")
-    s.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights' dtype in the shards")
+    add_options(s, SplitOptions, (
+        Opt("tail_layers", help="decoder layers kept local after the cloud (m)"),
+        Opt("dtype", choices=DTYPE_NAMES, help="weights' dtype in the shards"),
+    ))
     s.set_defaults(func=cmd_prepare)

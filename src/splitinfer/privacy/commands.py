@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, add_options, config_from_args, defer
+from ..model.commands import SplitOptions
+from ..options import Opt, Shared, add_options, config_from_args, defer
 
 # `--steps` keeps this command's own default (60), which is not PrivatizeConfig's.
 PRIVATIZE_OPTIONS = (
@@ -208,9 +210,16 @@ def cmd_privacy_table(args) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class BasisCheckOptions:
+    """`splitinfer basis-check`'s defaults."""
+
+    tokens: int = 32  # new tokens per prompt
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("audit", help="measure what the cloud can recover from the hidden states it sees")
-    s.add_argument("--shards", default="shards/smollm2", help="a prepared OUT directory (OUT/local + OUT/cloud)")
+    add_options(s, Shared, (Opt("shards", help="a prepared OUT directory (OUT/local + OUT/cloud)"),))
     s.add_argument("--out", required=True, help="directory for audit.json, audit.md and plots")
     s.add_argument("--quick", action="store_true", help="a smaller audit (about ten minutes on two CPU cores)")
     s.add_argument("--depths", help="input-side depths k, e.g. 1,2,4,6,8")
@@ -234,7 +243,7 @@ def register(subparsers) -> None:
     s.add_argument("--public", required=True, help="the public OUT directory")
     s.add_argument("--keyed", required=True, help="its `privatize --basis` copy")
     s.add_argument("--out", required=True, help="JSON file for the comparison")
-    s.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    add_options(s, BasisCheckOptions, (Opt("tokens", help="new tokens per prompt"),))
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_basis_check)
 
@@ -243,7 +252,7 @@ def register(subparsers) -> None:
                    help="audit.json files; a row found in several comes from the first")
     s.add_argument("--write", nargs="*", default=[], help="Markdown files with threat-table markers to update")
     s.add_argument("--write-short", nargs="*", default=[], help="files to get the short table (no has/data columns)")
-    s.add_argument("--depth", type=int, default=2, help="the split depth k = m the table reports")
+    add_options(s, SplitOptions, (Opt("head_layers", "--depth", help="the split depth k = m the table reports"),))
     s.set_defaults(func=cmd_privacy_table)
 
     s = subparsers.add_parser("privatize",
