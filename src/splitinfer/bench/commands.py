@@ -71,15 +71,6 @@ class SpecBenchOptions:
 
 
 @dataclass(frozen=True)
-class KernelBenchOptions:
-    """The defaults of `splitinfer bench-kernels`."""
-
-    rows: str = "1,2,3,4,5,6,8,12,16"  # comma-separated block row counts
-    threads: int = 1  # torch threads (bench-spec runs each side on one)
-    repeats: int = 9  # measured repetitions
-
-
-@dataclass(frozen=True)
 class PlanOptions:
     """The defaults of `splitinfer plan` beyond the split (SplitOptions)."""
 
@@ -221,10 +212,19 @@ def cmd_bench_spec(args) -> int:
     return 0
 
 
-def cmd_bench_kernels(args) -> int:
-    from .kernels import run_kernels_bench
+def cmd_bench_step(args) -> int:
+    from .step import StepBenchConfig, run_step_bench
 
-    run_kernels_bench(args)
+    config = StepBenchConfig(
+        rows=tuple(int(x) for x in _floats(args.rows, "--rows")),
+        contexts=tuple(int(x) for x in _floats(args.contexts, "--contexts")),
+        **{f: getattr(args, f) for f in ("threads", "cpu", "dtype", "repeats", "max_ratio", "guard_rows", "e2e_prompts",
+                                         "e2e_tokens", "e2e_max_ratio")},
+    )
+    report = run_step_bench(Path(args.shards), Path(args.out), config, log=lambda line: print(line, file=sys.stderr))
+    if not report["guard"]["passed"]:
+        print("bench-step guard failed: " + "; ".join(report["guard"]["failures"]), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -254,6 +254,26 @@ def _bench_options(s) -> None:
         Opt("prefill_mbit", help="bandwidth limit per direction for prefill"),
         Opt("prefill_rtt_ms", help="added round trip for prefill"),
         Opt("prefill_real_max", help="largest prompt also prefilled for real"),
+    ))
+
+
+def _step_options(s) -> None:
+    from .step import StepBenchConfig
+
+    d = StepBenchConfig()
+    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for step.json, step.md and step.png")))
+    s.add_argument("--rows", default=_listed(d.rows), help="comma-separated block row counts")
+    s.add_argument("--contexts", default=_listed(d.contexts), help="comma-separated cached rows before the block")
+    s.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype, help="compute dtype (default: the shards')")
+    add_options(s, StepBenchConfig, (
+        Opt("threads", help="torch threads"), Opt("cpu", help="core to pin to (-1: none)"),
+        Opt("repeats", help="timed repetitions after a warm-up round"),
+        Opt("max_ratio", help="guard: exit 1 when a step of <= --guard-rows rows costs more than this times "
+            "transformers' (0: off)"),
+        Opt("guard_rows", help="largest block the guard checks"),
+        Opt("e2e_prompts", help="also time whole generations (local-only vs transformers greedy) on this many prompts"),
+        Opt("e2e_tokens", help="tokens per generation"),
+        Opt("e2e_max_ratio", help="guard on the generations' ms per token (0: off)"),
     ))
 
 
@@ -316,11 +336,9 @@ def register(sub) -> None:
     s.add_argument("--readme", help="also put the results table between the bench-spec markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)
 
-    s = sub.add_parser("bench-kernels", help="weight products by block rows: F.linear against the few-rows form")
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for kernels.json and kernels.md")))
-    add_options(s, KernelBenchOptions, (
-        Opt("rows", help="comma-separated block row counts"),
-        Opt("threads", help="torch threads (bench-spec runs each side on one)"),
-        Opt("repeats"),
-    ))
-    s.set_defaults(func=cmd_bench_kernels)
+    s = sub.add_parser("bench-step", help="one decode step's compute by block rows, against plain transformers "
+                       "and the memory-bandwidth bound; a release guard on the ratio",
+                       epilog="example: splitinfer bench-step --shards shards/smollm2 --out docs/bench/step --e2e-prompts 3 "
+                       "--max-ratio 1.2")
+    defer(s, _step_options)
+    s.set_defaults(func=cmd_bench_step)

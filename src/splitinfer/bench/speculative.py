@@ -49,6 +49,7 @@ from ..decoding.strategies import STRATEGIES
 from ..errors import ConfigError
 from ..model.shards import load_whole_hf
 from .runtime import _pin_self, load_prompts
+from .step import greedy_transformers
 
 
 def prompt_lookup_reference(shards: Path, prompts: list[dict], client: SplitClient, max_new_tokens: int) -> dict:
@@ -199,6 +200,8 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
         configs = [(s, rtt, d) for rtt in rtts for d in sorted(set(depths) | {1}) for s in strategies
                    if d == 1 or s != "sequential"]
         local.generate(prompts[0]["prompt"], max_new_tokens=16, strategy="sequential")
+        whole = load_whole_hf(shards)  # plain transformers on the same core and thread: the anchor
+        greedy_transformers(whole, local.encode_prompt(prompts[0]["prompt"]), 16)
         for strategy, rtt, d in configs:
             clients[(rtt, d)].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
         for rep in range(args.repeats):
@@ -206,12 +209,26 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
                 result = local.generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True),
                                         strategy="sequential")
                 local_runs.append(_record("local-only", 0.0, rep, p, result))
+                local_runs.append(transformers_record(whole, rep, p, result))
                 for strategy, rtt, d in configs:
                     result = clients[(rtt, d)].generate(
                         p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True), strategy=strategy
                     )
                     runs.append(_record(label(strategy, d), rtt, rep, p, result, d))
     return runs, local_runs
+
+
+def transformers_record(whole, rep: int, p: dict, local_result) -> dict:
+    """Plain transformers greedy decoding (the whole model, its own cache, no splitinfer code) on the prompt
+    local-only just ran, for as many tokens as local-only generated: the anchor of the local-only row."""
+    tokens, ms = greedy_transformers(whole, local_result.prompt_token_ids, len(local_result.token_ids))
+    n = len(tokens)
+    record = {"strategy": "transformers", "rtt_ms": 0.0, "repeat": rep, "prompt_id": p["id"], "category": p["category"],
+              "token_ids": tokens, "identical_to_local_only": tokens == local_result.token_ids,
+              "tokens_per_s": round(1000 / ms, 3) if n > 1 else 0.0,
+              "stats": {"generated_tokens": n, "decode_s": ms * max(n - 1, 0) / 1e3}}
+    print(f"[{rep}] transformers        {p['id']:<16} {record['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
+    return record
 
 
 def _record(strategy: str, rtt: float, rep: int, p: dict, result, depth: int = 1) -> dict:
@@ -454,6 +471,8 @@ def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) ->
         by_config.setdefault((r["strategy"], r["rtt_ms"]), []).append(r)
     sequential_tps = {(r["prompt_id"], r["rtt_ms"], r["repeat"]): r["tokens_per_s"] for r in runs if r["strategy"] == "sequential"}
     pld_mean = statistics.mean(v["accepted_per_step"] for v in reference.values())
+    anchor_runs = [r for r in local_runs if r["strategy"] == "transformers"]
+    local_runs = [r for r in local_runs if r["strategy"] != "transformers"]
     local_rate = _set_rate(list(local_runs)) if local_runs else 0.0
     rows = []
     for (strategy, rtt), mine in by_config.items():
@@ -470,6 +489,14 @@ def summarize(runs: list[dict], reference: dict, local_runs: list[dict] = ()) ->
             "bound": bound(list(local_runs), 0.0),
             "identical_to_split_sequential": _same_tokens(local_runs, runs),
         }
+        if anchor_runs:
+            anchor_rate = _set_rate(anchor_runs)
+            local_only["transformers"] = {
+                "tokens_per_s_whole_set": round(anchor_rate, 3),
+                "tokens_per_s_median": round(statistics.median(r["tokens_per_s"] for r in anchor_runs), 3),
+                "local_only_vs_transformers": round(local_rate / anchor_rate, 3),
+                "identical_to_local_only": f"{sum(r['identical_to_local_only'] for r in anchor_runs)} of {len(anchor_runs)}",
+            }
     return {
         "rows": rows,
         "in_flight": in_flight_rows(runs),
@@ -504,6 +531,11 @@ def results_table(report: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     local = summary.get("local_only")
+    anchor = (local or {}).get("transformers")
+    if anchor:
+        vs = round(anchor["tokens_per_s_whole_set"] / local["tokens_per_s_whole_set"], 3)
+        lines.append(f"| plain transformers greedy (whole model, own cache, same core) | - | "
+                     f"{anchor['tokens_per_s_whole_set']} | - | {vs}x | 1.0 | - |")
     if local:
         lines.append(f"| local-only (whole model, one process) | - | {local['tokens_per_s_whole_set']} | - | 1.0x | 1.0 "
                      f"| {local['bound']['tokens_per_s']} |")
@@ -585,7 +617,18 @@ def markdown(report: dict) -> str:
     lines += _step_cost_lines(summary)
     lines += _category_tables(summary, categories)
     lines += _divergence_lines(report)
+    lines += _anchor_lines(summary)
     return "\n".join(lines) + "\n"
+
+
+def _anchor_lines(summary: dict) -> list[str]:
+    anchor = (summary.get("local_only") or {}).get("transformers")
+    if not anchor:
+        return []
+    return ["", f"Local-only against plain transformers greedy decoding of the same model on the same core and thread "
+            f"(interleaved prompt by prompt): {anchor['local_only_vs_transformers']}x its rate over the whole set; "
+            f"token-identical {anchor['identical_to_local_only']}. Every \"x local-only\" above is against "
+            "splitinfer's own local-only path."]
 
 
 def _head_lines(summary: dict, categories: list[str]) -> list[str]:
