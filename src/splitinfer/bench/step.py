@@ -77,7 +77,7 @@ def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, wit
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     body = model.model
-    body.layers = nn.ModuleList([_plain(copy.copy(layer), i) for i, layer in enumerate(layers)])
+    body.layers = nn.ModuleList([_plain(copy.copy(layer), i, model.config) for i, layer in enumerate(layers)])
     body.rotary_emb = stacks[0].rotary
     body.norm = with_norm if with_norm is not None else nn.Identity()
     body.embed_tokens = nn.Identity()
@@ -92,15 +92,18 @@ def _plain_linear(linear: nn.Linear) -> nn.Linear:
     return plain
 
 
-def _plain(layer: nn.Module, index: int) -> nn.Module:
-    """A shallow copy of a decoder layer with plain nn.Linear products (transformers' own) and its own index."""
+def _plain(layer: nn.Module, index: int, config) -> nn.Module:
+    """A shallow copy of a decoder layer with transformers' own products (nn.Linear), attention (its config,
+    sdpa) and its own index."""
     layer = copy.copy(layer)
     layer._modules = dict(layer._modules)
     for name, child in list(layer._modules.items()):
         if isinstance(child, nn.Linear):
             layer._modules[name] = _plain_linear(child)
         elif len(child._modules):
-            layer._modules[name] = _plain(child, index)
+            layer._modules[name] = _plain(child, index, config)
+    if hasattr(layer, "config"):
+        layer.config = config
     if hasattr(layer, "self_attn"):
         layer.self_attn.layer_idx = index
     if hasattr(layer, "layer_idx"):

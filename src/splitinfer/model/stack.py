@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..errors import ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
+from .attention import install as install_attention
 from .rows import use_row_kernels
 
 # Families whose layers take (hidden, position_embeddings, attention_mask, cache) and whose model has
@@ -45,10 +46,13 @@ def config_from_dict(data: dict) -> PretrainedConfig:
 
 
 def skeleton(config: PretrainedConfig) -> nn.Module:
-    """The whole model on the meta device: structure only, no storage."""
+    """The whole model on the meta device: structure only, no storage. Its layers attend through
+    attention.py's `grouped_sdpa` (transformers' sdpa without the per-layer copy of grouped keys)."""
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    install_attention(model.config)
+    return model
 
 
 def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> nn.Module:
