@@ -37,14 +37,14 @@ def test_bfloat16_packed_linear_matches_f_linear():
 
 def test_the_packed_copy_follows_in_place_edits_and_replaced_weights():
     layer = rows.use_row_kernels(nn.Linear(16, 8, bias=False)).requires_grad_(False)
-    x = torch.randn(3, 16)
+    x = torch.randn(rows.PACKED_MIN_ROWS, 16)
     layer(x)
     assert layer._packed is not None
     with torch.no_grad():
         layer.weight.mul_(2)  # in place, as privatize does
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
     layer.weight = nn.Parameter(torch.randn(4, 16), requires_grad=False)  # replaced, as tensor parallel does
-    assert layer(x).shape == (3, 4)
+    assert layer(x).shape == (rows.PACKED_MIN_ROWS, 4)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 

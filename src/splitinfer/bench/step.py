@@ -289,7 +289,7 @@ def e2e(shards: Path, config: StepBenchConfig, log) -> dict:
     client = local_only_client(shards, drafter="off")
     prompts = load_prompts(None, 1)[: config.e2e_prompts]
     ids = {p["id"]: client.encode_prompt(p["prompt"], p.get("chat", True)) for p in prompts}
-    return generations(client, load_whole_hf(shards), ids, config.e2e_tokens, config.repeats // 2 + 1, log)
+    return generations(client, load_whole_hf(shards), ids, config.e2e_tokens, config.repeats // 2 + 2, log)
 
 
 def generations(client, whole: nn.Module, prompts: dict[str, list[int]], tokens: int, repeats: int, log) -> dict:
@@ -306,8 +306,11 @@ def generations(client, whole: nn.Module, prompts: dict[str, list[int]], tokens:
                 log(f"e2e {name:<14} transformers {ref_ms:6.1f} ms/token  splitinfer {ours_ms:6.1f}")
     t = statistics.median(r["transformers_ms"] for r in runs)
     s = statistics.median(r["splitinfer_ms"] for r in runs)
+    # The ratio is the median of paired ratios: each pair ran back to back on one prompt, so a machine whose
+    # speed drifts between pairs moves both sides of a pair alike.
+    paired = statistics.median(r["splitinfer_ms"] / r["transformers_ms"] for r in runs)
     return {"tokens": tokens, "prompts": list(prompts), "runs": runs, "transformers_ms_per_token": round(t, 2),
-            "splitinfer_ms_per_token": round(s, 2), "ratio": round(s / t, 3),
+            "splitinfer_ms_per_token": round(s, 2), "ratio": round(paired, 3),
             "identical": f"{sum(r['identical'] for r in runs)} of {len(runs)}"}
 
 
@@ -383,7 +386,8 @@ def markdown(report: dict) -> str:
     if e2e_:
         lines += [f"Whole generations, {e2e_['tokens']} tokens, prompts {', '.join(e2e_['prompts'])}: local-only "
                   f"sequential {e2e_['splitinfer_ms_per_token']} ms a token, transformers greedy "
-                  f"{e2e_['transformers_ms_per_token']} ({e2e_['ratio']}x); token-identical {e2e_['identical']}.", ""]
+                  f"{e2e_['transformers_ms_per_token']} (medians); paired ratio {e2e_['ratio']}x (median over "
+                  f"{len(e2e_['runs'])} back-to-back pairs); token-identical {e2e_['identical']}.", ""]
     g = report["guard"]
     verdict = "passed" if g["passed"] else "FAILED: " + "; ".join(g["failures"])
     lines.append(f"Guard (step ratio <= {g['max_ratio'] or 'off'} for <= {g['guard_rows']} rows, generation ratio <= "

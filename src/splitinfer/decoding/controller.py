@@ -2,7 +2,7 @@
 
 A step that verifies q block rows costs t(q) milliseconds (round trip, local and cloud compute, bytes).
 t is a measured curve, not a line: on a CPU it follows the kernels each row count takes (one row a
-matrix-vector product; from two the packed matrix products of model/rows.py, which cost more at first and
+matrix-vector product; from four the packed matrix products of model/rows.py, which cost more at first and
 flatten later), and on a GPU tens of rows cost about one. The curve is the median time of the
 recent steps in each bucket of row counts, made non-decreasing, interpolated between buckets. A draft of
 n nodes with calibrated acceptance probabilities s_1 >= s_2 >= ... commits 1 + s_1 + ... + s_n tokens in

@@ -6,8 +6,8 @@ to MKL's sgemm, which for a few rows repacks the weight into its blocked layout 
 rows the repacking costs more than the product (26 SmolLM2 layers, one core: 90 / 104 / 115 ms for 4 / 8
 / 16 rows, against a 54 ms one-row step). oneDNN's linear takes a weight reordered into its own layout
 once (`torch.ops.mkldnn._reorder_linear_weight`, the kernel `torch.compile` uses for CPU linears), so a
-step of any row count streams each weight once, as a product should. One row stays with `F.linear`
-(MKL's matrix-vector product, already at the bandwidth limit, and what plain transformers runs). `splitinfer bench step` measures
+step of any row count streams each weight once, as a product should. Blocks of one to three rows stay
+with `F.linear` (`PACKED_MIN_ROWS`), as plain transformers runs them. `splitinfer bench-step` measures
 whole steps both ways against plain transformers.
 
 The packed copy is made on the first CPU forward and remade whenever the weight changes in place or is
@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# One row is a matrix-vector product, which MKL streams at the bandwidth limit with no packing (and which
-# plain transformers runs); oneDNN's packed one-row product measured slower in the whole step
-# (26 layers, one core: 51 against 38 ms). Blocks of two rows and more take the packed form.
-PACKED_MIN_ROWS = 2
+# Below four rows `F.linear` (MKL: a matrix-vector product for one row, at the bandwidth limit; what plain
+# transformers runs) measured faster in the whole step than oneDNN's packed product: 26 layers on one core,
+# 38 against 51 ms for one row; 59.0 / 62.6 against 64.0 / 71.7 ms for two / three (docs/benchmarks.md).
+# From four rows the packed product wins (58 against 67 ms at four, 70 against 87 at eight).
+PACKED_MIN_ROWS = 4
 
 
 def _onednn_linear_available() -> bool:
@@ -50,7 +51,7 @@ ONEDNN = _onednn_linear_available()
 
 
 def packs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """True when x @ weight.T takes oneDNN's packed linear (CPU, float32/bfloat16, 2+ rows, no autograd)."""
+    """True when x @ weight.T takes oneDNN's packed linear (CPU, float32/bfloat16, 4+ rows, no autograd)."""
     return (
         ONEDNN
         and x.device.type == "cpu"
