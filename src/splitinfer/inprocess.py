@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 from .cloud.sessions import CloudSession, SessionConfig, SessionTable
@@ -23,15 +24,20 @@ from .wire.transport import StepIO
 
 
 class InProcessMiddle:
+    # Blocks in flight buy nothing without a round trip to hide; `post`/`collect` run a step at once.
+    sends_ahead = False
+
     def __init__(self, half: CloudHalf, head_layers: int | None = None):
         self.table = SessionTable(half, SessionConfig(max_sessions=1 << 20, max_cached_tokens=1 << 40, max_block_rows=1 << 16))
         self.cloud_layers = (half.stack.start, half.stack.end)
         self.head_layers = head_layers  # k pinned in every hello; None: the shard's fixed split
         self._session: CloudSession | None = None
+        self._posted: deque[tuple[Result, StepIO]] = deque()  # results of posted steps, oldest first
 
-    def open(self, resume_id: str | None = None) -> Welcome:
+    def open(self, resume_id: str | None = None, version: int | None = None) -> Welcome:
         hello = Hello(
-            self.table.half.fingerprint, self.cloud_layers, "float32", session_id=resume_id, head_layers=self.head_layers
+            self.table.half.fingerprint, self.cloud_layers, "float32", session_id=resume_id, head_layers=self.head_layers,
+            version=version,
         )
         self._session, welcome = self.table.open(hello)
         return welcome
@@ -42,6 +48,12 @@ class InProcessMiddle:
         step = Step(step.seq, step.keep, step.positions, step.structure, step.hidden, wire_dtype="float32")
         result = self.table.run_step(self._session, step, t0)
         return result, StepIO((time.perf_counter() - t0) * 1e3, 0.0, 0, 0)
+
+    def post(self, step: Step) -> None:
+        self._posted.append(self.step(step))
+
+    def collect(self) -> tuple[Result, StepIO]:
+        return self._posted.popleft()
 
     def close(self, end_session: bool = True) -> None:
         if self._session is not None:

@@ -1,4 +1,5 @@
-"""The decoding loop against a model-free verifier: it needs only run_block/commit and a strategy's blocks."""
+"""The decoding loop against a model-free verifier: one block at a time it needs only run_block/commit (through
+`OneAtATime`) and a strategy's blocks; with blocks in flight, a verifier that answers blocks in order."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from splitinfer.decoding.draft import Draft, SideRows
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.strategies import Jacobi, Lookahead, LookaheadConfig, Sequential, Strategy
+from splitinfer.decoding.verifier import OneAtATime
 from splitinfer.masks import BlockStructure
 
 VOCAB = 50
@@ -65,7 +67,7 @@ def run(strategy: Strategy, n: int = 12, emit_stop=lambda token: False):
         return emit_stop(token)
 
     logits = MarkovVerifier().run_block(PROMPT[-1:], BlockStructure.chain())
-    finish = decode(verifier, PROMPT, logits, n, set(), emit, strategy)
+    finish = decode(OneAtATime(verifier), PROMPT, logits, n, set(), emit, strategy)
     return finish, emitted, verifier
 
 

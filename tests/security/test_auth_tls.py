@@ -3,6 +3,8 @@ and `serve` refusing an unauthenticated public address."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
@@ -34,7 +36,7 @@ def test_tokens_come_from_a_file_or_the_environment(token_file, monkeypatch):
     monkeypatch.setenv("SPLITINFER_SERVER_TOKENS", f"{TOKEN_A},{TOKEN_B}")
     assert load_server_tokens(None).identify(f"Bearer {TOKEN_B}")
     monkeypatch.setenv("SPLITINFER_TOKEN", TOKEN_B)
-    args = type("A", (), {"token_file": None, "ca_file": None})()
+    args = argparse.Namespace(token_file=None, ca_file=None, client_cert=None, client_key=None)  # add_client_auth_args
     auth = client_auth_from_args(args)
     assert auth.headers() == {"Authorization": f"Bearer {TOKEN_B}"} and TOKEN_B not in repr(auth)
 

@@ -1,4 +1,5 @@
-"""The link protocol with no socket and no model: every client transition, the server's rules."""
+"""The link protocol with no socket and no model: every client transition (clientlink.py), the server's rules
+(link.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 from splitinfer.errors import ProtocolError
 from splitinfer.masks import BlockStructure
 from splitinfer.wire import link as link_module
+from splitinfer.wire.clientlink import Answered, Block, ClientLink, Open, Replayed
 from splitinfer.wire.link import (
-    TRANSITIONS, Answered, Block, Client, ClientLink, Open, PendingBlock, Replayed, Server, ServerLink, check_resume,
-    check_step, dropped,
+    TRANSITIONS, Client, PendingBlock, Server, ServerLink, check_resume, check_step, dropped,
 )
 from splitinfer.wire.messages import (
     PIPELINE_VERSION, Assumed, Close, Hello, Limits, Probe, Result, Step, Welcome, decode_client_message,

@@ -104,6 +104,12 @@ class DepthRecorder:
     def propose(self, history):
         return self.inner.propose(history)
 
+    def predict(self, history, nodes):
+        return self.inner.predict(history, nodes)
+
+    def recall(self, draft):
+        self.inner.recall(draft)
+
     def observe(self, tokens, parents, logits, path, emitted, step_ms):
         offered_deeper = any(parent == path[-1] for parent in parents[1:])
         self.steps.append((len(path) - 1, offered_deeper))

@@ -1,7 +1,7 @@
 """Whether the next block goes out ahead, before the blocks in flight are resolved, from measured costs.
 
 A block sent ahead assumes the most likely outcome of the blocks still in flight and carries several
-candidates for the token chosen after them (pipeline.py, roots.py). With probability p that assumption
+candidates for the token chosen after them (loop.py, roots.py). With probability p that assumption
 holds (the rows kept are the ones assumed and the token chosen is one of its roots) and the block's
 result comes back sooner than if it had waited; with probability 1 - p it is dropped, and what it cost
 delays the next valid block. The rule

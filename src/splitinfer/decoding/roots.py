@@ -1,6 +1,6 @@
 """Blocks with several candidate roots: what a block sent ahead carries (pure functions; no model, no network).
 
-A block sent ahead (pipeline.py) cannot know the token the block before it will choose after its kept rows.
+A block sent ahead (loop.py) cannot know the token the block before it will choose after its kept rows.
 Instead of betting on one guess it carries N candidate roots, siblings at the same position: block rows
 0..N-1 have parent -1 (so they see the committed and assumed rows and themselves only), likeliest first,
 and after them each root's draft, root by root:

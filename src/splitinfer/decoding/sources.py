@@ -10,7 +10,8 @@
   was an input row, with their probabilities; recorded from logits rows the LM head computes anyway.
 - `NgramPool`: the original paper's lookahead pool: n-grams keyed on a single token, most recent first.
 
-Sources only propose; checking is the verifier's job.
+Sources only propose; checking is the verifier's job. `Occurrences` is what the suffix lookup reads from
+an index of earlier text, whichever it is (this text, earlier outputs, the shipped replies).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import bisect
 import heapq
 import itertools
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -29,6 +31,16 @@ from .draft import TokenTrie
 
 # Suffix and reply-store continuations are cut where their path probability falls below this.
 MIN_PATH_PROB = 0.01
+
+
+class Occurrences(Protocol):
+    """An index of earlier token sequences that `propose_suffix` looks a suffix up in (SuffixIndex, ReplyStore)."""
+
+    max_match: int  # the longest n-gram it can match
+
+    def occurrences(self, ngram: tuple[int, ...]) -> list[tuple[list[int], int]]:
+        """(sequence, end) of occurrences of `ngram` that something followed: sequence[end] came next."""
+        ...
 
 
 class SuffixIndex:
@@ -115,8 +127,9 @@ class ReplyStore:
 
 
 def propose_suffix(
-    indexes, context: list[int], trie: TokenTrie, max_depth: int,
-    continue_prob: Callable[[int], float] = prior_continue_prob, max_occurrences: int = 64, fallback=(),
+    indexes: Sequence[Occurrences], context: list[int], trie: TokenTrie, max_depth: int,
+    continue_prob: Callable[[int], float] = prior_continue_prob, max_occurrences: int = 64,
+    fallback: Sequence[Occurrences] = (),
 ) -> int:
     """Continuations of the context's suffix over several indexes at once (this text, earlier outputs).
 

@@ -52,7 +52,7 @@ class Strategy:
 
     def predict(self, history: list[int], nodes: int) -> Draft:
         """Up to `nodes` guesses below history[-1], without drafting state changing: what follows a block
-        still in flight (decoding/pipeline.py). None by default: such strategies send one block at a time."""
+        still in flight (decoding/loop.py). None by default: such strategies send one block at a time."""
         return Draft()
 
     def recall(self, draft: Draft) -> None:

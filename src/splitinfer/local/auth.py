@@ -55,14 +55,10 @@ def add_client_auth_args(parser: argparse.ArgumentParser) -> None:
 
 
 def client_auth_from_args(args: argparse.Namespace) -> ClientAuth:
+    """The ClientAuth of a command that added `add_client_auth_args`' options."""
     token = None
-    if getattr(args, "token_file", None):
+    if args.token_file:
         token = read_token_file(args.token_file)[0]
     elif os.environ.get(TOKEN_ENV):
         token = os.environ[TOKEN_ENV].strip()
-    return ClientAuth(
-        token=token,
-        ca_file=getattr(args, "ca_file", None),
-        client_cert=getattr(args, "client_cert", None),
-        client_key=getattr(args, "client_key", None),
-    )
+    return ClientAuth(token=token, ca_file=args.ca_file, client_cert=args.client_cert, client_key=args.client_key)

@@ -152,7 +152,7 @@ class SplitClient:
     # -- prompts and text --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         tok = self._tokenizer()
-        if chat and getattr(tok, "chat_template", None):
+        if chat and tok.chat_template:
             return chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
         return list(tok(prompt)["input_ids"])
 
@@ -163,7 +163,9 @@ class SplitClient:
 
     def stop_ids(self) -> set[int]:
         ids: set[int] = set()
-        for source in (getattr(self.local.config, "eos_token_id", None), getattr(self.local.tokenizer, "eos_token_id", None)):
+        # a model config without generation fields has no eos_token_id (transformers 5's base config)
+        tokenizer_eos = self.local.tokenizer.eos_token_id if self.local.tokenizer is not None else None
+        for source in (self.local.config.to_dict().get("eos_token_id"), tokenizer_eos):
             if isinstance(source, int):
                 ids.add(source)
             elif isinstance(source, (list, tuple)):

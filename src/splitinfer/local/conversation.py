@@ -178,7 +178,7 @@ class Conversation:
             raise ConfigError("the prompt is empty; give at least one token.")
         if max_new_tokens < 1:
             raise ConfigError("ask for at least one new token (max_new_tokens, or max_tokens in the API).")
-        limit = getattr(self.client.local.config, "max_position_embeddings", None)
+        limit = self.client.local.config.to_dict().get("max_position_embeddings")  # not every architecture has one
         total = len(self.history) + len(new_ids)
         if limit is not None and total + max_new_tokens > limit:
             raise ConfigError(

@@ -9,7 +9,7 @@ again, and removing one server moves only that server's sessions (each to its ow
 client was given plus those a server lists at GET /replicas (replicas that autoscaling added). It talks
 to one server at a time; when opening or resuming a session there fails because the server is gone
 (connection refused or lost: TransportError) or full (CapacityError), it re-reads the set and opens a
-fresh session on the next server in the key's order. The link (wire/link.py) sees a fresh welcome where
+fresh session on the next server in the key's order. The link (wire/clientlink.py) sees a fresh welcome where
 it asked for a resume and re-sends the committed history, so the output is the one the first server
 would have given. A server that lost only
 the session (TTL, eviction) is not left: the link re-prefills there, as with one server.
@@ -141,6 +141,9 @@ def server_list(servers: str | Sequence[str] | None) -> list[str]:
 class FailoverMiddle:
     """One session's transport over a deployment's servers, in rendezvous order for its key."""
 
+    # One block at a time: a move to another server re-sends the history, which blocks in flight would race.
+    sends_ahead = False
+
     def __init__(self, servers: Sequence[str] | ReplicaSet, make: Callable[[str], object],
                  head_layers: int | None = None, key: str | None = None):
         self.replicas = servers if isinstance(servers, ReplicaSet) else ReplicaSet(servers)
@@ -156,13 +159,13 @@ class FailoverMiddle:
     def welcome(self) -> Welcome | None:
         return self._current.welcome
 
-    def open(self, resume_id: str | None = None) -> Welcome:
+    def open(self, resume_id: str | None = None, version: int | None = None) -> Welcome:
         """Resume or open on the current server; when it is gone or full, open fresh on the next one in the
         order over the set as it is now (re-read: an autoscaled replica may have joined, a dead one left)."""
         failed: set[str] = set()
         while True:
             try:
-                return self._current.open(resume_id)
+                return self._current.open(resume_id, version)
             except (TransportError, CapacityError) as exc:
                 failed.add(self.url)
                 self.order = rendezvous_order(self.key, self.replicas.refresh(skip=failed))
@@ -182,6 +185,12 @@ class FailoverMiddle:
 
     def step(self, step: Step) -> tuple[Result, StepIO]:
         return self._current.step(step)
+
+    def post(self, step: Step) -> None:
+        self._current.post(step)
+
+    def collect(self) -> tuple[Result, StepIO]:
+        return self._current.collect()
 
     def close(self, end_session: bool = True) -> None:
         self._current.close(end_session)

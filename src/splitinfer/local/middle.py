@@ -7,7 +7,7 @@ also sends a step without waiting for its reply (`post`) and takes replies in th
 the server returns as strictly as the server decodes requests (an untrusted server must not be able to
 crash or confuse the client) and raises errors from errors.py: `SessionError` when the server lost the
 session, `TransportError` when the connection failed. Whether a reply fits the session (its seq, its rows,
-the committed length) is the link's rule (wire/link.py), not this module's. The in-process middle, which
+the committed length) is the link's rule (wire/clientlink.py), not this module's. The in-process middle, which
 needs the cloud's session table, lives above both local/ and cloud/ (inprocess.py).
 """
 
@@ -33,6 +33,8 @@ __all__ = ["RemoteMiddle", "StepIO"]
 
 class RemoteMiddle:
     """A synchronous WebSocket connection to a `splitinfer serve` process."""
+
+    sends_ahead = True  # post/collect carry blocks in flight over the one WebSocket
 
     def __init__(
         self,

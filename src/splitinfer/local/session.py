@@ -1,11 +1,13 @@
 """The local half of one conversation: head -> link -> tail, then commit.
 
 `run_block` turns q tokens into q logits rows in one round trip: the head's hidden states go through
-the link to the cloud's middle layers and come back into the tail. `commit` names the accepted rows,
+the link to the cloud's middle layers and come back into the tail. The decoding loop drives it as a
+`Verifier` (decoding/verifier.py): `send_block`, `receive_block`, `resolve`; one block at a time goes
+through `run_block` and `commit`. `commit` names the accepted rows,
 kept locally at once and on the cloud by the next request's keep list (lazy commit, no extra round
 trip). Which message goes when (hello, resume, seq, keep, re-sending the history into a fresh session
-after a loss) is the link's decision (wire/link.py); this module only carries its messages over the
-middle (wire/transport.py) and sleeps between reconnects. The local caches are never touched by a
+after a loss) is the link's decision (wire/clientlink.py); this module only carries its messages over the
+middle (wire/transport.py) and sleeps between reconnects (`_recover`, the one backoff). The local caches are never touched by a
 recovery, so the output does not change.
 
 Blocks in flight (`ClientConfig.in_flight` > 1 or `AUTO_IN_FLIGHT`, a v3 server, a middle that can `post`;
@@ -39,7 +41,8 @@ from ..masks import BlockStructure
 from ..model.shards import LocalHalf
 from ..telemetry import StepRecord
 from ..wire.inflight import Prefix, prefix_mask
-from ..wire.link import Answered, Block, Client, ClientLink, Open
+from ..wire.clientlink import Answered, Block, ClientLink, Open
+from ..wire.link import Client
 from ..wire.messages import PIPELINE_VERSION, Close
 from ..wire.transport import Middle
 
@@ -107,12 +110,13 @@ class SplitSession:
         self._features: torch.Tensor | None = None  # [q, d] tail output of the last block, before the final norm
         # Blocks in flight need a transport that sends without waiting; others go one block at a time.
         wanted = MAX_IN_FLIGHT if config.in_flight == AUTO_IN_FLIGHT else config.in_flight
-        self._pipelining = wanted > 1 and callable(getattr(middle, "post", None))
+        self._pipelining = wanted > 1 and middle.sends_ahead
         self._depth = wanted
         if self._pipelining:
             self.link.version = PIPELINE_VERSION
         self._ahead: list[_Ahead] = []  # blocks sent ahead and not resolved, oldest first
         self._received: tuple[float, float] = (0.0, 0.0)  # (cloud compute, tail) ms of the last block received
+        self._done: torch.Tensor | None = None  # logits of a block sent with `wait`, until `receive_block`
 
     @property
     def length(self) -> int:
@@ -142,8 +146,7 @@ class SplitSession:
         """
         assert self._pending_q == 0, "commit the previous block first"
         q = len(tokens)
-        depths = structure.depths(q) if depths is None else depths
-        positions = [self.length + d for d in depths] if depths is not None else list(range(self.length, self.length + q))
+        positions = _positions(self.length, structure, q, depths)
         record = StepRecord(kind=kind, rows=q, accepted=0)
         t0 = time.perf_counter()
         ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
@@ -151,18 +154,24 @@ class SplitSession:
         allowed = structure.allowed(q)
         with torch.inference_mode():
             hidden = self.head(self.local.embed(ids), pos, allowed, self.head_cache)  # [1, q, d]
-        t1 = time.perf_counter()
+        head_ms = (time.perf_counter() - t0) * 1e3
         returned = self._through_link(Block(tuple(positions), structure, hidden[0]), record)  # [q, d]
-        t2 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.local.tail(returned.to(self._device, hidden.dtype)[None], pos, allowed, self.tail_cache)
-            logits = self.local.logits(out[:, logits_from:])
-        self._features = out[0]
-        t3 = time.perf_counter()
-        record.local_ms = ((t1 - t0) + (t3 - t2)) * 1e3
+        logits, tail_ms = self._tail(returned, pos, allowed, hidden.dtype, logits_from)
+        record.local_ms = head_ms + tail_ms
+        self._received = (record.cloud_compute_ms, tail_ms)
         self.records.append(record)
         self._pending_q = q
         return logits
+
+    def _tail(self, returned: torch.Tensor, pos: torch.Tensor, allowed, dtype: torch.dtype, logits_from: int = 0):
+        """The cloud's answer [q, d] through the tail: (logits [q - logits_from, vocab], the tail's ms); keeps the
+        block's final features for `features`."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.local.tail(returned.to(self._device, dtype)[None], pos, allowed, self.tail_cache)
+            logits = self.local.logits(out[:, logits_from:])
+        self._features = out[0]
+        return logits, (time.perf_counter() - t0) * 1e3
 
     def features(self) -> torch.Tensor:
         """[q, d] final features before the final norm of the last block's rows (all rows of the last
@@ -233,15 +242,19 @@ class SplitSession:
         return self._received
 
     def send_block(
-        self, tokens: list[int], structure: BlockStructure, depths: list[int] | None, assume: list[list[int]]
+        self, tokens: list[int], structure: BlockStructure, depths: list[int] | None, assume: list[list[int]],
+        wait: bool = False,
     ) -> bool:
         """Run the head on a block and send it without waiting for the unresolved blocks before it; `assume`
         holds the rows it assumes kept of each of them, oldest first. False when the link was lost: every
-        block in flight is gone (nothing was sent), and the next block must assume none."""
+        block in flight is gone (nothing was sent), and the next block must assume none. `wait` (one block at
+        a time, or a session that cannot send ahead): the block goes through the whole model now
+        (`run_block`), for `receive_block` to hand back."""
+        if (wait or self.in_flight == 1) and not self._ahead:
+            self._done = self.run_block(tokens, structure, depths=depths)
+            return True
         q = len(tokens)
-        depths = structure.depths(q) if depths is None else depths
-        base = self.length + sum(len(rows) for rows in assume)
-        positions = [base + d for d in depths] if depths is not None else list(range(base, base + q))
+        positions = _positions(self.length + sum(len(rows) for rows in assume), structure, q, depths)
         record = StepRecord(kind="decode", rows=q, accepted=0, assumed=len(assume))
         t0 = time.perf_counter()
         pos = torch.tensor(positions, dtype=torch.long, device=self._device)
@@ -278,6 +291,15 @@ class SplitSession:
     def _lost(self, exc: Exception, record: StepRecord) -> bool:
         """After a loss: True when the block being sent is still submitted (the loss came before it could go),
         False when every block in flight, that one included, is gone."""
+        self._recover(exc, record)
+        if self.link.live or self.link.submitted:
+            return True
+        self._forget_ahead()
+        return False
+
+    def _recover(self, exc: Exception, record: StepRecord) -> None:
+        """The one reconnect rule: tell the link the session was lost, then back off before it reconnects;
+        re-raise `exc` once the link has used up its attempts."""
         attempt = self.link.lost()
         if attempt is None:
             raise exc
@@ -285,14 +307,13 @@ class SplitSession:
         log.warning("cloud session lost (%s); reconnecting in %.2f s", exc, delay)
         time.sleep(delay)
         record.recoveries += 1
-        if self.link.live or self.link.submitted:
-            return True
-        self._forget_ahead()
-        return False
 
     def receive_block(self) -> torch.Tensor | None:
         """The oldest unresolved block's logits [q, vocab] float32 (through the tail); None when the link was
         lost and every block in flight with it."""
+        if self._done is not None:  # a block that went through the whole model when sent
+            logits, self._done = self._done, None
+            return logits
         ahead = self._ahead[0]
         while True:
             try:
@@ -307,14 +328,8 @@ class SplitSession:
         record.bytes_up, record.bytes_down = io.bytes_up, io.bytes_down
         record.round_trip_ms, record.serialize_ms = io.round_trip_ms, io.serialize_ms
         record.cloud_compute_ms, record.server_ms = result.compute_ms, result.handle_ms
-        t0 = time.perf_counter()
         pos = torch.tensor(ahead.positions, dtype=torch.long, device=self._device)
-        with torch.inference_mode():
-            returned = result.hidden.to(self._device, self.local.embed.weight.dtype)[None]
-            out = self.local.tail(returned, pos, ahead.allowed, self.tail_cache)
-            logits = self.local.logits(out)
-        self._features = out[0]
-        tail_ms = (time.perf_counter() - t0) * 1e3
+        logits, tail_ms = self._tail(result.hidden, pos, ahead.allowed, self.local.embed.weight.dtype)
         record.local_ms += tail_ms
         self._received = (result.compute_ms, tail_ms)
         return logits
@@ -323,6 +338,9 @@ class SplitSession:
         """Accept `rows` of the oldest unresolved block (received): kept on both local caches now, on the
         cloud with the next step. assumption: (the chance given, whether it held) of what a block after it
         assumed or would have assumed, recorded on its step."""
+        if not self._ahead:  # it went through the whole model when sent
+            self.commit(rows)
+            return
         ahead = self._ahead.pop(0)
         self.head_cache.keep(rows)  # the oldest held block
         self.tail_cache.keep(rows)
@@ -346,6 +364,9 @@ class SplitSession:
     def settle(self) -> None:
         """Drop what is still in flight and take the replies still due, so that the connection is in step for
         the next block sent one at a time. A loss here is left for the next step to recover."""
+        self._done = None
+        if not self._ahead and not self.link.flying:
+            return
         self.drop_unresolved("unused")
         while self.link.flying:
             try:
@@ -364,13 +385,7 @@ class SplitSession:
                 if answer is not None:
                     return answer.result.hidden
             except (SessionError, TransportError) as exc:
-                attempt = self.link.lost()
-                if attempt is None:
-                    raise
-                delay = self.config.backoff_s(attempt)
-                log.warning("cloud session lost (%s); reconnecting in %.2f s", exc, delay)
-                time.sleep(delay)
-                record.recoveries += 1
+                self._recover(exc, record)
 
     def _send_next(self, record: StepRecord) -> Answered | None:
         """Send what the link asks for and hand it the reply; the block's answer, or None before it."""
@@ -409,3 +424,9 @@ class SplitSession:
         """End the cloud session (best effort) and the link; safe to call more than once."""
         self.middle.close(end_session=True)
         self.link.close()
+
+
+def _positions(base: int, structure: BlockStructure, q: int, depths: list[int] | None) -> list[int]:
+    """Each row's position: `base` plus its depth (given, else the structure's, else 0..q-1)."""
+    depths = structure.depths(q) if depths is None else depths
+    return [base + d for d in depths] if depths is not None else list(range(base, base + q))

@@ -19,7 +19,8 @@ from ..errors import MessageTooLarge, ProtocolError
 from .dtypes import DTYPE_NAMES
 
 MAX_HEADER_BYTES = 64 * 1024
-WIRE_DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+assert tuple(WIRE_DTYPES) == DTYPE_NAMES, "one list of wire dtypes, in the order the limits announce them"
 _LENGTH = struct.Struct(">I")
 
 # The codec writes the host's bytes as they are; every platform torch supports in practice is

@@ -1,9 +1,12 @@
 """What the client's link needs from a transport to the middle layers, as a typed Protocol.
 
 A `Middle` carries one session's messages: `open` sends the hello and returns the welcome, `step` sends
-one step and returns its result with the bytes and times it cost, `close` ends the session. It moves
-and times messages only; which message goes next is decided by the link (wire/link.py). A WebSocket
-(local/middle.py) and the in-process middle (inprocess.py) are the two implementations.
+one step and returns its result with the bytes and times it cost, `close` ends the session. A middle that
+`sends_ahead` also carries blocks in flight (protocol v3): `post` sends a step without waiting and
+`collect` takes the replies in order, and `open` names the protocol version the hello asks for; the session
+calls none of the three on a middle that does not. It moves and times messages only; which message goes
+next is decided by the link (wire/clientlink.py). A WebSocket (local/middle.py), a set of servers with failover
+(local/failover.py) and the in-process middle (inprocess.py) are the implementations.
 
 Failures are errors.py's: SessionError when the server lost the session, TransportError when the link
 failed (both make the link reconnect), anything else is raised to the caller.
@@ -29,13 +32,24 @@ class Middle(Protocol):
     # k pinned in every hello of this transport's session (split-point randomisation), resumes included;
     # None for the shard's fixed split.
     head_layers: int | None
+    # True: `post`, `collect` and `open(version=...)` carry blocks in flight; False: one block at a time.
+    sends_ahead: bool
 
-    def open(self, resume_id: str | None = None) -> Welcome:
-        """Send a hello (resuming `resume_id` when the server still has it) and return the welcome."""
+    def open(self, resume_id: str | None = None, version: int | None = None) -> Welcome:
+        """Send a hello (resuming `resume_id` when the server still has it; protocol `version`, None for the
+        oldest that carries it) and return the welcome."""
         ...
 
     def step(self, step: Step) -> tuple[Result, StepIO]:
         """Send one step and return the server's result for it."""
+        ...
+
+    def post(self, step: Step) -> None:
+        """Send a step without waiting for its reply (a block in flight)."""
+        ...
+
+    def collect(self) -> tuple[Result, StepIO]:
+        """The reply to the oldest posted step."""
         ...
 
     def close(self, end_session: bool = True) -> None:
