@@ -9,7 +9,7 @@ SHARDS ?= shards/smollm2
 RTT_MS ?= 80
 PROMPT ?= Explain in three sentences why the round trip dominates split inference over a WAN.
 
-.PHONY: venv prepare demo test test-all test-ray test-tp test-floor bench gpu-check clean
+.PHONY: venv prepare demo test test-slow test-all test-ray test-tp test-floor bench gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -35,7 +35,11 @@ demo: prepare
 test: venv
 	$(PY) -m pytest -q -m "not ray and not tp and not slow"
 
-# Everything `make test` runs plus the slow tests (what CI runs; the ray and tp tests have targets of their own).
+# The slow tests alone: venv installs, the shipped model, server processes (CI runs them after `make test`).
+test-slow: venv
+	$(PY) -m pytest -q -m "slow and not ray and not tp"
+
+# Everything `make test` runs plus the slow tests (the ray and tp tests have targets of their own).
 test-all: venv
 	$(PY) -m pytest -q -m "not ray and not tp"
 

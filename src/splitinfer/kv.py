@@ -2,7 +2,8 @@
 
 A forward pass over a block of q rows writes the block's keys and values after the `length` committed
 rows and leaves them *pending*. Once the client knows which block rows were accepted, `keep(rows)` moves
-those rows into place and drops the rest (lazy commit, DESIGN.md decision 5). Committed rows always hold
+those rows into place and drops the rest (lazy commit: the keep list rides in the next request's header, so it costs no round trip; docs/design.md,
+"Blocks, masks and the KV cache"). Committed rows always hold
 positions 0..length-1, because an accepted path is contiguous.
 
 With blocks in flight, a block can run before the one before it is resolved: `hold()` keeps the pending

@@ -1,7 +1,7 @@
 """Block structures and the attention masks rebuilt from them (pure functions, no model, no network).
 
 A block is the set of q rows one request runs: a prefill chunk, one sequential token, a speculative
-tree or a Jacobi window. On the wire it travels as its structure only (DESIGN.md decision 4):
+tree or a Jacobi window. On the wire it travels as its structure only (docs/design.md, "Blocks, masks and the KV cache"):
 
 - `chain`:  row i sees block rows 0..i (prefill chunks, sequential steps, linear drafts);
 - `tree`:   `parents[i]` is the block index of row i's parent (-1 for a root); a row sees its ancestors

@@ -1,7 +1,7 @@
 """The attention function splitinfer's layers call: torch SDPA with grouped keys and values read in place.
 
-splitinfer passes an explicit mask on every block (DESIGN.md: a relative causal mask attends to the wrong
-keys once a cache holds rows). With a mask and more than one query row, transformers' sdpa path expands
+splitinfer passes an explicit mask on every block (a relative causal mask attends to the wrong keys once a
+cache holds rows; docs/design.md, "Blocks, masks and the KV cache"). With a mask and more than one query row, transformers' sdpa path expands
 grouped-query keys and values to every query head (`repeat_kv`) on every layer before calling SDPA: at
 2,048 cached rows on SmolLM2 (3 key/value heads for 9 query heads) that copy is most of what a block of
 two rows costs beyond a block of one. Here the query heads that share a key/value head are stacked as

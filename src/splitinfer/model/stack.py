@@ -127,7 +127,7 @@ class LayerStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.rotary = rotary
         # The attention module indexes the cache by layer_idx; renumbering lets a cache hold just this
-        # stack (see DESIGN.md: a lazily filled DynamicCache misreports its length otherwise).
+        # stack (a DynamicCache filled lazily by absolute layer index misreports its length otherwise).
         for local_index, layer in enumerate(self.layers):
             layer.self_attn.layer_idx = local_index
         self.windows = [layer_window(config, start + i) for i in range(len(layers))]
