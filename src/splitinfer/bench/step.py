@@ -5,17 +5,21 @@ norm and the LM head) and each block of q rows at each context length, three fig
 and threads:
 
 - **splitinfer**: the side's own code as a step runs it (`LayerStack` on a `KVCache`, the explicit mask,
-  the packed CPU linears of model/rows.py, the LM head over every row);
+  the CPU products of model/rows.py, the attention of model/attention.py, the LM head over every row);
 - **transformers**: the same layers in plain transformers (a model of that many layers holding the same
-  weights, its own `DynamicCache` and masks, logits for every row on the local side);
+  weights, its own `DynamicCache`, masks, `F.linear` and sdpa attention, logits for every row on the
+  local side);
 - **bound**: bytes the step must stream (the side's weights once, plus the cached keys and values it
   reads) over this machine's measured memory bandwidth (one thread summing a 1 GiB buffer).
 
-Configurations run in a shuffled order every repetition after a warm-up; medians are reported. One
+Both run on real activations of the benchmark prompts (token embeddings for the local side, the local
+head's output for the cloud's). Configurations run in a shuffled order every repetition after a warm-up;
+medians are reported. One
 profiled pass per configuration splits the splitinfer step into weight products, attention, other
 operators (norms, rotary, activation, residual adds, cache writes) and the rest (Python and dispatch,
-wall time minus operator time). `--e2e` adds whole generations: the local-only path (sequential, the
-whole model in one process) against transformers greedy decoding with its own cache, per token.
+wall time minus operator time). `--e2e-prompts N` adds whole generations: the local-only path (sequential,
+the whole model in one process) against transformers greedy decoding with its own cache, ms per token,
+each pair back to back on one prompt; the ratio is the median of the pairs' ratios.
 
 `--max-ratio R` is the release guard: the command exits 1 when, for any block of at most `--guard-rows`
 rows, splitinfer's step costs more than R times transformers' (and `--e2e-max-ratio` for generations).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import platform
 import random
 import shlex
@@ -323,8 +328,8 @@ def _decode_ms_per_token(g) -> float:
 
 
 def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
-    if config.cpu >= 0 and hasattr(__import__("os"), "sched_setaffinity"):
-        __import__("os").sched_setaffinity(0, {config.cpu})
+    if config.cpu >= 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {config.cpu})
     torch.set_num_threads(config.threads)
     gbps = bandwidth_gbps()
     log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
