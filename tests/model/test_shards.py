@@ -50,7 +50,7 @@ def test_tied_embedding_is_written_once_and_retied(tmp_path):
     hidden = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model.lm_head(model.model.norm(hidden))[0]
-    # Three rows take the few-rows product (model/rows.py): the same dot products in another order.
+    # The loaded LM head is model/rows.py's linear: the same dot products, possibly in another order.
     torch.testing.assert_close(local.logits(hidden), expected, rtol=1e-5, atol=1e-5)
 
 

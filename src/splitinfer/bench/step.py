@@ -82,7 +82,7 @@ def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, wit
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     body = model.model
-    body.layers = nn.ModuleList([_plain(copy.copy(layer), i, model.config) for i, layer in enumerate(layers)])
+    body.layers = nn.ModuleList([_plain(layer, i, model.config) for i, layer in enumerate(layers)])
     body.rotary_emb = stacks[0].rotary
     body.norm = with_norm if with_norm is not None else nn.Identity()
     body.embed_tokens = nn.Identity()

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError, ModelError
 from .keyed_norm import FACTOR, KeyedRMSNorm
-from .rows import linear, use_row_kernels
+from .rows import use_row_kernels
 from .shards import PUBLIC_BASIS, basis_identity
 
 DRAFTER_DIR = "drafter"  # where a head lives inside a local shard
@@ -175,7 +175,7 @@ class DraftHead(nn.Module):
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., d] predicted features -> [..., draft_vocab_size] float32 logits over `draft_vocab`."""
         norm = self._model_parts[1]
-        logits = linear(norm(predicted.to(self._norm_dtype)).float(), self.draft_weight)
+        logits = F.linear(norm(predicted.to(self._norm_dtype)).float(), self.draft_weight)
         return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
 
     # -- files -------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 A decode step multiplies q rows (the root, and q - 1 draft nodes when speculating) by every weight
 matrix; on a CPU the step is bound by streaming those weights from memory. `F.linear` hands each product
-to MKL's sgemm, which for a few rows repacks the weight into its blocked layout on every call: for 4-16
-rows the repacking costs more than the product (26 SmolLM2 layers, one core: 90 / 104 / 115 ms for 4 / 8
-/ 16 rows, against a 54 ms one-row step). oneDNN's linear takes a weight reordered into its own layout
+to MKL's sgemm, which for a few rows repacks the weight into its blocked layout on every call (26 SmolLM2
+layers in plain transformers, one core: 75.7 / 87.3 / 91.8 ms for 4 / 8 / 16 rows against 49.0 for one;
+docs/bench/step). oneDNN's linear takes a weight reordered into its own layout
 once (`torch.ops.mkldnn._reorder_linear_weight`, the kernel `torch.compile` uses for CPU linears), so a
 step of any row count streams each weight once, as a product should. Blocks of one to three rows stay
 with `F.linear` (`PACKED_MIN_ROWS`), as plain transformers runs them. `splitinfer bench-step` measures
@@ -21,9 +21,9 @@ Both kernels compute the same dot products in another order, so float32 results 
 against sequential decoding is measured, as always, on token ids.
 
 History (kept because it misled once): until this module the CPU path was `weight @ x.T` for 1-4 rows
-("few-rows form"). A kernel micro-benchmark favoured it; the whole step doubled (one row: 53 -> 109 ms
-local-only), and plain transformers, which calls `F.linear`, stayed at ~50 ms. A micro-benchmark never
-decides alone: `bench step` times the whole step against the anchor.
+("few-rows form"). A kernel micro-benchmark favoured it; the issue that removed it measured the whole
+local-only step doubled by it, while plain transformers, which calls `F.linear`, did not slow. A
+micro-benchmark never decides alone: `bench-step` times the whole step against the anchor.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Below four rows `F.linear` (MKL: a matrix-vector product for one row, at the bandwidth limit; what plain
+# Below four rows `F.linear` (MKL; for one row a matrix-vector product at the bandwidth limit; what plain
 # transformers runs) measured faster in the whole step than oneDNN's packed product: 26 layers on one core,
-# 38 against 51 ms for one row; 59.0 / 62.6 against 64.0 / 71.7 ms for two / three (docs/benchmarks.md).
-# From four rows the packed product wins (58 against 67 ms at four, 70 against 87 at eight).
+# 59.0 / 62.6 against 64.0 / 71.7 ms for two / three rows (docs/bench/step-rows2-3). From four rows the
+# packed product wins (docs/bench/step: 67.3 against 75.7 ms at four, 77.2 against 87.3 at eight).
 PACKED_MIN_ROWS = 4
 
 
@@ -110,7 +110,3 @@ def use_row_kernels(module: nn.Module) -> nn.Module:
             sub.__class__ = RowsLinear
     return module
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a weight used once (no packed copy kept): the functional form callers outside a module use."""
-    return F.linear(x, weight, bias)
