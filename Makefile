@@ -70,10 +70,10 @@ $(FLOOR_VENV)/.installed: pyproject.toml Makefile
 
 # The full sweep (~22 min on a quiet 2-core machine); rewrites docs/bench/ and the results in docs/benchmarks.md.
 bench: prepare
-	$(VENV)/bin/splitinfer bench --shards $(SHARDS) --out docs/bench --docs docs/benchmarks.md
+	$(VENV)/bin/splitinfer bench sweep --shards $(SHARDS) --out docs/bench --docs docs/benchmarks.md
 
-# The GPU check (scripts/gpu_check.sh): serve on the device, bench-spec at 0 and 80 ms with the draft head,
-# blocks in flight (D = 1, 2, auto) at 80 ms with the cloud on the device, a short bench-batch and drafter
+# The GPU check (scripts/gpu_check.sh): serve on the device, bench spec at 0 and 80 ms with the draft head,
+# blocks in flight (D = 1, 2, auto) at 80 ms with the cloud on the device, a short bench batch and drafter
 # training throughput, in under 8 minutes; JSON in GPU_OUT. Exits non-zero
 # when any step failed or could not run.
 GPU_OUT ?= gpu-check-out

@@ -5,15 +5,15 @@
 #
 # Steps, each with its own time limit, each writing JSON under OUT_DIR:
 #   1. serve --device cuda, and one generation through it       -> serve.json
-#   2. bench-spec, 5 prompts, 0 and 80 ms, the tree without and with the draft head
+#   2. bench spec, 5 prompts, 0 and 80 ms, the tree without and with the draft head
 #                                                                 -> spec/speculative.json (+ .md)
-#   3. blocks in flight on a GPU cloud (issue 18's fast cloud, for real): bench-spec at 80 ms, D = 1, 2, auto
+#   3. blocks in flight on a GPU cloud (issue 18's fast cloud, for real): bench spec at 80 ms, D = 1, 2, auto
 #                                                                 -> inflight/speculative.json (+ .md)
-#   4. a short bench-batch on the device                          -> batch/batching.json (+ .md)
-#   5. drafter training throughput with a tiny --tokens           -> train/ (train-drafter's own manifest)
+#   4. a short bench batch on the device                          -> batch/batching.json (+ .md)
+#   5. drafter training throughput with a tiny --tokens           -> train/ (drafter train's own manifest)
 # and OUT_DIR/summary.json: every step's status, seconds and exit code.
 #
-# It fails loudly: a step that fails or cannot run (no CUDA, no head strategy, no train-drafter command)
+# It fails loudly: a step that fails or cannot run (no CUDA, no head strategy, no drafter train command)
 # is recorded as such, every later step still runs, and the script exits non-zero naming them. Nothing is
 # skipped in silence. A shard without an installed draft head (`splitinfer prepare` installs the shipped
 # one) is recorded as missing too. For a dry run on a machine without a GPU: DEVICE=cpu with small sizes, e.g.
@@ -56,7 +56,7 @@ missing() {  # name why: a step that cannot run here is a failure of the check, 
     record "$1" missing 0 - "$2"
 }
 
-has_command() { "$SPLITINFER" "$1" --help > /dev/null 2>&1; }
+has_command() { "$SPLITINFER" $1 --help > /dev/null 2>&1; }  # $1 unquoted: "drafter train"
 has_head() { [ -f "$SHARDS/local/drafter/head.safetensors" ]; }
 
 # 0. the device itself
@@ -89,25 +89,25 @@ serve_check() {
 step serve 180 bash -c "$(declare -f serve_check); SPLITINFER='$SPLITINFER' PYTHON='$PYTHON' SHARDS='$SHARDS' \
 DEVICE='$DEVICE' OUT='$OUT' serve_check"
 
-# 2. bench-spec: 5 prompts (one per category), 0 and 80 ms, sequential / tree without / tree with the head
+# 2. bench spec: 5 prompts (one per category), 0 and 80 ms, sequential / tree without / tree with the head
 has_head || missing head "no draft head in $SHARDS/local/drafter (splitinfer prepare installs it); tree runs without one"
-step bench-spec 240 "$SPLITINFER" bench-spec --shards "$SHARDS" --out "$OUT/spec" --cloud-device "$DEVICE" \
+step spec 240 "$SPLITINFER" bench spec --shards "$SHARDS" --out "$OUT/spec" --cloud-device "$DEVICE" \
     --per-category 1 --rtt-ms 0,80 --repeats 1 --max-new-tokens "$MAX_NEW_TOKENS" --strategies sequential,tree-nohead,tree
 
 # 3. blocks in flight with the cloud on the GPU: D = 1, 2 and the controller's choice, at 80 ms
-step in-flight 150 "$SPLITINFER" bench-spec --shards "$SHARDS" --out "$OUT/inflight" --cloud-device "$DEVICE" \
+step in-flight 150 "$SPLITINFER" bench spec --shards "$SHARDS" --out "$OUT/inflight" --cloud-device "$DEVICE" \
     --per-category 1 --rtt-ms 80 --repeats 1 --max-new-tokens 48 --strategies sequential,tree-nohead --in-flight 1,2,auto
 
-# 4. a short bench-batch on the device (cloud-side sizes only, one end-to-end size)
-step bench-batch 120 "$SPLITINFER" bench-batch --shards "$SHARDS" --out "$OUT/batch" --device "$DEVICE" \
+# 4. a short bench batch on the device (cloud-side sizes only, one end-to-end size)
+step batch 120 "$SPLITINFER" bench batch --shards "$SHARDS" --out "$OUT/batch" --device "$DEVICE" \
     --sizes "$BATCH_SIZES" --load-clients 1,16 --load-steps 8 --clients 1 --repeats 1 --max-new-tokens 16
 
 # 5. drafter training throughput
-if has_command train-drafter; then
-    step train-drafter 150 "$SPLITINFER" train-drafter --shards "$SHARDS" --out "$OUT/train" --device "$DEVICE" \
+if has_command "drafter train"; then
+    step train 150 "$SPLITINFER" drafter train --shards "$SHARDS" --out "$OUT/train" --device "$DEVICE" \
         --tokens "$TRAIN_TOKENS" --seed 0
 else
-    missing train-drafter "this splitinfer has no train-drafter command"
+    missing train "this splitinfer has no drafter train command"
 fi
 
 "$PYTHON" - "$OUT" "$START" <<'EOF'

@@ -17,7 +17,7 @@ OVERRIDDEN = {
     ("generate", "temperature"),  # 0 = greedy; SamplingConfig is built only when sampling
     ("chat", "temperature"),
     ("wan", "rtt_ms"),  # the 80 ms the project emulates by default; WanConfig adds nothing by default
-    ("privatize", "steps"),
+    ("privacy privatize", "steps"),
 }
 # A sample of options that must be derived from a config, so taking one back to a literal fails here.
 MUST_MIRROR = {
@@ -25,10 +25,10 @@ MUST_MIRROR = {
     ("serve", "batch_window_ms"), ("serve", "max_batch"), ("serve", "max_sessions_per_token"),
     ("generate", "prefill_chunk"), ("generate", "wire_dtype"), ("generate", "ngram"), ("generate", "top_p"),
     ("chat", "prefill_chunk"), ("api", "prefill_chunk"), ("api", "wire_dtype"),
-    ("wan", "jitter_ms"), ("wan", "spike_prob"), ("plan", "cloud_tflops"), ("privatize", "rank"),
+    ("wan", "jitter_ms"), ("wan", "spike_prob"), ("bench plan", "cloud_tflops"), ("privacy privatize", "rank"),
     ("generate", "max_new_tokens"), ("generate", "strategy"), ("generate", "device"), ("api", "port"),
-    ("prepare", "head_layers"), ("plan", "head_layers"), ("plan", "dtype"), ("privacy-table", "depth"),
-    ("demo", "shards"), ("bench-spec", "max_new_tokens"), ("bench-batch", "rtt_ms"), ("serve", "tp"),
+    ("prepare", "head_layers"), ("bench plan", "head_layers"), ("bench plan", "dtype"), ("privacy table", "depth"),
+    ("demo", "shards"), ("bench spec", "max_new_tokens"), ("bench batch", "rtt_ms"), ("serve", "tp"),
 }
 
 
@@ -85,8 +85,8 @@ def test_choices_come_from_one_list(commands):
         actions = {a.dest: a for a in commands[name]._actions}
         assert tuple(actions["strategy"].choices) == tuple(STRATEGIES)
         assert tuple(actions["wire_dtype"].choices) == tuple(WIRE_DTYPES)
-    for name, dest in (("prepare", "dtype"), ("serve", "dtype"), ("plan", "dtype"), ("plan", "wire_dtype"),
-                       ("load-test", "wire_dtype"), ("bench-batch", "dtype")):
+    for name, dest in (("prepare", "dtype"), ("serve", "dtype"), ("bench plan", "dtype"), ("bench plan", "wire_dtype"),
+                       ("bench load", "wire_dtype"), ("bench batch", "dtype")):
         action = next(a for a in commands[name]._actions if a.dest == dest)
         assert tuple(action.choices) == tuple(WIRE_DTYPES), (name, dest)
 
@@ -94,10 +94,49 @@ def test_choices_come_from_one_list(commands):
 @pytest.mark.parametrize("name", sorted(subcommands(build_parser())))
 def test_every_command_has_help(name, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main([name, "--help"])
+        main([*name.split(), "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: splitinfer {name}") and "--help" in out
+    assert f"\nexample: splitinfer {name} " in out  # every help ends with a line to copy
+
+
+@pytest.mark.parametrize("group", ["bench", "privacy", "drafter"])
+def test_groups_list_their_commands_with_an_example(group, capsys):
+    with pytest.raises(SystemExit):
+        main([group, "--help"])
+    out = capsys.readouterr().out
+    assert f"\nexample: splitinfer {group} " in out
+    assert all(name.split()[1] in out for name in subcommands(build_parser()) if name.startswith(group + " "))
+
+
+def test_the_top_level_lists_a_few_commands_and_the_version(capsys):
+    parser = build_parser()
+    top = next(a for a in parser._actions if a.dest == "command").choices
+    assert len(top) <= 11, sorted(top)
+    assert {"bench", "privacy", "drafter", "prepare", "serve", "api"} <= set(top)
+    assert not any("-" in name for name in top)  # bench-spec and friends are gone
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    from splitinfer import __version__
+
+    assert capsys.readouterr().out.strip() == f"splitinfer {__version__}"
+
+
+def test_grouped_commands_take_settings_from_nested_tables_and_their_own_variables(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[bench.spec]\nmax-new-tokens = 7\n")
+    parser = build_parser()
+    report = apply_config(parser, ["--config", str(path), "bench", "spec"], {"SPLITINFER_BENCH_SPEC_REPEATS": "3"})
+    args = parser.parse_args(["bench", "spec"])
+    assert (args.max_new_tokens, args.repeats) == (7, 3)
+    assert report["bench spec"]["max_new_tokens"].origin.endswith("[bench.spec]")
+    path.write_text("[bench.nope]\nx = 1\n")
+    from splitinfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\[bench.nope\] is not a command"):
+        apply_config(build_parser(), ["--config", str(path), "bench", "spec"], {})
 
 
 def test_every_command_is_registered_beside_its_code():
@@ -112,7 +151,7 @@ def test_help_and_light_commands_do_not_import_torch():
         "import sys, contextlib, io\n"
         "from splitinfer.cli import build_parser, main\n"
         "from splitinfer.configfile import apply_config\n"
-        "for argv in (['--help'], ['wan', '--help'], ['plan', '--help']):\n"
+        "for argv in (['--help'], ['wan', '--help'], ['bench', 'plan', '--help'], ['bench', '--help']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        main(argv)\n"
         "parser = build_parser()\n"

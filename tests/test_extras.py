@@ -47,7 +47,7 @@ def test_the_checked_modules_are_the_extras_packages_and_dev_has_them_all():
 
 
 def test_with_the_extra_installed_the_command_goes_past_the_check(tmp_path, capsys):
-    assert main(["audit", "--quick", "--shards", str(tmp_path / "none"), "--out", str(tmp_path / "out")]) == 2
+    assert main(["privacy", "audit", "--quick", "--shards", str(tmp_path / "none"), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "needs the audit extra" not in err and "is not a prepared model" in err  # it looked for the shards
 
@@ -56,9 +56,9 @@ def _commands(tmp: Path) -> list[tuple[list[str], str, str]]:
     """(argv, what the message names, extra) for every command that needs an extra."""
     none = str(tmp / "none")
     return [
-        (["audit", "--quick", "--shards", none, "--out", str(tmp / "audit")], "splitinfer audit", "audit"),
+        (["privacy", "audit", "--quick", "--shards", none, "--out", str(tmp / "audit")], "splitinfer privacy audit", "audit"),
         (["api", "--shard", none, "--server", "ws://127.0.0.1:9"], "splitinfer api", "api"),
-        (["bench", "--report-only", "--out", none], "splitinfer bench", "bench"),
+        (["bench", "sweep", "--report-only", "--out", none], "splitinfer bench sweep", "bench"),
         (["prepare", "--out", none], "splitinfer prepare (reading a GGUF model; the default is one)", "gguf"),
         (["prepare", "--out", none, "--model", str(tmp / "m.gguf")],
          "splitinfer prepare (reading a GGUF model; the default is one)", "gguf"),

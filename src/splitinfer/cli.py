@@ -1,19 +1,18 @@
 """The one CLI: a thin dispatcher over the commands, each registered beside the code it drives.
 
-    splitinfer prepare   --out shards/smollm2 [--model PATH_OR_GGUF] [--head-layers 2 | --split-range 2-4] [--tail-layers 2]
-                         [--dtype float32]
-    splitinfer serve     --shard shards/smollm2/cloud [--host 127.0.0.1] [--port 8765] [--session-ttl 300] [--max-sessions N]
-                         [--token-file F --tls-cert F --tls-key F [--client-ca F]] [--insecure]
-                         [--device cuda --dtype bfloat16 | --devices cuda:0,cuda:1] [--kv-budget-mb M] [--max-batch 64]
-    splitinfer generate  --shard shards/smollm2/local --server ws://127.0.0.1:8765 --prompt "..." [--json]
-    splitinfer generate  --local-only [--shards shards/smollm2 | --model PATH_OR_GGUF] --prompt "..."
-    splitinfer wan       --listen 9000 --upstream 127.0.0.1:8765 --rtt-ms 80 [--jitter-ms J] [--bandwidth-mbit B]
-    splitinfer demo      --shards shards/smollm2 [--rtt-ms 80]
-    splitinfer bench     --shards shards/smollm2 [--out docs/bench] [--quick]   (also: probe, plan)
-    splitinfer bench-spec --shards shards/smollm2 [--out docs/bench]
-    splitinfer bench-batch --shards shards/smollm2 [--out DIR]   (batched vs one-at-a-time cloud, 1-64 sessions)
-    splitinfer bench-acceptance --shards shards/smollm2 [--out DIR]   (acceptance by draft depth, category, source)
-    splitinfer build-recycling --shards shards/smollm2 --out DIR   (warm-start table for Token Recycling)
+Commands that use the model:
+    prepare      convert a model once into a local and a cloud shard
+    serve        the cloud half (untrusted side)
+    generate     one generation; chat and api for interactive use and apps
+    demo         serve + emulated WAN + generate, on loopback
+    wan          a user-space WAN emulator
+    config       the effective configuration
+Groups, as in vLLM (`splitinfer bench --help` lists a group's commands):
+    bench        sweep, spec, step, batch, acceptance, load, probe, plan
+    privacy      audit, privatize, check, table
+    drafter      train, recycling
+
+example: splitinfer generate --shard shards/smollm2/local --server ws://127.0.0.1:8765 --prompt "Hello" --allow-public-weights
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import importlib
 import logging
 import sys
 
+from . import __version__
 from .errors import SplitInferError
 from .options import CommandParser
 
@@ -37,26 +37,83 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.launch",  # demo
     "splitinfer.api.commands",  # api, chat
     "splitinfer.configfile",  # config
-    "splitinfer.bench.commands",  # bench, probe, plan, bench-spec
-    "splitinfer.bench.batching",  # bench-batch
-    "splitinfer.bench.acceptance",  # bench-acceptance
-    "splitinfer.bench.loadtest",  # load-test
-    "splitinfer.privacy.commands",  # audit, privatize
-    "splitinfer.recycling",  # build-recycling
-    "splitinfer.drafter.commands",  # train-drafter
 )
+# Groups of commands (`splitinfer GROUP COMMAND`): name -> (help, the modules that register into it).
+GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "bench": ("benchmarks and sizing: sweep, spec, step, batch, acceptance, load, probe, plan", (
+        "splitinfer.bench.commands",  # sweep, probe, plan, spec, step
+        "splitinfer.bench.batching",  # batch
+        "splitinfer.bench.acceptance",  # acceptance
+        "splitinfer.bench.loadtest",  # load
+    )),
+    "privacy": ("what the cloud can recover, and the defences: audit, privatize, check, table", (
+        "splitinfer.privacy.commands",  # audit, privatize, check, table
+    )),
+    "drafter": ("the drafting files: train (the draft head), recycling (the successor table)", (
+        "splitinfer.drafter.commands",  # train
+        "splitinfer.recycling",  # recycling
+    )),
+}
+# One example line per command, shown at the end of its --help ("GROUP COMMAND" for a grouped one).
+EXAMPLES: dict[str, str] = {
+    "prepare": "splitinfer prepare --out shards/smollm2",
+    "serve": "splitinfer serve --shard shards/smollm2/cloud --port 8765",
+    "generate": 'splitinfer generate --shard shards/smollm2/local --server ws://127.0.0.1:8765 --prompt "Hello" '
+                "--allow-public-weights",
+    "wan": "splitinfer wan --listen 9000 --upstream 127.0.0.1:8765 --rtt-ms 80",
+    "demo": "splitinfer demo --shards shards/smollm2 --rtt-ms 80 --allow-public-weights",
+    "api": "splitinfer api --shard shards/smollm2/local --server ws://127.0.0.1:8765 --allow-public-weights",
+    "chat": "splitinfer chat --shard shards/smollm2/local --server ws://127.0.0.1:8765 --allow-public-weights",
+    "config": "splitinfer config show --command serve",
+    "bench": "splitinfer bench spec --shards shards/smollm2 --out bench-out --rtt-ms 0,80",
+    "bench sweep": "splitinfer bench sweep --shards shards/smollm2 --out bench-out --quick",
+    "bench spec": "splitinfer bench spec --shards shards/smollm2 --out bench-out --rtt-ms 0,80 --max-new-tokens 64",
+    "bench step": "splitinfer bench step --shards shards/smollm2 --out bench-out/step --e2e-prompts 3 --max-ratio 1.2",
+    "bench batch": "splitinfer bench batch --shards shards/smollm2 --out bench-out/batch --sizes 1,4,16",
+    "bench acceptance": "splitinfer bench acceptance --shards shards/smollm2 --out bench-out/acceptance",
+    "bench load": "splitinfer bench load --shards shards/smollm2 --sessions 64 --max-sessions 48 --max-new-tokens 32",
+    "bench probe": "splitinfer bench probe --server wss://gpu-host:8765 --token-file token.txt --ca-file server.pem",
+    "bench plan": "splitinfer bench plan --config mistral-7b-v0.1 --head-layers 2 --tail-layers 2",
+    "privacy": "splitinfer privacy privatize --shards shards/smollm2 --out shards/smollm2-keyed --basis",
+    "privacy audit": "splitinfer privacy audit --shards shards/smollm2 --out audit-out --quick",
+    "privacy privatize": "splitinfer privacy privatize --shards shards/smollm2 --out shards/smollm2-keyed --basis",
+    "privacy check": "splitinfer privacy check --public shards/smollm2 --keyed shards/smollm2-keyed --out check.json",
+    "privacy table": "splitinfer privacy table --audit audit-out/audit.json --write docs/privacy.md",
+    "drafter": "splitinfer drafter train --shards shards/smollm2 --out drafter-out --tokens 200000",
+    "drafter train": "splitinfer drafter train --shards shards/smollm2 --out drafter-out --tokens 200000 --prompts 2400",
+    "drafter recycling": "splitinfer drafter recycling --shards shards/smollm2 --out recycling-out",
+}
+DESCRIPTION = ("Run a language model split across two machines: the text-facing layers here, the middle on a "
+               "server.\n`splitinfer GROUP --help` lists a group's commands (bench, privacy, drafter).")
 # Commands whose progress is their output, so they log at INFO without -v.
 LOUD_COMMANDS = ("serve", "wan")
 
 
+def _with_example(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.epilog = "example: " + EXAMPLES[name]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the example on one line
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitinfer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="splitinfer", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"splitinfer {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     p.add_argument("--config", help="TOML configuration file (see `splitinfer config show`; precedence: "
                    "command line > SPLITINFER_<COMMAND>_<OPTION> > file > defaults)")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=CommandParser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for group, (help_text, modules) in GROUPS.items():
+        g = sub.add_parser(group, help=help_text, description=help_text)
+        inner = g.add_subparsers(dest=f"{group}_command", required=True, parser_class=CommandParser, metavar="COMMAND")
+        for name in modules:
+            importlib.import_module(name).register(inner)
+        _with_example(g, group)
+        for name, parser in inner.choices.items():
+            _with_example(parser, f"{group} {name}")
+    for name, parser in sub.choices.items():
+        if name not in GROUPS:
+            _with_example(parser, name)
     return p
 
 

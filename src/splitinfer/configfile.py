@@ -65,18 +65,27 @@ class Setting:
 
 
 def env_name(command: str, dest: str) -> str:
-    return f"{ENV_PREFIX}{command}_{dest}".upper().replace("-", "_")
+    """SPLITINFER_SERVE_PORT; a grouped command's name has both words: SPLITINFER_BENCH_SPEC_OUT."""
+    return f"{ENV_PREFIX}{command}_{dest}".upper().replace("-", "_").replace(" ", "_")
+
+
+def table_name(command: str) -> str:
+    """The TOML table of a command: [serve], and [bench.spec] for `splitinfer bench spec`."""
+    return command.replace(" ", ".")
 
 
 def is_secret(dest: str) -> bool:
     return bool(SECRET.search(dest))
 
 
-def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+def subcommands(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    """Every command that runs, by name; a grouped one as "GROUP COMMAND" ("bench spec")."""
+    out: dict[str, argparse.ArgumentParser] = {}
     for action in parser._actions:  # argparse exposes subparsers only through this attribute
         if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
+            for name, sub in action.choices.items():
+                out.update(subcommands(sub, f"{prefix}{name} ") or {f"{prefix}{name}": sub})
+    return out
 
 
 def options(sub: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -98,6 +107,16 @@ def find_config_file(argv: list[str], environ) -> Path | None:
             raise ConfigError(f"the configuration file {path} does not exist; fix --config or ${CONFIG_ENV}.")
         return path
     return next((p.expanduser() for p in DEFAULT_PATHS if p.expanduser().is_file()), None)
+
+
+def _run_name(argv: list[str], commands: dict) -> str | None:
+    """The command this command line runs ("bench spec" for `splitinfer bench spec ...`), if any."""
+    index = _command_index(argv)
+    words = [a for a in argv[index:index + 2] if not a.startswith("-")]
+    for n in (2, 1):
+        if " ".join(words[:n]) in commands:
+            return " ".join(words[:n])
+    return words[0] if words else None
 
 
 def _command_index(argv: list[str]) -> int:
@@ -167,26 +186,46 @@ def convert(action: argparse.Action, value, origin: str):
     return _convert_one(action, value, origin)
 
 
+def _lookup(data: dict, name: str) -> dict:
+    table = data
+    for word in name.split():
+        table = table.get(word, {}) if isinstance(table, dict) else {}
+    return table if isinstance(table, dict) else {}
+
+
 def _table(data: dict, name: str, known: dict, path: Path | None) -> dict:
-    table = {k.replace("-", "_"): v for k, v in data.get(name, {}).items()}
+    table = {k.replace("-", "_"): v for k, v in _lookup(data, name).items()}
     if name != DEFAULTS_TABLE:
         unknown = sorted(set(table) - set(known))
         if unknown:
-            raise ConfigError(
-                f"{path}: [{name}] has no option {unknown[0]!r}; `splitinfer {name} --help` lists the options."
-            )
+            raise ConfigError(f"{path}: [{table_name(name)}] has no option {unknown[0]!r}; "
+                              f"`splitinfer {name} --help` lists the options.")
     return table
+
+
+def _stray(data: dict, commands: dict) -> str | None:
+    """The first table that names no command: a top-level one, or one inside a group's table."""
+    for key, table in data.items():
+        if key == DEFAULTS_TABLE or key in commands:
+            continue
+        members = {name.split()[1] for name in commands if name.startswith(key + " ")}
+        if not members:
+            return key
+        inner = sorted(set(table) - members)  # a group's table holds its commands' tables, nothing else
+        if inner:
+            return f"{key}.{inner[0]}"
+    return None
 
 
 def _involved(argv: list[str], data: dict, environ, commands: dict) -> set[str]:
     """The commands whose settings must be read: the one run, any the file or the environment names, and
     all of them for `config show` or a [defaults] table. The others keep their deferred options unbuilt,
     so a plain run does not import what every command needs."""
-    index = _command_index(argv)
-    run = argv[index] if index < len(argv) else None
+    run = _run_name(argv, commands)
     if run == "config" or data.get(DEFAULTS_TABLE):
         return set(commands)
-    named = {name for name in commands if name in data or any(v.startswith(env_name(name, "")) for v in environ)}
+    named = {name for name in commands
+             if _lookup(data, name) or any(v.startswith(env_name(name, "")) for v in environ)}
     return named | {run}
 
 
@@ -196,9 +235,10 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str], environ=None)
     path = find_config_file(argv, environ)
     data = load_file(path) if path is not None else {}
     commands = subcommands(parser)
-    stray = sorted(set(data) - set(commands) - {DEFAULTS_TABLE})
+    stray = _stray(data, commands)
     if stray:
-        raise ConfigError(f"{path}: [{stray[0]}] is not a command; tables are [{DEFAULTS_TABLE}] or a command name.")
+        raise ConfigError(f"{path}: [{stray}] is not a command; tables are [{DEFAULTS_TABLE}] or a command name "
+                          "([serve], [bench.spec]).")
     commands = {name: sub for name, sub in commands.items() if name in _involved(argv, data, environ, commands)}
     every_option = {dest for sub in commands.values() for dest in options(sub)}
     unused = sorted(set(_table(data, DEFAULTS_TABLE, {}, path)) - every_option)
@@ -214,7 +254,8 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str], environ=None)
             if var in environ:
                 setting = Setting(convert(action, environ[var], var), "env", var)
             elif dest in table:
-                setting = Setting(convert(action, table[dest], f"{path} [{name}] {dest}"), "file", f"{path} [{name}]")
+                where = f"{path} [{table_name(name)}]"
+                setting = Setting(convert(action, table[dest], f"{where} {dest}"), "file", where)
             elif dest in shared:
                 origin = f"{path} [{DEFAULTS_TABLE}]"
                 setting = Setting(convert(action, shared[dest], f"{origin} {dest}"), "file", origin)
@@ -233,7 +274,7 @@ def apply_config(parser: argparse.ArgumentParser, argv: list[str], environ=None)
 def register(subparsers) -> None:
     s = subparsers.add_parser("config", help="show the effective configuration (file + environment + defaults)")
     s.add_argument("action", choices=("show",))
-    s.add_argument("--command", dest="only", help="only this command's options")
+    s.add_argument("--command", dest="only", help="only this command's options (a grouped one: 'bench spec')")
     s.add_argument("--json", action="store_true", help="one JSON object instead of TOML")
     s.set_defaults(func=cmd_config)
 
@@ -248,6 +289,7 @@ def cmd_config(args) -> int:
         raise ConfigError("the configuration report is missing; run this through the `splitinfer` command.")
     commands = {k: v for k, v in report.items() if not k.startswith("_") and k != "config"}
     if args.only:
+        args.only = args.only.replace(".", " ")
         if args.only not in commands:
             raise ConfigError(f"no command {args.only!r}; choose one of {', '.join(sorted(commands))}.")
         commands = {args.only: commands[args.only]}
@@ -262,7 +304,7 @@ def cmd_config(args) -> int:
     for name in secret_env:
         print(f"# {name} = **** (set)")
     for name, opts in commands.items():
-        print(f"\n[{name}]")
+        print(f"\n[{table_name(name)}]")
         for dest, s in opts.items():
             note = s.source if s.source == "default" else f"{s.source}: {s.origin}"
             value = _shown(dest, s.value)

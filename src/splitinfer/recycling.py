@@ -1,7 +1,7 @@
-"""`splitinfer build-recycling`: the warm-start successor table, from the model's own greedy generations,
+"""`splitinfer drafter recycling`: the warm-start successor table, from the model's own greedy generations,
 and beside it the replies themselves, searchable by suffix (decoding/sources.py `ReplyStore`).
 
-    splitinfer build-recycling --shards shards/smollm2 --out src/splitinfer/data/drafters/smollm2
+    splitinfer drafter recycling --shards shards/smollm2 --out src/splitinfer/data/drafters/smollm2
 
 The whole model runs in this process (local-only). For each offline prompt (offline.py: stdlib
 docstrings and synthetic instructions, never the benchmark or held-out prompts) it generates a greedy
@@ -10,9 +10,9 @@ each token's next-token distribution over its occurrences (warm.aggregate_succes
 a manifest (model identity, data hash, seed, counts, time) go to --out; a client loads the table for the
 same model, whatever its split (warm.shipped_recycling_table).
 
-    splitinfer build-recycling --shards shards/smollm2 --from-data DIR/data.pt --out DIR2
+    splitinfer drafter recycling --shards shards/smollm2 --from-data DIR/data.pt --out DIR2
 
-reads the generations `train-drafter` collected instead (its data.pt: the model's own greedy and sampled
+reads the generations `drafter train` collected instead (its data.pt: the model's own greedy and sampled
 replies with every row's final features, far more text than this command generates in the same time) and
 reads each row's distribution out through the model's final norm and LM head.
 """
@@ -47,7 +47,7 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     chosen = offline_prompts(prompts, seed)
     rows, replies, generated = [], [], 0
     t0 = time.perf_counter()
-    for p in progress(chosen, desc="build-recycling", unit="prompt"):
+    for p in progress(chosen, desc="drafter recycling", unit="prompt"):
         ids = client.encode_prompt(p["prompt"], chat=True)
         out = client.generate(ids, max_new_tokens=max_new_tokens, strategy="sequential").token_ids
         generated += len(out)
@@ -91,12 +91,12 @@ def _made(table: dict, generated: int, rows: int, t0: float) -> dict:
         "wall_s": round(time.perf_counter() - t0, 1),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "splitinfer": __version__,
-        "command": "splitinfer build-recycling " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": "splitinfer drafter recycling " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
     }
 
 
 def build_from_drafter_data(shards: Path, data_path: Path, k: int):
-    """The table from train-drafter's data.pt (its features read out through the final norm and LM head)."""
+    """The table from drafter train's data.pt (its features read out through the final norm and LM head)."""
     import torch
 
     from .decoding.warm import FORMAT, aggregate_successors
@@ -105,13 +105,13 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
     from .progress import progress
 
     if not data_path.is_file():
-        raise ConfigError(f"{data_path} does not exist; --from-data takes the data.pt a train-drafter run wrote.")
+        raise ConfigError(f"{data_path} does not exist; --from-data takes the data.pt a drafter train run wrote.")
     data = torch.load(data_path, weights_only=False)
     model = load_whole_hf(shards).requires_grad_(False)
     t0 = time.perf_counter()
 
     def rows():  # one reply's logits ([rows, vocab] floats) in memory at a time
-        for s in progress(data["sequences"], desc="build-recycling", unit="reply"):
+        for s in progress(data["sequences"], desc="drafter recycling", unit="reply"):
             logits = model.lm_head(model.model.norm(s["features"].float()))  # row r predicts tokens[r + 1]
             yield s["tokens"][: logits.shape[0]], logits
 
@@ -123,7 +123,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
         "model_id": local.get("model_id"),
         "model_fingerprint": model_identity(local),  # what a client loads it for, as above
         "k": k,
-        "source": "train-drafter data",
+        "source": "drafter train data",
         "seed": data["config"].get("seed"),
         "prompts": len(data["sequences"]),
         "data_config": made_with(data["config"], ("tokens", "prompts", "seed", "max_new_tokens", "sampled_share",
@@ -135,7 +135,7 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
 
 @dataclass(frozen=True)
 class RecyclingOptions:
-    """`splitinfer build-recycling`'s defaults."""
+    """`splitinfer drafter recycling`'s defaults."""
 
     prompts: int = 96  # offline prompts to generate from
     max_new_tokens: int = 96  # greedy tokens generated per prompt
@@ -153,7 +153,7 @@ def _options(s: argparse.ArgumentParser) -> None:
         Opt("seed", help="which offline prompts are drawn"),
     ))
     s.add_argument("--from-data", default=None,
-                   help="a train-drafter data.pt: build from its generations instead of generating (--prompts, "
+                   help="a drafter train data.pt: build from its generations instead of generating (--prompts, "
                         "--max-new-tokens and --seed are then the data's own)")
 
 
@@ -173,6 +173,6 @@ def cmd_build_recycling(args) -> int:
 
 
 def register(sub) -> None:
-    s = sub.add_parser("build-recycling", help="warm-start table for Token Recycling from the model's own generations")
+    s = sub.add_parser("recycling", help="warm-start table for Token Recycling from the model's own generations")
     defer(s, _options)
     s.set_defaults(func=cmd_build_recycling)

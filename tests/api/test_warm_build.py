@@ -1,4 +1,4 @@
-"""build-recycling on the tiny chat model (it has a tokenizer): deterministic for a seed, with a manifest
+"""drafter recycling on the tiny chat model (it has a tokenizer): deterministic for a seed, with a manifest
 that names the model and the data, and found again by the model's fingerprint."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_a_table_from_drafter_data_reads_each_row_out_as_the_model_does(chat_sha
         for seed in range(3):
             tokens = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(seed))
             logits = model(tokens[None]).logits[0]
-            # As train-drafter stores them: the features of every row but the last (row r predicts token r + 1).
+            # As drafter train stores them: the features of every row but the last (row r predicts token r + 1).
             sequences.append(({"tokens": tokens.tolist(), "prompt_len": 4, "features": seen[-1][:-1].clone()}, logits[:-1]))
     handle.remove()
     data = {"sequences": [s for s, _ in sequences], "sha256": "d" * 64, "generated_tokens": 24,
@@ -79,5 +79,5 @@ def test_a_table_from_drafter_data_reads_each_row_out_as_the_model_does(chat_sha
     assert m["data_sha256"] == "d" * 64 and m["seed"] == 7 and m["prompts"] == 3 and m["rows"] == 33
     assert table.replies.docs == [s["tokens"][4:] for s, _ in sequences] and m["reply_tokens"] == 24
     assert m["model_fingerprint"] == model_identity(local_only_client(chat_shards).local.manifest)
-    with pytest.raises(ConfigError, match="train-drafter"):
+    with pytest.raises(ConfigError, match="drafter train"):
         build_from_drafter_data(chat_shards, tmp_path / "missing.pt", k=4)

@@ -1,4 +1,4 @@
-"""bench-acceptance: depth counting on hand-made steps, and a run over a tiny model that must stay exact."""
+"""bench acceptance: depth counting on hand-made steps, and a run over a tiny model that must stay exact."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`splitinfer bench-batch` runs its cloud-side part on a tiny model and writes consistent JSON + Markdown."""
+"""`splitinfer bench batch` runs its cloud-side part on a tiny model and writes consistent JSON + Markdown."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tiny import prepare_tiny
 def test_bench_batch_cloud_side(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     out = tmp_path / "out"
-    code = main(["bench-batch", "--shards", str(shards), "--out", str(out), "--sizes", "1,4",
+    code = main(["bench", "batch", "--shards", str(shards), "--out", str(out), "--sizes", "1,4",
                  "--repeats", "1", "--context", "8", "--clients", "", "--load-clients", ""])
     assert code == 0
     report = json.loads((out / "batching.json").read_text())

@@ -1,4 +1,4 @@
-"""`train-drafter` on the shipped model at a toy size: it trains, resumes to the same head, and records itself."""
+"""`drafter train` on the shipped model at a toy size: it trains, resumes to the same head, and records itself."""
 
 from __future__ import annotations
 
@@ -90,11 +90,11 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     assert "installed" in install_shipped_drafter(local)
     shipped = json.loads((local / DRAFTER_DIR / "manifest.json").read_text())
     assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
-    # `splitinfer train-drafter --tokens 200000 --prompts 2400` remakes it (the data the shipped successor
+    # `splitinfer drafter train --tokens 200000 --prompts 2400` remakes it (the data the shipped successor
     # table was built from): every other recorded option is today's default.
     recipe = {k: v for k, v in asdict(train.TrainConfig(tokens=200_000, prompts=2400)).items() if k != "device"}
     assert train.made_with(shipped["config"], recipe) == recipe and shipped["steps"] == recipe["steps"]
-    # The successor table and its replies were built from the same data run (`build-recycling --from-data`).
+    # The successor table and its replies were built from the same data run (`drafter recycling --from-data`).
     assert json.loads((local / DRAFTER_DIR / "recycling.json").read_text())["data_sha256"] == shipped["data_sha256"]
     head = load_draft_head(load_local(smollm2_shards / "local"), local, "auto")
     assert head is not None and head.config.draft_vocab_size == train.TrainConfig().draft_vocab_size

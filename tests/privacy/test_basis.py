@@ -70,15 +70,15 @@ def test_basis_shards_generate_the_public_tokens(tmp_path, family):
 def test_privatize_basis_cli(tmp_path, capsys):
     _, shards = prepare_tiny(tmp_path, "mistral", 1, 2)
     out = tmp_path / "keyed"
-    assert main(["privatize", "--shards", str(shards), "--out", str(out), "--basis", "--seed", "9"]) == 0
+    assert main(["privacy", "privatize", "--shards", str(shards), "--out", str(out), "--basis", "--seed", "9"]) == 0
     assert "secret residual basis" in capsys.readouterr().out
     manifest = json.loads((out / "local" / "manifest.json").read_text())
     assert manifest["residual_basis"]["self_check_max_logit_difference"] < 1e-3
     # The CLI turns a ConfigError into one line on stderr and a non-zero exit.
-    both = ["privatize", "--shards", str(shards), "--out", str(tmp_path / "x"), "--basis", "--text", str(shards)]
+    both = ["privacy", "privatize", "--shards", str(shards), "--out", str(tmp_path / "x"), "--basis", "--text", str(shards)]
     assert main(both) != 0
     assert "--basis needs no --text" in capsys.readouterr().err
-    assert main(["privatize", "--shards", str(shards), "--out", str(tmp_path / "y")]) != 0
+    assert main(["privacy", "privatize", "--shards", str(shards), "--out", str(tmp_path / "y")]) != 0
     assert "pass the organisation's own text with --text" in capsys.readouterr().err
 
 

@@ -62,7 +62,7 @@ def _all_logits(head, features: torch.Tensor) -> torch.Tensor:
 def test_privatize_basis_rebases_the_head_so_it_drafts_as_in_the_public_shard(tmp_path, capsys, key):
     _, shards = _shards_with_head(tmp_path)
     out = tmp_path / "keyed"
-    args = ["privatize", "--shards", str(shards), "--out", str(out), "--basis", "--seed", "9", "--key", key, "--metric-block", "16"]
+    args = ["privacy", "privatize", "--shards", str(shards), "--out", str(out), "--basis", "--seed", "9", "--key", key, "--metric-block", "16"]
     assert main(args) == 0
     assert "re-based the draft head with the key" in capsys.readouterr().out
     manifest = read_manifest(out / "local", "local")

@@ -2,7 +2,7 @@
 
 Every session must finish with exactly the output of its prompt run alone; the server must never hold
 more sessions or KV rows than its budgets; clients over capacity get the retry-later error and finish
-after retrying. `splitinfer load-test` runs a larger version on the shipped model.
+after retrying. `splitinfer bench load` runs a larger version on the shipped model.
 """
 
 from __future__ import annotations

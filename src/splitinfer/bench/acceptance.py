@@ -1,6 +1,6 @@
 """Per-token acceptance by draft depth and prompt category, for each draft source, on held-out prompts.
 
-    splitinfer bench-acceptance --shards shards/smollm2 --out docs/bench [--sources suffix,recycling,...]
+    splitinfer bench acceptance --shards shards/smollm2 --out docs/bench [--sources suffix,recycling,...]
 
 The whole model runs in this process (local-only, float32, greedy). Each source drafts a tree of a fixed
 size (--nodes, no cost model, so the figures do not depend on how fast this machine is) and the loop
@@ -11,7 +11,7 @@ learned from the same text up to that point.
 
 For each depth d: tries = steps whose draft had a node at depth d below the accepted path's node at
 depth d - 1 (that node tested), hits = steps that accepted depth d; acceptance = hits / tries. Pooled
-tokens per step = emitted tokens / steps, as bench-spec reports it. The prompts (data/heldout.jsonl) are
+tokens per step = emitted tokens / steps, as `bench spec` reports it. The prompts (data/heldout.jsonl) are
 in neither the benchmark set nor the offline data that warm starts are built from.
 
 Sources: the named ones below, and any strategy registered in decoding.strategies by its name (a learned
@@ -256,7 +256,7 @@ def run(args) -> dict:
     _pin_self(0)
     shards = Path(args.shards)
     report = {
-        "command": "splitinfer bench-acceptance " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": "splitinfer bench acceptance " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
         "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
         "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} held-out prompts "
         f"({args.prompts or 'the packaged data/heldout.jsonl'}), "
@@ -303,7 +303,7 @@ def _options(s: argparse.ArgumentParser) -> None:
 
 
 def register(sub) -> None:
-    s = sub.add_parser("bench-acceptance", help="per-token acceptance by draft depth and category, per draft source")
+    s = sub.add_parser("acceptance", help="per-token acceptance by draft depth and category, per draft source")
     defer(s, _options)
     s.set_defaults(func=cmd_bench_acceptance)
 

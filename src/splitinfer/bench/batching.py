@@ -1,4 +1,4 @@
-"""`splitinfer bench-batch`: what batching concurrent sessions buys the cloud, and what clients see.
+"""`splitinfer bench batch`: what batching concurrent sessions buys the cloud, and what clients see.
 
 Two parts, reported separately because they measure different things:
 
@@ -390,7 +390,7 @@ def run(args) -> int:
 
 @dataclass(frozen=True)
 class BatchBenchOptions:
-    """The defaults of `splitinfer bench-batch`."""
+    """The defaults of `splitinfer bench batch`."""
 
     sizes: str = "1,4,16,64"  # decode batch sizes for the cloud-side measurement
     context: int = 128  # committed rows per session (varied by up to +56)
@@ -405,7 +405,7 @@ class BatchBenchOptions:
 
 def register(subparsers) -> None:
     s = subparsers.add_parser(
-        "bench-batch", help="batched vs one-at-a-time cloud compute, and concurrent clients end to end"
+        "batch", help="batched vs one-at-a-time cloud compute, and concurrent clients end to end"
     )
     add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for batching.json and batching.md")))
     add_options(s, BatchBenchOptions, (

@@ -1,13 +1,14 @@
-"""CLI of the benchmarks and sizing tools: `splitinfer bench`, `probe`, `plan` and `bench-spec`.
+"""CLI of the `splitinfer bench` group: sweep, spec, step, probe and plan (batch, acceptance and load
+register from their own modules).
 
-    splitinfer bench --shards shards/smollm2 --out docs/bench           # the full sweep (~22 min quiet)
-    splitinfer bench --quick --out /tmp/bench                           # a smaller sweep (minutes)
-    splitinfer bench --report-only --out docs/bench                     # Markdown + plots from bench.json
-    splitinfer probe --server ws://HOST:PORT [--bench docs/bench/bench.json] [--expect-rtt-ms 80]
-    splitinfer plan  --config mistral-7b-v0.1 [--head-layers 2] [--tail-layers 2] [--dtype float16] [--json]
-    splitinfer bench-spec --shards shards/smollm2 --out docs/bench    # speculative strategies vs sequential
+    splitinfer bench sweep --shards shards/smollm2 --out docs/bench     # the full sweep (~22 min quiet)
+    splitinfer bench sweep --quick --out /tmp/bench                     # a smaller sweep (minutes)
+    splitinfer bench sweep --report-only --out docs/bench               # Markdown + plots from bench.json
+    splitinfer bench probe --server ws://HOST:PORT [--bench docs/bench/bench.json] [--expect-rtt-ms 80]
+    splitinfer bench plan  --config mistral-7b-v0.1 [--head-layers 2] [--tail-layers 2] [--dtype float16] [--json]
+    splitinfer bench spec  --shards shards/smollm2 --out docs/bench     # speculative strategies vs sequential
 
-Parsing and orchestration only; nothing heavy is imported until a command runs (the `bench` options, whose
+Parsing and orchestration only; nothing heavy is imported until a command runs (the `bench sweep` options, whose
 help quotes SweepConfig's defaults, are added when that command is used).
 """
 
@@ -50,7 +51,7 @@ class BenchOptions:
 
 @dataclass(frozen=True)
 class ProbeOptions:
-    """The defaults of `splitinfer probe`."""
+    """The defaults of `splitinfer bench probe`."""
 
     small: int = 50  # small messages for the round trip
     large: int = 3  # large messages each way for the bandwidth
@@ -59,7 +60,7 @@ class ProbeOptions:
 
 @dataclass(frozen=True)
 class SpecBenchOptions:
-    """The defaults of `splitinfer bench-spec`."""
+    """The defaults of `splitinfer bench spec`."""
 
     strategies: str = "sequential,lookahead,tree"  # comma-separated strategy names; sequential always runs
     rtt_ms: str = "0,80"  # comma-separated added round trips
@@ -72,7 +73,7 @@ class SpecBenchOptions:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """The defaults of `splitinfer plan` beyond the split (SplitOptions)."""
+    """The defaults of `splitinfer bench plan` beyond the split (SplitOptions)."""
 
     dtype: str = "float16"  # weights and KV: a model sized for serving, unlike the float32 shards `prepare` makes
 
@@ -111,7 +112,7 @@ def _sweep_config(args):
 def cmd_bench(args) -> int:
     from ..extras import BENCH, require_extra
 
-    require_extra("bench", BENCH, "splitinfer bench")
+    require_extra("bench", BENCH, "splitinfer bench sweep")
     from . import report as reporting
 
     out = Path(args.out)
@@ -152,7 +153,7 @@ def cmd_bench(args) -> int:
             prefill = run_prefill(shards, url, sizes, args.prefill_rtt_ms, args.prefill_mbit, args.prefill_real_max,
                                   log=log_stderr)
     data = {
-        "command": "splitinfer bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": "splitinfer bench sweep " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
         "splitinfer": __version__,
         "torch": torch.__version__,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.processor()},
@@ -223,7 +224,7 @@ def cmd_bench_step(args) -> int:
     )
     report = run_step_bench(Path(args.shards), Path(args.out), config, log=lambda line: print(line, file=sys.stderr))
     if not report["guard"]["passed"]:
-        print("bench-step guard failed: " + "; ".join(report["guard"]["failures"]), file=sys.stderr)
+        print("bench step guard failed: " + "; ".join(report["guard"]["failures"]), file=sys.stderr)
         return 1
     return 0
 
@@ -284,7 +285,7 @@ def _listed(values) -> str:
 def register(sub) -> None:
     from ..local.auth import add_client_auth_args
 
-    s = sub.add_parser("bench", help="sweep: added RTT x decoding mode x prompt category; fits, cost, prefill, plots")
+    s = sub.add_parser("sweep", help="sweep: added RTT x decoding mode x prompt category; fits, cost, prefill, plots")
     defer(s, _bench_options)
     s.set_defaults(func=cmd_bench)
 
@@ -313,7 +314,7 @@ def register(sub) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("bench-spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
+    s = sub.add_parser("spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
     add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for speculative.json and speculative.md")))
     s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
     add_options(s, SpecBenchOptions, (
@@ -333,12 +334,10 @@ def register(sub) -> None:
         Opt("cloud_pass_ms", help="the fast-cloud scenario: every cloud pass lasts at least this long (serve "
                                   "--min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud"),
     ))
-    s.add_argument("--readme", help="also put the results table between the bench-spec markers of this file (README.md)")
+    s.add_argument("--readme", help="also put the results table between the `bench spec` markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)
 
-    s = sub.add_parser("bench-step", help="one decode step's compute by block rows, against plain transformers "
-                       "and the memory-bandwidth bound; a release guard on the ratio",
-                       epilog="example: splitinfer bench-step --shards shards/smollm2 --out docs/bench/step --e2e-prompts 3 "
-                       "--max-ratio 1.2")
+    s = sub.add_parser("step", help="one decode step's compute by block rows, against plain transformers "
+                       "and the memory-bandwidth bound; a release guard on the ratio")
     defer(s, _step_options)
     s.set_defaults(func=cmd_bench_step)

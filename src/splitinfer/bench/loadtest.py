@@ -1,6 +1,6 @@
 """A bounded load test: many concurrent sessions against one server, each checked against a solo run.
 
-    splitinfer load-test --shards shards/smollm2 --sessions 64 --max-sessions 48 --max-new-tokens 32
+    splitinfer bench load --shards shards/smollm2 --sessions 64 --max-sessions 48 --max-new-tokens 32
 
 The server runs in this process (so its session table can be sampled: open sessions, cached KV rows);
 clients are threads sharing one local half, each with its own caches and connection. A client refused
@@ -175,7 +175,7 @@ def _prompts(local, count: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class LoadTestOptions:
-    """The defaults of `splitinfer load-test`."""
+    """The defaults of `splitinfer bench load`."""
 
     sessions: int = 64  # concurrent client sessions
     max_sessions: int = 48  # the server's session limit
@@ -186,7 +186,7 @@ class LoadTestOptions:
 
 
 def register(subparsers) -> None:
-    s = subparsers.add_parser("load-test", help="many concurrent sessions against one in-process server")
+    s = subparsers.add_parser("load", help="many concurrent sessions against one in-process server")
     add_options(s, Shared, (Opt("shards", help="a prepared OUT directory (OUT/local + OUT/cloud)"),))
     add_options(s, LoadTestOptions, (
         Opt("sessions", help="concurrent client sessions"),

@@ -1,6 +1,6 @@
 """Sizing a split from a model's config alone: memory per side, KV per token, bytes on the wire.
 
-    splitinfer plan --config mistral-7b-v0.1 --head-layers 2 --tail-layers 2 --dtype float16 [--json]
+    splitinfer bench plan --config mistral-7b-v0.1 --head-layers 2 --tail-layers 2 --dtype float16 [--json]
 
 For models too large to run here. Parameter counts follow the HF layouts of Llama, Mistral and Qwen2
 decoder layers (q/k/v/o projections with grouped KV heads, a gated MLP, two RMSNorms per layer); the

@@ -1,4 +1,4 @@
-"""`splitinfer probe --server URL`: the round trip and bandwidth of the real path to a server, and what
+"""`splitinfer bench probe --server URL`: the round trip and bandwidth of the real path to a server, and what
 they mean for each decoding mode, before committing to a provider.
 
 Many small messages (decode-sized, both ways) give the round trip (median, p90); a few large ones each

@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: accepted tokens per step and tok/s of each strategy against sequential.
 
-    splitinfer bench-spec --shards shards/smollm2 --out docs/bench
+    splitinfer bench spec --shards shards/smollm2 --out docs/bench
 
 Same fairness rules as the runtime benchmark (runtime.py): client on core 0, cloud on core 1, one thread
 each, WAN emulator on core 1, configurations interleaved within each repetition, one warm-up each,
@@ -120,7 +120,7 @@ def run_speculative_bench(args) -> dict:
     warm = (f"tree's Token Recycling starts from the shipped table ({table.manifest.get('table_tokens')} tokens, data "
             f"{str(table.manifest.get('data_sha256'))[:12]}){replies}" if table is not None else "no recycling table for this model")
     report = {
-        "command": "splitinfer bench-spec " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "command": "splitinfer bench spec " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
         "splitinfer": __version__,
         "torch": torch.__version__,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},

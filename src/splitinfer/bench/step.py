@@ -1,4 +1,4 @@
-"""`splitinfer bench-step`: what one decode step's compute costs, beside plain transformers and the bound.
+"""`splitinfer bench step`: what one decode step's compute costs, beside plain transformers and the bound.
 
 For each side of the split (the cloud's middle layers; the local head and tail layers with the final
 norm and the LM head) and each block of q rows at each context length, three figures on the same core
@@ -47,6 +47,7 @@ from torch import nn
 from .. import __version__
 from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
 from ..model.stack import LayerStack
+from ..tables import table
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul")
@@ -56,7 +57,7 @@ PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwis
 class StepBenchConfig:
     rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # block rows q
     contexts: tuple[int, ...] = (64, 2048)  # committed rows in the cache before the block
-    threads: int = 1  # torch threads (bench-spec runs each side on one)
+    threads: int = 1  # torch threads (bench spec runs each side on one)
     cpu: int = 0  # core to pin to (-1: no pinning)
     dtype: str | None = None  # compute dtype of both sides (None: the shards')
     repeats: int = 7  # timed repetitions of every configuration, after one warm-up round
@@ -375,8 +376,6 @@ def guard(report: dict, config: StepBenchConfig) -> dict:
 
 
 def markdown(report: dict) -> str:
-    from .report import _table as table
-
     lines = [f"# One decode step: splitinfer against plain transformers ({report['dtype']})", "",
              f"`{report['command']}`", "",
              f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}), {report['config']['threads']} thread(s) pinned to "

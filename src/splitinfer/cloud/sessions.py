@@ -57,7 +57,7 @@ class SessionConfig:
     max_in_flight: int = 4  # blocks a v3 session may have pending at once (the client's in-flight depth)
     # Benchmarks only: every forward pass lasts at least this long (the compute thread waits out the rest),
     # so a cloud holding a layer or two stands for a GPU, whose pass over the middle takes a few ms whatever
-    # its rows (bench-spec --cloud-pass-ms, the fast-cloud scenario). 0: passes take what they take.
+    # its rows (bench spec --cloud-pass-ms, the fast-cloud scenario). 0: passes take what they take.
     min_pass_ms: float = 0.0
 
     def __post_init__(self):

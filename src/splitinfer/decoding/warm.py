@@ -1,7 +1,7 @@
 """Warm starts for the model-free draft sources: a successor table built offline, a memory of earlier outputs.
 
 - `RecyclingTable`: for each token, the top-k tokens the model predicts after it, averaged over the
-  model's own generations of offline prompts (`build-recycling`, recycling.py). Token Recycling starts
+  model's own generations of offline prompts (`drafter recycling`, recycling.py). Token Recycling starts
   from it instead of from an empty table, so the first steps of a generation already have drafts; what
   the text at hand shows replaces an entry as soon as the token is seen. Stored as safetensors beside a
   JSON manifest (model fingerprint, data hash, seed, counts, time); loaded only for the model whose
@@ -76,7 +76,7 @@ class RecyclingTable:
             tensors = load_file(directory / TABLE_FILE)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"{directory} holds no readable recycling table ({exc}); rebuild it with "
-                              "`splitinfer build-recycling`.") from exc
+                              "`splitinfer drafter recycling`.") from exc
         if manifest.get("format") != FORMAT:
             raise ConfigError(f"{directory / MANIFEST_FILE} is not a recycling table manifest; rebuild it.")
         successors = {}

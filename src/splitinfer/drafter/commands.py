@@ -50,7 +50,7 @@ class DrafterOptions:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train-drafter", help="train the draft head for prepared shards (resumable)")
+    p = sub.add_parser("train", help="train the draft head for prepared shards (resumable)")
     p.add_argument("--shards", required=True, help="a prepared OUT directory (OUT/local + OUT/cloud)")
     p.add_argument("--out", required=True, help="where the head, its manifest and checkpoints go")
     add_options(p, DrafterOptions, (Opt("threads", help="torch threads (default: torch's choice)"),))

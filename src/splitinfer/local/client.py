@@ -39,7 +39,7 @@ log = logging.getLogger("splitinfer.local")
 
 PUBLIC_WEIGHTS_WARNING = (
     "warning: the local layers are the stock public weights, so the cloud can run them itself and recover "
-    "the prompt and the output from the hidden states it sees (docs/privacy.md). Run `splitinfer privatize` "
+    "the prompt and the output from the hidden states it sees (docs/privacy.md). Run `splitinfer privacy privatize` "
     "to make them private."
 )
 
@@ -50,7 +50,7 @@ def check_local_weights(manifest: dict, allow_public_weights: bool) -> bool:
     if public and not allow_public_weights:
         raise ConfigError(
             "refusing to connect: the local layers are the stock public weights, which let the cloud recover "
-            "your text from what it sees. Make them private with `splitinfer privatize`, or pass "
+            "your text from what it sees. Make them private with `splitinfer privacy privatize`, or pass "
             "--allow-public-weights (allow_public_weights=True) to accept that."
         )
     return public

@@ -52,13 +52,13 @@ def install_shipped_drafter(local_dir: Path, shipped: Path | None = None) -> str
                 continue
             if head_basis(info) != basis_identity(manifest):
                 return (f"the shipped draft head {name!r} is for this model's public basis and {local_dir} is in a "
-                        "secret one, so it was not installed; run `splitinfer privatize --basis` from public shards "
+                        "secret one, so it was not installed; run `splitinfer privacy privatize --basis` from public shards "
                         "(it re-bases their head with the key).")
             shutil.copytree(source, local_dir / DRAFTER_DIR, dirs_exist_ok=True)
             return f"installed the shipped draft head {name!r} in {local_dir / DRAFTER_DIR}"
     shipped_names = ", ".join(candidates) or "none"
     return (f"no shipped draft head matches this model (shipped: {shipped_names}); the tree drafts without one. "
-            "Train one with `splitinfer train-drafter` and copy it to LOCAL_SHARD/drafter.")
+            "Train one with `splitinfer drafter train` and copy it to LOCAL_SHARD/drafter.")
 
 
 def cmd_prepare(args) -> int:

@@ -243,7 +243,7 @@ def load_shard_head(directory: str | Path, local, device: str = "cpu") -> DraftH
 
         raise ConfigError(
             f"the draft head in {directory} was made for {name(made_for)}, but this local shard's residual stream "
-            f"is in {name(shard)}. Run `splitinfer privatize --basis` from the public shards with the head installed "
+            f"is in {name(shard)}. Run `splitinfer privacy privatize --basis` from the public shards with the head installed "
             f"(it re-bases the head with the key), or `splitinfer prepare` again; or remove {directory}."
         )
     softcap = getattr(local.config, "final_logit_softcapping", None)

@@ -7,7 +7,7 @@ layers in plain transformers, one core: 75.7 / 87.3 / 91.8 ms for 4 / 8 / 16 row
 docs/bench/step). oneDNN's linear takes a weight reordered into its own layout
 once (`torch.ops.mkldnn._reorder_linear_weight`, the kernel `torch.compile` uses for CPU linears), so a
 step of any row count streams each weight once, as a product should. Blocks of one to three rows stay
-with `F.linear` (`PACKED_MIN_ROWS`), as plain transformers runs them. `splitinfer bench-step` measures
+with `F.linear` (`PACKED_MIN_ROWS`), as plain transformers runs them. `splitinfer bench step` measures
 whole steps both ways against plain transformers.
 
 The packed copy is made on the first CPU forward and remade whenever the weight changes in place or is
@@ -23,7 +23,7 @@ against sequential decoding is measured, as always, on token ids.
 History (kept because it misled once): until this module the CPU path was `weight @ x.T` for 1-4 rows
 ("few-rows form"). A kernel micro-benchmark favoured it; the issue that removed it measured the whole
 local-only step doubled by it, while plain transformers, which calls `F.linear`, did not slow. A
-micro-benchmark never decides alone: `bench-step` times the whole step against the anchor.
+micro-benchmark never decides alone: `bench step` times the whole step against the anchor.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CLI: `splitinfer audit` and `splitinfer privatize` (thin wrappers over privacy.audit / privacy.privatize).
+"""CLI: `splitinfer privacy audit` and `splitinfer privacy privatize` (thin wrappers over privacy.audit / privacy.privatize).
 
 No torch import at module level: the CLI parses arguments before anything heavy loads.
 """
@@ -46,7 +46,7 @@ def _keys(text: str) -> tuple[str, ...]:
 def cmd_audit(args) -> int:
     from ..extras import AUDIT, require_extra
 
-    require_extra("audit", AUDIT, "splitinfer audit")
+    require_extra("audit", AUDIT, "splitinfer privacy audit")
     from dataclasses import replace
 
     import torch
@@ -212,7 +212,7 @@ def cmd_privacy_table(args) -> int:
 
 @dataclass(frozen=True)
 class BasisCheckOptions:
-    """`splitinfer basis-check`'s defaults."""
+    """`splitinfer privacy check`'s defaults."""
 
     tokens: int = 32  # new tokens per prompt
 
@@ -239,7 +239,7 @@ def register(subparsers) -> None:
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
 
-    s = subparsers.add_parser("basis-check", help="compare a `privatize --basis` copy with its public shards")
+    s = subparsers.add_parser("check", help="compare a `privatize --basis` copy with its public shards")
     s.add_argument("--public", required=True, help="the public OUT directory")
     s.add_argument("--keyed", required=True, help="its `privatize --basis` copy")
     s.add_argument("--out", required=True, help="JSON file for the comparison")
@@ -247,7 +247,7 @@ def register(subparsers) -> None:
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_basis_check)
 
-    s = subparsers.add_parser("privacy-table", help="write the threat-model table from audit.json files into docs")
+    s = subparsers.add_parser("table", help="write the threat-model table from audit.json files into docs")
     s.add_argument("--audit", nargs="+", required=True,
                    help="audit.json files; a row found in several comes from the first")
     s.add_argument("--write", nargs="*", default=[], help="Markdown files with threat-table markers to update")
