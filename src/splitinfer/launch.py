@@ -22,6 +22,16 @@ from .netem.commands import WAN_RTT_MS
 from .options import Opt, Shared, add_options
 
 
+def pin_self(cpu: int) -> None:
+    """Pin this process to core `cpu` (where the machine has it) with one torch thread: the client's side of
+    the same fairness the children get."""
+    import torch
+
+    if hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
+        os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

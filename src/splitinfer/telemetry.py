@@ -39,8 +39,9 @@ class StepRecord:
         return {**asdict(self), "network_ms": self.network_ms}
 
 
-def _median(values: list[float]) -> float:
-    return round(statistics.median(values), 4) if values else 0.0
+def median(values: list[float], digits: int = 4) -> float:
+    """The median rounded to `digits`, 0.0 for no values: the one median the summaries and benchmarks use."""
+    return round(statistics.median(values), digits) if values else 0.0
 
 
 def summarize(records: list[StepRecord], generated: int, decode_s: float, prefill_s: float) -> dict:
@@ -60,14 +61,14 @@ def summarize(records: list[StepRecord], generated: int, decode_s: float, prefil
         "prefill_messages": sum(1 for r in records if r.kind == "prefill"),
         "bytes_up": sum(r.bytes_up for r in records),
         "bytes_down": sum(r.bytes_down for r in records),
-        "bytes_per_decode_step": _median([r.bytes_up + r.bytes_down for r in decode]),
+        "bytes_per_decode_step": median([r.bytes_up + r.bytes_down for r in decode]),
         "recoveries": sum(r.recoveries for r in records),
         "median_ms": {
-            "round_trip": _median([r.round_trip_ms for r in decode]),
-            "network": _median([r.network_ms for r in decode]),
-            "cloud_compute": _median([r.cloud_compute_ms for r in decode]),
-            "local_compute": _median([r.local_ms for r in decode]),
-            "serialize": _median([r.serialize_ms for r in decode]),
-            "step": _median([r.round_trip_ms + r.local_ms + r.serialize_ms for r in decode]),
+            "round_trip": median([r.round_trip_ms for r in decode]),
+            "network": median([r.network_ms for r in decode]),
+            "cloud_compute": median([r.cloud_compute_ms for r in decode]),
+            "local_compute": median([r.local_ms for r in decode]),
+            "serialize": median([r.serialize_ms for r in decode]),
+            "step": median([r.round_trip_ms + r.local_ms + r.serialize_ms for r in decode]),
         },
     }

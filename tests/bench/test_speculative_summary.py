@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitinfer.bench.speculative import markdown, summarize
+from splitinfer.bench.spec_report import markdown
+from splitinfer.bench.spec_summary import summarize
 
 
 def _run(strategy, prompt, category, accepted, decode_s, generated=None):
@@ -79,7 +80,7 @@ def test_pooled_counts_emitted_tokens_and_the_bound_uses_the_same_steps():
 
 
 def test_results_table_goes_between_the_readme_markers_and_nowhere_else(tmp_path):
-    from splitinfer.bench.speculative import RESULTS_END, RESULTS_START, replace_results
+    from splitinfer.bench.spec_readme import RESULTS_END, RESULTS_START, replace_results
     from splitinfer.errors import ConfigError
 
     runs = [_run("sequential", "a", "code", [1] * 10, 2.0), _run("tree", "a", "code", [2] * 5, 1.0)]

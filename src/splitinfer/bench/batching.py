@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..options import Opt, Shared, add_options
+from ..tables import left_table
+from ..telemetry import median
 from ..wire.dtypes import DTYPE_NAMES
 
 
@@ -42,9 +43,6 @@ def _ints(text: str, name: str) -> list[int]:
         raise ConfigError(f"{name} needs at least one value, all >= 1; got {text!r}.")
     return values
 
-
-def _median(values) -> float:
-    return round(statistics.median(values), 3)
 
 
 class _Sessions:
@@ -105,7 +103,7 @@ def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
             batched.append(sessions.batched(idx, [1] * b))
             alone.append(sessions.one_at_a_time(idx, [1] * b))
         rows.append({"kind": "decode", "batch": b, "block_rows": [1] * b,
-                     "batched_ms": _median(batched), "one_at_a_time_ms": _median(alone)})
+                     "batched_ms": median(batched, 3), "one_at_a_time_ms": median(alone, 3)})
     config = BatchConfig()
     for mix in ([1, 4, 8, 16], [1, 1, 1, 1, 8, 8, 8, 8], [1] * 12 + [32] * 4):
         if len(mix) > max(sizes):
@@ -122,7 +120,7 @@ def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
             batched.append(grouped())
             alone.append(sessions.one_at_a_time(idx, mix))
         rows.append({"kind": "mixed", "batch": len(mix), "block_rows": mix, "passes": len(groups),
-                     "batched_ms": _median(batched), "one_at_a_time_ms": _median(alone)})
+                     "batched_ms": median(batched, 3), "one_at_a_time_ms": median(alone, 3)})
     one = next(r["batched_ms"] for r in rows if r["kind"] == "decode" and r["batch"] == 1)
     for r in rows:
         r["batched_vs_one_step"] = round(r["batched_ms"] / one, 3)
@@ -152,7 +150,7 @@ def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
     finally:
         scheduler.close()
         executor.shutdown()
-    medians = {path: _median(values) for path, values in times.items()}
+    medians = {path: median(values, 3) for path, values in times.items()}
     return {"rows": rows, "lone_session": {
         "direct_ms": medians["direct"], "via_scheduler_ms": medians["scheduler"],
         "via_executor_ms": medians["executor"],
@@ -216,7 +214,7 @@ def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: in
                     raise ConfigError(f"only {served} of {n * steps} steps were answered; rerun with -v to see why.")
                 results.append({"mode": mode, "clients": n, "rtt_ms": rtt_ms, "steps": served, "wall_s": round(wall, 3),
                                 "steps_served_per_s": round(served / wall, 2),
-                                "step_latency_ms_median": _median([v for x in latencies for v in x])})
+                                "step_latency_ms_median": median([v for x in latencies for v in x], 3)})
                 print(f"  server {mode:>13} {n:>2} client(s): {results[-1]['steps_served_per_s']} steps/s, "
                       f"{results[-1]['step_latency_ms_median']} ms per step", flush=True)
     return results
@@ -273,11 +271,11 @@ def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> 
                     "mode": mode, "clients": n, "rtt_ms": rtt_ms, "wall_s": round(wall, 3),
                     "generated_tokens": sum(s["generated_tokens"] for s in stats),
                     "aggregate_tok_s": round(sum(s["generated_tokens"] for s in stats) / wall, 2),
-                    "per_session_tok_s_median": _median([s["tokens_per_s"] for s in stats]),
+                    "per_session_tok_s_median": median([s["tokens_per_s"] for s in stats], 3),
                     "decode_steps": steps, "steps_served_per_s": round(steps / wall, 2),
-                    "median_cloud_compute_ms": _median([s["median_ms"]["cloud_compute"] for s in stats]),
-                    "median_local_compute_ms": _median([s["median_ms"]["local_compute"] for s in stats]),
-                    "median_round_trip_ms": _median([s["median_ms"]["round_trip"] for s in stats]),
+                    "median_cloud_compute_ms": median([s["median_ms"]["cloud_compute"] for s in stats], 3),
+                    "median_local_compute_ms": median([s["median_ms"]["local_compute"] for s in stats], 3),
+                    "median_round_trip_ms": median([s["median_ms"]["round_trip"] for s in stats], 3),
                 })
                 print(f"  e2e {mode:>13} {n:>2} client(s): {results[-1]['aggregate_tok_s']} tok/s aggregate, "
                       f"{results[-1]['steps_served_per_s']} steps/s", flush=True)
@@ -286,15 +284,16 @@ def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> 
 
 def markdown(report: dict) -> str:
     lines = [f"# Batched cloud execution ({report['model_id']})", "", report["how"], "",
-             "## Cloud side, in-process (no clients on the CPU)", "",
-             "| kind | sessions | block rows | passes | batched ms | one at a time ms | batched / one step | "
-             "speedup | steps/s batched | steps/s one at a time |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "## Cloud side, in-process (no clients on the CPU)", ""]
+    body = []
     for r in report["cloud"]["rows"]:
         rows = r["block_rows"]
         shape = f"{rows[0]} x {len(rows)}" if len(set(rows)) == 1 else ",".join(map(str, rows))
-        lines.append(f"| {r['kind']} | {r['batch']} | {shape} | {r.get('passes', 1)} | {r['batched_ms']} | "
-                     f"{r['one_at_a_time_ms']} | {r['batched_vs_one_step']} | {r['speedup_vs_one_at_a_time']} | "
-                     f"{r['steps_per_s_batched']} | {r['steps_per_s_one_at_a_time']} |")
+        body.append([r["kind"], r["batch"], shape, r.get("passes", 1), r["batched_ms"], r["one_at_a_time_ms"],
+                     r["batched_vs_one_step"], r["speedup_vs_one_at_a_time"], r["steps_per_s_batched"],
+                     r["steps_per_s_one_at_a_time"]])
+    lines += left_table(["kind", "sessions", "block rows", "passes", "batched ms", "one at a time ms", "batched / one step",
+                    "speedup", "steps/s batched", "steps/s one at a time"], body)
     lone = report["cloud"]["lone_session"]
     lines += ["", f"Lone session, median of {lone['samples']} interleaved steps: {lone['direct_ms']} ms called "
               "directly, "
@@ -309,10 +308,10 @@ def markdown(report: dict) -> str:
         rtt = report["server_under_load"][0]["rtt_ms"]
         lines += ["", f"## The real server at +{rtt:g} ms round trip, driven by model-less clients (cloud side)", "",
                   "Clients replay single-token decode steps of random hidden states (no local layers), so the "
-                  "server's batching, not the clients' compute, sets the rate.", "",
-                  "| mode | clients | steps served/s | step latency ms (median) |", "|---|---|---|---|"]
-        for r in report["server_under_load"]:
-            lines.append(f"| {r['mode']} | {r['clients']} | {r['steps_served_per_s']} | {r['step_latency_ms_median']} |")
+                  "server's batching, not the clients' compute, sets the rate.", ""]
+        lines += left_table(["mode", "clients", "steps served/s", "step latency ms (median)"],
+                       [[r["mode"], r["clients"], r["steps_served_per_s"], r["step_latency_ms_median"]]
+                        for r in report["server_under_load"]])
         if "server_steps16_vs_lone" in targets:
             met = "met" if targets["server_steps16_met"] else "not met"
             lines += ["", "Target: steps served per second at 16 sessions >= 5x a lone session's: "
@@ -320,14 +319,12 @@ def markdown(report: dict) -> str:
     if report["e2e"]:
         rtt = report["e2e"][0]["rtt_ms"]
         lines += ["", f"## End to end at +{rtt:g} ms round trip (clients share a core; see above)",
-                  "", "| mode | clients | aggregate tok/s | per-session tok/s (median) | steps served/s | "
-                  "cloud compute ms (median) | local compute ms (median) | round trip ms (median) |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in report["e2e"]:
-            lines.append(f"| {r['mode']} | {r['clients']} | {r['aggregate_tok_s']} | {r['per_session_tok_s_median']} | "
-                         f"{r['steps_served_per_s']} | {r['median_cloud_compute_ms']} | "
-                         f"{r['median_local_compute_ms']} | "
-                         f"{r['median_round_trip_ms']} |")
+                  ""]
+        lines += left_table(["mode", "clients", "aggregate tok/s", "per-session tok/s (median)", "steps served/s",
+                        "cloud compute ms (median)", "local compute ms (median)", "round trip ms (median)"],
+                       [[r["mode"], r["clients"], r["aggregate_tok_s"], r["per_session_tok_s_median"],
+                         r["steps_served_per_s"], r["median_cloud_compute_ms"], r["median_local_compute_ms"],
+                         r["median_round_trip_ms"]] for r in report["e2e"]])
         if "e2e_steps16_vs_lone" in targets:
             lines += ["", "End to end, steps served per second at 16 clients vs one (bounded by the clients sharing "
                       f"a core): {targets['e2e_steps16_vs_lone']}x."]

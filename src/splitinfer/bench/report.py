@@ -11,14 +11,10 @@ import os
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..tables import table
 from .summary import BREAKDOWN
 
 PLOTS = ("tokens_per_s_vs_rtt.png", "breakdown.png", "prefill.png")
-
-
-def _table(header: list[str], rows: list[list], align: str | None = None) -> list[str]:
-    align = align or "|---" + "|---:" * (len(header) - 1) + "|"
-    return ["| " + " | ".join(header) + " |", align, *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)]
 
 
 def _fit_note(e: dict) -> str:
@@ -54,7 +50,7 @@ def markdown(report: dict, plot_dir: str = "", level: int = 1) -> str:
         lines.append(f"- {'PASS' if c['passed'] else 'FAIL'}: {c['check']}: {c['measured']} vs {c['expected']} "
                      f"({c['relative_error']:.1%}, tolerance {c['tolerance']:.0%})")
     lines += ["", f"{h}# tok/s, acceptance and the per-step breakdown (ms, mean per decode step, median over generations)", ""]
-    lines += _table(
+    lines += table(
         ["mode", "added RTT ms", "tok/s", "accepted/step", "bytes/step", "step ms", "network", "cloud compute",
          "server other", "local compute", "serialize", "between steps", "efficiency", "$/M tokens", "identical to local-only"],
         [[r["mode"], f"{r['rtt_ms']:g}", r["tokens_per_s"], r["accepted_per_step"], r["bytes_per_step"], r["step_ms"],
@@ -73,7 +69,7 @@ def markdown(report: dict, plot_dir: str = "", level: int = 1) -> str:
         f"{h}# Throughput model tok/s = 1000 a / (RTT + f)",
         "",
     ]
-    lines += _table(
+    lines += table(
         ["mode", "fitted a", "measured a", "fitted f ms", "f ms at measured a", "measured f ms (step - RTT)",
          "incl. between steps", "measured f ms by RTT", "max residual ms/token"],
         [[m, _or_dash(e.get("a")), e["measured_a"], _or_dash(e.get("f_ms")), _or_dash(e.get("f_ms_at_measured_a")),
@@ -87,21 +83,21 @@ def markdown(report: dict, plot_dir: str = "", level: int = 1) -> str:
     if s["projection"]:
         modes = [k for k in s["projection"][0] if k != "rtt_ms"]
         lines += ["", "Projection outside the sweep (tok/s from the fitted a and f):", ""]
-        lines += _table(["RTT ms", *modes], [[f"{p['rtt_ms']:g}", *(p[m] for m in modes)] for p in s["projection"]])
+        lines += table(["RTT ms", *modes], [[f"{p['rtt_ms']:g}", *(p[m] for m in modes)] for p in s["projection"]])
     if s["break_even"]:
         lines += ["", "Break-even acceptance a* = (RTT + f_spec) / (RTT + f_seq) against split sequential:", ""]
-        lines += _table(["mode", "RTT ms", "a*", "measured a", "pays"],
+        lines += table(["mode", "RTT ms", "a*", "measured a", "pays"],
                         [[b["mode"], f"{b['rtt_ms']:g}", b["break_even_a"], b["measured_a"] if b["measured_a"] is not None else "-",
                           {True: "yes", False: "no", None: "-"}[b["pays"]]] for b in s["break_even"]])
     lines += ["", "Probe (decode-sized messages on the idle path before the runs):", ""]
-    lines += _table(["added RTT ms", "median ms", "p90 ms"], [[k, v["median_ms"], v["p90_ms"]] for k, v in s["probe"].items()])
+    lines += table(["added RTT ms", "median ms", "p90 ms"], [[k, v["median_ms"], v["p90_ms"]] for k, v in s["probe"].items()])
     prefill = report.get("prefill")
     if prefill:
         lines += ["", f"{h}# Prefill at {prefill['bandwidth_mbit']:g} Mbit/s per direction, +{prefill['rtt_ms']:g} ms RTT",
                   "", "wire = the prefill's exact messages (Step chunks of "
                   f"{prefill['chunk_rows']} rows up, every row's hidden state back) carried as probes, no compute; "
                   "real = an actual split prefill, compute included.", ""]
-        lines += _table(
+        lines += table(
             ["tokens", "kind", "chunks", "MB up", "MB down", "measured ms", "sequential floor ms", "link floor ms", "x link floor"],
             [[p["tokens"], p["kind"], p["chunks"], round(p["bytes_up"] / 1e6, 2), round(p["bytes_down"] / 1e6, 2),
               p["total_ms"], p["sequential_floor_ms"], p["link_floor_ms"], p["vs_link_floor"]] for p in prefill["results"]],
@@ -109,7 +105,7 @@ def markdown(report: dict, plot_dir: str = "", level: int = 1) -> str:
         first = next((p for p in prefill["results"] if p["kind"] == "wire" and p["chunks"] > 1), None)
         if first:
             lines += ["", f"Trace of the {first['tokens']}-token wire prefill (ms from the first send; first chunks):", ""]
-            lines += _table(["chunk", "rows", "bytes up", "bytes down", "start", "end"],
+            lines += table(["chunk", "rows", "bytes up", "bytes down", "start", "end"],
                             [[i, c["rows"], c["bytes_up"], c["bytes_down"], c["start_ms"], c["end_ms"]]
                              for i, c in enumerate(first["trace"][:8])])
         lines += ["", "Floors: sequential = sum over chunks of (RTT + (up + down) * 8 / bandwidth); link = "

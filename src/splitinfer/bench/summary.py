@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 
 from ..errors import ConfigError
+from ..telemetry import median
 from . import throughput
 from .runtime import SPLIT_MODES
 
@@ -16,9 +17,6 @@ BREAKDOWN = ("network_ms", "cloud_compute_ms", "server_other_ms", "local_compute
 FIT_TOLERANCE = 0.15  # issue 4: fitted f of sequential within 15% of the measured fixed overhead
 PROBE_TOLERANCE = 0.10  # issue 4: probe reports the emulated RTT within 10%
 
-
-def _median(values: list[float]) -> float:
-    return round(statistics.median(values), 3) if values else 0.0
 
 
 def rows(runs: list[dict], price_per_hour: float) -> list[dict]:
@@ -32,12 +30,12 @@ def rows(runs: list[dict], price_per_hour: float) -> list[dict]:
             "mode": mode,
             "rtt_ms": rtt,
             "generations": len(mine),
-            "tokens_per_s": _median([r["tokens_per_s"] for r in mine]),
+            "tokens_per_s": median([r["tokens_per_s"] for r in mine], 3),
             # pooled over all steps, as the model's a is (tokens per round trip)
             "accepted_per_step": round(sum(r["accepted_per_step"] * r["steps"] for r in mine) / max(steps, 1), 4),
-            "bytes_per_step": _median([r["bytes_per_step"] for r in mine]),
-            "step_ms": _median([r["step_ms"] for r in mine]),
-            **{k: _median([r[k] for r in mine]) for k in BREAKDOWN},
+            "bytes_per_step": median([r["bytes_per_step"] for r in mine], 3),
+            "step_ms": median([r["step_ms"] for r in mine], 3),
+            **{k: median([r[k] for r in mine], 3) for k in BREAKDOWN},
             "identical_to_local_only": sum(r["token_ids"] == reference.get((r["prompt_id"], r["repeat"])) for r in mine),
         }
         measured = row["tokens_per_s"] > 0 and row["accepted_per_step"] > 0  # not when every generation stopped at once
@@ -57,9 +55,9 @@ def fits(table: list[dict]) -> dict[str, dict]:
         mine = sorted((r for r in table if r["mode"] == mode), key=lambda r: r["rtt_ms"])
         measured_a = round(sum(r["accepted_per_step"] for r in mine) / len(mine), 4)
         # fixed overhead from telemetry: the measured step minus the added round trip, median over RTTs
-        measured_f = _median([r["step_ms"] - r["rtt_ms"] for r in mine])
+        measured_f = median([r["step_ms"] - r["rtt_ms"] for r in mine], 3)
         entry = {"measured_a": measured_a, "measured_f_ms": measured_f,
-                 "measured_f_with_between_steps_ms": _median([r["step_ms"] + r["between_steps_ms"] - r["rtt_ms"] for r in mine])}
+                 "measured_f_with_between_steps_ms": median([r["step_ms"] + r["between_steps_ms"] - r["rtt_ms"] for r in mine], 3)}
         if mode in SPLIT_MODES and len(mine) >= 2:
             # The same model with a held at the measured acceptance: the mean of 1000 a / tok/s - RTT. Next to
             # the free fit it shows how much of a's misfit comes from overhead that grows with the round trip
@@ -127,7 +125,7 @@ def summarize(raw: dict, price_per_hour: float, projection_rtts: list[float]) ->
     model = fits(table)
     swept = sorted({r["rtt_ms"] for r in table if r["mode"] in SPLIT_MODES})
     outside = [r for r in projection_rtts if r not in swept]
-    probe = {rtt: {"median_ms": _median(s), "p90_ms": round(statistics.quantiles(s, n=10)[-1], 3) if len(s) > 1 else None}
+    probe = {rtt: {"median_ms": median(s, 3), "p90_ms": round(statistics.quantiles(s, n=10)[-1], 3) if len(s) > 1 else None}
              for rtt, s in raw["probe_rtt_ms"].items()}
     return {
         "rows": table,

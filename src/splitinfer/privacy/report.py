@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..tables import left_table
+
 
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
@@ -21,20 +23,14 @@ def _p(p: float) -> str:
     return f"{p:.2g}" if p >= 1e-4 else "<1e-4"
 
 
-HEADER = (
-    "| side | depth | threat | attacker | defence | top-1 % [95% CI] | top-5 % | baseline top-1 % [CI] | "
-    "baseline top-5 % | ceiling % | exact chunks % | canary top-1 % | tokens / docs |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-)
-
-
-def row_line(r: dict) -> str:
-    return (
-        f"| {r['side']} | {r['depth']} | {r['threat']} | {r['attacker']} | {r['defence']} | "
-        f"{_pct(r['top1'])} {_ci(r['top1_ci'])} | {_pct(r['top5'])} | {_pct(r['baseline_top1'])} "
-        f"{_ci(r['baseline_top1_ci'])} | {_pct(r['baseline_top5'])} | {_pct(r['ceiling'])} | "
-        f"{_pct(r['exact_sequence'])} | {_pct(r['canary_top1'])} | {r['n_tokens']} / {r['n_documents']} |"
-    )
+def _results(rows: list[dict]) -> list[str]:
+    header = ["side", "depth", "threat", "attacker", "defence", "top-1 % [95% CI]", "top-5 %", "baseline top-1 % [CI]",
+              "baseline top-5 %", "ceiling %", "exact chunks %", "canary top-1 %", "tokens / docs"]
+    return left_table(header, [[r["side"], r["depth"], r["threat"], r["attacker"], r["defence"],
+                           f"{_pct(r['top1'])} {_ci(r['top1_ci'])}", _pct(r["top5"]),
+                           f"{_pct(r['baseline_top1'])} {_ci(r['baseline_top1_ci'])}", _pct(r["baseline_top5"]),
+                           _pct(r["ceiling"]), _pct(r["exact_sequence"]), _pct(r["canary_top1"]),
+                           f"{r['n_tokens']} / {r['n_documents']}"] for r in rows])
 
 
 KEYED = ("T3", "T4", "T5")
@@ -58,12 +54,30 @@ def _keyed_section(result: dict) -> list[str]:
             f"matching (A5): {t4.get('seconds', '?')} s, key error {t4.get('rotation_error', '?')}, permutation "
             f"recovered {_pct(t4.get('permutation_recovered'))}%. Moment alignment (A8) key error: "
             f"{info.get('alignment_error')}. A9: {info.get('a9')}.")
-    return [*lines, "", HEADER, *[row_line(r) for r in rows], ""]
+    return [*lines, "", *_results(rows), ""]
 
 
 def _section(title: str, rows: list[dict]) -> list[str]:
     """A heading and its rows' table; nothing where the audit ran no such rows (`--quick` has no T0)."""
-    return [f"## {title}", "", HEADER, *[row_line(r) for r in rows], ""] if rows else []
+    return [f"## {title}", "", *_results(rows), ""] if rows else []
+
+
+def _depth_identification(ident: dict | None) -> list[str]:
+    if not ident:
+        return []
+    lines = ["", "## Can the cloud tell the split depth? (split-point randomisation)", "",
+             "A classifier trained on the attacker's own text at each depth; per row, and by majority vote over "
+             "each test chunk's rows (a session).", ""]
+    body = []
+    for block in (ident, ident.get("split_range")):
+        if not block:
+            continue
+        for name in ("row statistics", "whole vector"):
+            m = block[name]
+            session = _pct(m["session_accuracy"]) if "session_accuracy" in m else "-"
+            body.append([block["depths"], _pct(block["chance"]), name, _pct(m["row_accuracy"]), m["n_rows"], session,
+                         m.get("n_sessions", "-")])
+    return lines + left_table(["depths", "chance %", "features", "row accuracy %", "rows", "session accuracy %", "sessions"], body)
 
 
 def markdown(result: dict) -> str:
@@ -87,54 +101,33 @@ def markdown(result: dict) -> str:
         *_keyed_section(result),
         "## Utility and throughput cost of the defences",
         "",
-        "| defence | side | depth | perplexity (original) | greedy agreement % | added local ms / token | tokens |",
-        "|---|---|---|---|---|---|---|",
+        *left_table(["defence", "side", "depth", "perplexity (original)", "greedy agreement %", "added local ms / token", "tokens"],
+               [[d["defence"], d["side"], d["depth"],
+                 f"{d['utility']['perplexity']:.2f} ({d['utility']['reference_perplexity']:.2f})",
+                 _pct(d["utility"]["greedy_agreement"]), d.get("added_ms_per_token", 0), d["utility"]["n_tokens"]]
+                for d in result.get("defences", [])]),
     ]
-    for d in result.get("defences", []):
-        u = d["utility"]
-        lines.append(
-            f"| {d['defence']} | {d['side']} | {d['depth']} | {u['perplexity']:.2f} ({u['reference_perplexity']:.2f}) | "
-            f"{_pct(u['greedy_agreement'])} | {d.get('added_ms_per_token', 0)} | {u['n_tokens']} |"
-        )
     curve = [r for r in rows if r["threat"] == "T2"]
     if curve:
         own = result.get("chosen_plaintext", {})
         lines += ["", "## T2 learning curve: chosen-plaintext tokens N vs recovery (private weights)", "",
                   f"The attacker's own text: {own.get('documents', '?')} documents that are not in the audit's "
                   f"train or test split; {own.get('input_tokens', '?')} tokens through the private head, "
-                  f"{own.get('output_tokens', '?')} through the whole model (output side, capped).", "",
-                  "| side | attacker | N | top-1 % [95% CI] | baseline top-1 % | ceiling % | train s (capped) |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in sorted(curve, key=lambda r: (r["side"], r["attacker"].split(" ")[0], r["chosen_plaintext_tokens"])):
-            lines.append(
-                f"| {r['side']} | {r['attacker'].split(' ')[0]} | {r['chosen_plaintext_tokens']} | {_pct(r['top1'])} "
-                f"{_ci(r['top1_ci'])} | {_pct(r['baseline_top1'])} | {_pct(r['ceiling'])} | "
-                f"{r['train_seconds']}{' (capped)' if r['capped'] else ''} |"
-            )
-    lines += ["", "Split depth: same function, so no utility cost; local compute per decoded token:", "",
-              "| side | local layers | local ms / token (median decode step) |", "|---|---|---|"]
-    for c in result.get("depth_costs", []):
-        lines.append(f"| {c['side']} | {c['depth']} | {c['local_ms_per_token']} |")
-    ident = result.get("depth_identification")
-    if ident:
-        lines += ["", "## Can the cloud tell the split depth? (split-point randomisation)", "",
-                  "A classifier trained on the attacker's own text at each depth; per row, and by majority vote over "
-                  "each test chunk's rows (a session).", "",
-                  "| depths | chance % | features | row accuracy % | rows | session accuracy % | sessions |",
-                  "|---|---|---|---|---|---|---|"]
-        for block in (ident, ident.get("split_range")):
-            if not block:
-                continue
-            for name in ("row statistics", "whole vector"):
-                m = block[name]
-                session = _pct(m["session_accuracy"]) if "session_accuracy" in m else "-"
-                lines.append(f"| {block['depths']} | {_pct(block['chance'])} | {name} | {_pct(m['row_accuracy'])} | "
-                             f"{m['n_rows']} | {session} | {m.get('n_sessions', '-')} |")
+                  f"{own.get('output_tokens', '?')} through the whole model (output side, capped).", ""]
+        curve = sorted(curve, key=lambda r: (r["side"], r["attacker"].split(" ")[0], r["chosen_plaintext_tokens"]))
+        lines += left_table(["side", "attacker", "N", "top-1 % [95% CI]", "baseline top-1 %", "ceiling %", "train s (capped)"],
+                       [[r["side"], r["attacker"].split(" ")[0], r["chosen_plaintext_tokens"],
+                         f"{_pct(r['top1'])} {_ci(r['top1_ci'])}", _pct(r["baseline_top1"]), _pct(r["ceiling"]),
+                         f"{r['train_seconds']}{' (capped)' if r['capped'] else ''}"] for r in curve])
+    lines += ["", "Split depth: same function, so no utility cost; local compute per decoded token:", ""]
+    lines += left_table(["side", "local layers", "local ms / token (median decode step)"],
+                   [[c["side"], c["depth"], c["local_ms_per_token"]] for c in result.get("depth_costs", [])])
+    lines += _depth_identification(result.get("depth_identification"))
     lines += ["", "## Paired tests (exact McNemar on the same tokens)", "",
-              "n01 = a wrong and b right; n10 = a right and b wrong.", "",
-              "| comparison | a | b | n01 | n10 | p | tokens |", "|---|---|---|---|---|---|---|"]
-    for t in result["paired_tests"]:
-        lines.append(f"| {t['comparison']} | {t['a']} | {t['b']} | {t['n01']} | {t['n10']} | {_p(t['p_value'])} | {t['n_tokens']} |")
+              "n01 = a wrong and b right; n10 = a right and b wrong.", ""]
+    lines += left_table(["comparison", "a", "b", "n01", "n10", "p", "tokens"],
+                   [[t["comparison"], t["a"], t["b"], t["n01"], t["n10"], _p(t["p_value"]), t["n_tokens"]]
+                    for t in result["paired_tests"]])
     lines += ["", "Plots: `recovery_vs_depth.png`, `privacy_vs_utility.png`.", ""]
     return "\n".join(lines)
 
