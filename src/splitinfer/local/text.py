@@ -3,12 +3,20 @@
 `TextStream` turns generated tokens into text once for every caller (the Python API, the terminal chat,
 the OpenAI-compatible server): it streams only pieces that will not change when more tokens arrive,
 leaves end-of-sequence tokens out of the text and reports when the text reaches a stop string.
+With a fast tokenizer the pieces come from `tokenizers`' `DecodeStream`, which decodes only the last few
+tokens each step, so a token costs the same at the end of a long reply as at its start (decoding the whole
+reply again for every token made a reply quadratic in its length); the text is the same either way.
 Nothing here runs the model or touches the network.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - tokenizers before 0.21: the whole reply is decoded every time
+    DecodeStream = None
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -54,6 +62,15 @@ class StopMatcher:
         return out
 
 
+def _decode_stream(tokenizer):
+    """(the `tokenizers.Tokenizer` behind `tokenizer`, a fresh DecodeStream), or None where it cannot stand
+    in for `tokenizer.decode`: a slow tokenizer, or one that cleans up spaces after decoding."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend, DecodeStream(skip_special_tokens=True)
+
+
 class TextStream:
     """The text of one reply, built token by token.
 
@@ -71,7 +88,8 @@ class TextStream:
         self.stop_strings = stop_strings
         self.matcher = StopMatcher(stop_strings) if stop_strings else None
         self.visible: list[int] = []  # generated ids without end-of-sequence tokens
-        self.sent = ""  # decoded text already passed on
+        self.sent: list[str] = []  # the decoded pieces already passed on
+        self.incremental = None if tokenizer is None else _decode_stream(tokenizer)
 
     def decoded(self) -> str:
         if self.tokenizer is None:
@@ -79,9 +97,10 @@ class TextStream:
         return self.tokenizer.decode(self.visible, skip_special_tokens=True)
 
     def push(self, token: int) -> bool:
-        if token not in self.stop_ids:
-            self.visible.append(token)
-        return self._advance(final=token in self.stop_ids)
+        if token in self.stop_ids:
+            return self._advance(final=True)
+        self.visible.append(token)
+        return self._advance(final=False)
 
     def finish(self) -> str:
         """Pass on what was held back and return the reply's text, cut before the first stop string."""
@@ -91,16 +110,25 @@ class TextStream:
             self._out(self.matcher.flush())
         return before_stop(self.decoded(), self.stop_strings)
 
+    def _delta(self, final: bool) -> str:
+        """The text the reply gained since the last piece, once it will not change ("" until then)."""
+        if self.incremental is not None and not final:
+            backend, stream = self.incremental
+            return stream.step(backend, self.visible[-1]) or ""  # None: a character is not complete yet
+        text = self.decoded()  # at the end, or with no DecodeStream: the whole reply
+        # A trailing replacement character is a multi-byte character that is not complete yet.
+        if not final and text.endswith("\ufffd"):
+            return ""
+        sent = "".join(self.sent)
+        return text[len(sent):] if text.startswith(sent) and len(text) > len(sent) else ""
+
     def _advance(self, final: bool) -> bool:
         if self.tokenizer is None or (self.on_text is None and self.matcher is None):
             return False
-        text = self.decoded()
-        # A trailing replacement character is a multi-byte character that is not complete yet.
-        if not final and text.endswith("\ufffd"):
+        delta = self._delta(final)
+        if not delta:
             return False
-        if not (text.startswith(self.sent) and len(text) > len(self.sent)):
-            return False
-        delta, self.sent = text[len(self.sent) :], text
+        self.sent.append(delta)
         if self.matcher is None:
             self._out(delta)
             return False
