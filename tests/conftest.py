@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from splitinfer.model.shards import prepare
+from splitinfer.model.prepare import prepare
 from splitinfer.model.source import load_source
 
 

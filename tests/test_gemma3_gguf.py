@@ -10,7 +10,7 @@ import pytest
 
 from splitinfer.bench.crosscheck import crosscheck
 from splitinfer.bench.runtime import load_prompts
-from splitinfer.model.shards import prepare
+from splitinfer.model.prepare import prepare
 from splitinfer.model.source import load_source
 
 gemma_package = pytest.importorskip(

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from splitinfer.inprocess import local_only_client
-from splitinfer.model.shards import prepare
+from splitinfer.model.prepare import prepare
 from splitinfer.model.source import SourceModel
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))

@@ -97,7 +97,7 @@ def open_local_only(
 
         if is_gguf_source(model):
             require_extra("gguf", GGUF, "--local-only (reading a GGUF model; the default is one)")
-        from .model.shards import prepare
+        from .model.prepare import prepare
         from .model.source import load_source
 
         shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))

@@ -40,7 +40,7 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     from .offline import offline_prompts, prompts_hash
     from .progress import progress
     from .decoding.warm import FORMAT, aggregate_successors
-    from .model.shards import model_identity
+    from .model.manifest import model_identity
 
     torch.manual_seed(seed)
     client = local_only_client(shards)
@@ -101,7 +101,8 @@ def build_from_drafter_data(shards: Path, data_path: Path, k: int):
 
     from .decoding.warm import FORMAT, aggregate_successors
     from .drafter.train import made_with
-    from .model.shards import load_whole_hf, model_identity, read_manifest
+    from .model.manifest import model_identity, read_manifest
+    from .model.shards import load_whole_hf
     from .progress import progress
 
     if not data_path.is_file():

@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from splitinfer.model.shards import load_cloud, prepare
+from splitinfer.model.prepare import prepare
+from splitinfer.model.shards import load_cloud
 from splitinfer.model.source import SourceModel
 
 from tiny import tiny_model

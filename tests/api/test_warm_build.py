@@ -8,7 +8,9 @@ import torch
 
 from splitinfer.errors import ConfigError
 from splitinfer.decoding.warm import RecyclingTable, aggregate_successors, shipped_recycling_table, shipped_table_dirs
-from splitinfer.model.shards import load_whole_hf, model_identity, prepare
+from splitinfer.model.manifest import model_identity
+from splitinfer.model.prepare import prepare
+from splitinfer.model.shards import load_whole_hf
 from splitinfer.model.source import SourceModel
 from splitinfer.recycling import build_from_drafter_data, build_recycling_table
 from splitinfer.inprocess import local_only_client

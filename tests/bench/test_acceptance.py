@@ -41,7 +41,7 @@ def test_measure_runs_every_source_exactly_and_reports_by_category(tmp_path):
 
 def test_head_sources_measure_a_given_head_exactly_and_need_one(tmp_path):
     from splitinfer.inprocess import local_only_client
-    from splitinfer.model.shards import model_identity
+    from splitinfer.model.manifest import model_identity
 
     from tiny import random_head
 

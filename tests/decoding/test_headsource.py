@@ -12,7 +12,7 @@ from splitinfer.decoding.strategies import Tree, TreeConfig
 from splitinfer.inprocess import local_only_client
 from splitinfer.local.client import load_draft_head
 from splitinfer.model.drafthead import DRAFTER_DIR, HeadCache, load_head
-from splitinfer.model.shards import model_identity
+from splitinfer.model.manifest import model_identity
 
 from tiny import prepare_tiny, random_head
 

@@ -15,7 +15,7 @@ from splitinfer.decoding.draft import Draft, children_of
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser, target_probs
 from splitinfer.decoding.strategies import Sequential, Strategy, Tree, TreeConfig
 from splitinfer.inprocess import local_only_client
-from splitinfer.model.shards import prepare
+from splitinfer.model.prepare import prepare
 from splitinfer.model.source import SourceModel
 
 from tiny import random_head

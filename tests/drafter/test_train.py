@@ -79,7 +79,8 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     from splitinfer.local.client import load_draft_head
     from splitinfer.model.commands import install_shipped_drafter
     from splitinfer.model.drafthead import DRAFTER_DIR
-    from splitinfer.model.shards import load_local, model_identity, read_manifest
+    from splitinfer.model.manifest import model_identity, read_manifest
+    from splitinfer.model.shards import load_local
 
     from tiny import prepare_tiny
 

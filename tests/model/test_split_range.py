@@ -21,7 +21,9 @@ from splitinfer.inprocess import InProcessMiddle, local_only_client
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
 from splitinfer.masks import BlockStructure
-from splitinfer.model.shards import WEIGHTS, Split, fingerprint, load_cloud, load_local, prepare, read_manifest
+from splitinfer.model.manifest import WEIGHTS, Split, fingerprint, read_manifest
+from splitinfer.model.prepare import prepare
+from splitinfer.model.shards import load_cloud, load_local
 from splitinfer.model.source import SourceModel
 from splitinfer.wire.messages import Hello, Limits, Step, decode_client_message, decode_server_message
 

@@ -12,7 +12,8 @@ from splitinfer.cli import main
 from splitinfer.errors import ConfigError
 from splitinfer.inprocess import local_only_client
 from splitinfer.model.keyed_norm import KeyedRMSNorm
-from splitinfer.model.shards import load_cloud, load_whole_hf, read_manifest
+from splitinfer.model.manifest import read_manifest
+from splitinfer.model.shards import load_cloud, load_whole_hf
 from splitinfer.privacy.basis import BasisConfig, apply_basis, metric_block, write_basis_shards
 
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]

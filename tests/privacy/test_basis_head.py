@@ -19,7 +19,8 @@ from splitinfer.inprocess import local_only_client
 from splitinfer.model.commands import install_shipped_drafter
 from splitinfer.model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_head
 from splitinfer.model.keyed_norm import KeyedRMSNorm
-from splitinfer.model.shards import PUBLIC_BASIS, basis_identity, load_whole_hf, model_identity, read_manifest
+from splitinfer.model.manifest import PUBLIC_BASIS, basis_identity, model_identity, read_manifest
+from splitinfer.model.shards import load_whole_hf
 from splitinfer.privacy.basis import BasisConfig, apply_basis, write_basis_shards
 
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]

@@ -12,7 +12,8 @@ from splitinfer.privacy.attackers import TrainConfig
 from splitinfer.privacy.audit import AuditConfig, run_audit
 from splitinfer.privacy.basis import BasisConfig, apply_basis, linear_key, random_orthogonal
 from splitinfer.privacy.corpus import CorpusConfig
-from splitinfer.privacy.keyed import KeyedConfig, moment_alignment, template_ids, weight_matching
+from splitinfer.privacy.keyattacks import moment_alignment, weight_matching
+from splitinfer.privacy.keyed import KeyedConfig, template_ids
 from splitinfer.privacy.whiten import best_alignment
 
 

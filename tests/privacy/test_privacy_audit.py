@@ -13,7 +13,8 @@ from tiny import prepare_tiny, tiny_model
 
 from splitinfer.errors import ConfigError
 from splitinfer.local.client import check_local_weights
-from splitinfer.model.shards import load_cloud, load_local, local_weights_are_public, read_manifest
+from splitinfer.model.manifest import local_weights_are_public, read_manifest
+from splitinfer.model.shards import load_cloud, load_local
 from splitinfer.privacy.attackers import TrainConfig
 from splitinfer.privacy.audit import AuditConfig, quick_config, run_audit
 from splitinfer.privacy.collect import collect

@@ -1,4 +1,4 @@
-"""Splice bench-spec's headline table into a README between two markers (`bench-spec --readme`)."""
+"""Splice `bench spec`'s headline table into a README between two markers (`bench spec --readme`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench-spec's Markdown report, made from the report dict alone (spec_summary.py computes its numbers)."""
+"""`bench spec`'s Markdown report, made from the report dict alone (spec_summary.py computes its numbers)."""
 
 from __future__ import annotations
 

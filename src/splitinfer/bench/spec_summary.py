@@ -1,4 +1,4 @@
-"""bench-spec's summary: from the recorded runs to the report's numbers (rates, speed-ups against
+"""`bench spec`'s summary: from the recorded runs to the report's numbers (rates, speed-ups against
 sequential and local-only, acceptance, the bounds, the step-cost curve).
 
 Pure functions of the runs speculative.py records (no timing happens here), so a report can be remade

@@ -229,7 +229,7 @@ def check_launch(shard: str, world: int, device: str) -> None:
     """Everything `serve --tp` can check before starting processes: the split, and torch.distributed."""
     import torch.distributed as dist
 
-    from ..model.shards import read_manifest
+    from ..model.manifest import read_manifest
     from ..model.stack import config_from_dict
     from ..model.tensorparallel import check_divisible, tp_plan
 

@@ -140,7 +140,7 @@ def shipped_table_dirs() -> list[Path]:
 
 
 def shipped_recycling_table(identity: str, folders: list[Path] | None = None) -> RecyclingTable | None:
-    """The shipped table built for the model with this identity (model/shards.py `model_identity`: the
+    """The shipped table built for the model with this identity (model/manifest.py `model_identity`: the
     model, whatever its split, dtype or basis, since the table holds token ids only), or None (a table for
     another model would propose another vocabulary's habits: harmless to the output, useless to speed)."""
     for folder in shipped_table_dirs() if folders is None else folders:

@@ -27,7 +27,8 @@ from ..decoding.strategies import Strategy
 from ..decoding.warm import shipped_recycling_table
 from ..errors import ConfigError
 from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_shard_head, read_head_info
-from ..model.shards import LocalHalf, load_local, local_weights_are_public, model_identity
+from ..model.manifest import local_weights_are_public, model_identity
+from ..model.shards import LocalHalf, load_local
 from .auth import ClientAuth
 from .conversation import Conversation
 from .failover import FailoverMiddle, ReplicaSet, fetch_replicas, server_list

@@ -105,7 +105,7 @@ def sampling_from_args(args: argparse.Namespace):
 
 def public_weights_gate(local_dir: str | Path, allow: bool) -> None:
     """Refuse stock public local weights unless allowed, and then warn (docs/privacy.md)."""
-    from ..model.shards import read_manifest
+    from ..model.manifest import read_manifest
     from .client import PUBLIC_WEIGHTS_WARNING, check_local_weights
 
     if check_local_weights(read_manifest(Path(local_dir), "local"), allow):

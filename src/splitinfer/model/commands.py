@@ -1,4 +1,4 @@
-"""`splitinfer prepare`: convert a model once into a local shard and a cloud shard (model/shards.py).
+"""`splitinfer prepare`: convert a model once into a local shard and a cloud shard (model/prepare.py).
 
 Parsing and reporting only; nothing heavy is imported until the command runs.
 """
@@ -39,7 +39,7 @@ def install_shipped_drafter(local_dir: Path, shipped: Path | None = None) -> str
     from importlib import resources
 
     from .drafthead import DRAFTER_DIR, HEAD_CONFIG, head_basis, read_head_info
-    from .shards import basis_identity, model_identity, read_manifest
+    from .manifest import basis_identity, model_identity, read_manifest
 
     manifest = read_manifest(local_dir, "local")
     identity = model_identity(manifest)
@@ -67,7 +67,7 @@ def cmd_prepare(args) -> int:
     if is_gguf_source(args.model):
         require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
     from ..progress import progress
-    from .shards import prepare
+    from .prepare import prepare
     from .source import load_source
 
     split_range = parse_split_range(args.split_range) if args.split_range else None  # fail before loading

@@ -30,7 +30,7 @@ from torch import nn
 from ..errors import ConfigError, ModelError
 from .keyed_norm import FACTOR, KeyedRMSNorm
 from .rows import use_row_kernels
-from .shards import PUBLIC_BASIS, basis_identity
+from .manifest import PUBLIC_BASIS, basis_identity
 
 DRAFTER_DIR = "drafter"  # where a head lives inside a local shard
 HEAD_WEIGHTS = "head.safetensors"

@@ -30,7 +30,7 @@ A learned draft head in the public local shard (model/drafthead.py) reads and wr
 norms and projections) and writes it into the new local shard, recorded as made for this basis: it drafts
 what it drafted before, at no extra cost per step beyond the keyed norms', and it and the key stay local.
 This module knows HF Llama-style models and nothing about the wire; `write_basis_shards` hands the result
-to model.shards.prepare.
+to model.prepare.prepare.
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def carry_draft_head(public_local: Path, keyed_local: Path, secret: Basis) -> st
     """Re-base the draft head installed in `public_local` (if any) into `keyed_local`, a local shard keyed
     with `secret`; a sentence saying what happened. The rest of the drafter folder is copied as it is."""
     from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, head_basis, read_head_info, read_head_tensors, write_head
-    from ..model.shards import PUBLIC_BASIS, basis_identity, model_identity, read_manifest
+    from ..model.manifest import PUBLIC_BASIS, basis_identity, model_identity, read_manifest
 
     source = public_local / DRAFTER_DIR
     if not (source / HEAD_CONFIG).is_file():
@@ -341,7 +341,8 @@ def write_basis_shards(model: nn.Module, secret: Basis, shards: Path, out: Path,
     new: the cloud shard belongs to this deployment only. Returns OUT and a sentence about the draft head."""
     from transformers import AutoTokenizer
 
-    from ..model.shards import model_identity, prepare, read_manifest
+    from ..model.manifest import model_identity, read_manifest
+    from ..model.prepare import prepare
     from ..model.source import SourceModel
 
     if out.exists():

@@ -25,7 +25,7 @@ the keyed model computes exactly that (checked on one chunk per key: `identity_e
 is spared a forward pass of each keyed model over every chunk. Every session, the audit's and the
 attacker's own, starts with the chat template's opening tokens; rows are scored on the text after it.
 This module builds the keyed models and the collections and calls the audit's attackers and row writer;
-it knows no statistics of its own.
+it knows no statistics of its own: the attacks on the key itself (A5, A6, A8) are in keyattacks.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from . import attackers, exact
 from .basis import BasisConfig, apply_basis
 from .collect import Collected, collect
 from .corpus import Chunk, attacker_text
+from .keyattacks import inner_products, moment_alignment, weight_matching
 from .whiten import best_alignment
 
 log = logging.getLogger("splitinfer.privacy")
@@ -138,70 +139,6 @@ def _fit_or_reuse(state: dict, name: str, kind: str, x, y, bounds, config):
 
 def _info(fitted) -> dict:
     return {"train_seconds": round(fitted.seconds, 1), "epochs_run": fitted.epochs_run, "capped": fitted.capped}
-
-
-def _inner_products(x: np.ndarray, anchors: np.ndarray) -> np.ndarray:
-    """[T, d] rows, [p, d] anchors -> [T, p + 1]: x . a for every anchor, and |x| (all basis-free)."""
-    x = x.astype(np.float32)
-    return np.concatenate([x @ anchors.T.astype(np.float32), np.linalg.norm(x, axis=-1, keepdims=True)], 1)
-
-
-def moment_alignment(public: np.ndarray, observed: np.ndarray) -> np.ndarray:
-    """A8: [d, d] estimate R with observed @ R ~ public, from unpaired samples of both bases.
-
-    Covariance eigenvectors correspond between the bases (up to sign) when the eigenvalues are distinct;
-    each sign is set so the third moment along the vector agrees.
-    """
-    def frame(x):
-        x = x.astype(np.float64)
-        x = x - x.mean(0)
-        values, vectors = np.linalg.eigh(x.T @ x / len(x))
-        vectors = vectors[:, np.argsort(values)[::-1]]
-        skew = ((x @ vectors) ** 3).mean(0)
-        return vectors * np.where(skew < 0, -1.0, 1.0)[None]
-
-    return frame(observed) @ frame(public).T
-
-
-def weight_matching(public_layer, keyed_layer, factor: np.ndarray | None = None) -> tuple[np.ndarray, dict, np.ndarray]:
-    """A5: recover R (observed @ R = public) from one cloud layer's MLP and the public layer.
-
-    factor: [d, d] the keyed norm's factor F as read from the cloud shard (None for an orthogonal basis).
-    Under a linear key A the layers after a keyed norm read h A F = h Q and hold W diag(g) Q, as under an
-    orthogonal basis; the writing ones hold A^T W = F^-T Q^T W, which F^T un-factors. The map back is F Q^T.
-    Neurons are permuted and their weights rotated, but each neuron's gate and up row norms, their inner
-    product and its down column norm do not change: nearest neighbours in those four numbers name the
-    permutation, and least squares on the matched rows gives the rotation (projected onto the orthogonal
-    matrices). The public side folds its post-attention norm gain in, as the keyed model did.
-    """
-    started = time.perf_counter()
-    gain = public_layer.post_attention_layernorm.weight.detach().double()
-    pub = {n: getattr(public_layer.mlp, n).weight.detach().double() for n in ("gate_proj", "up_proj", "down_proj")}
-    key = {n: getattr(keyed_layer.mlp, n).weight.detach().double() for n in ("gate_proj", "up_proj", "down_proj")}
-    if factor is not None:
-        key["down_proj"] = torch.from_numpy(factor).T @ key["down_proj"]
-    pub_gate, pub_up = pub["gate_proj"] * gain[None], pub["up_proj"] * gain[None]
-
-    def invariants(gate, up, down):
-        return torch.stack([gate.norm(dim=1), up.norm(dim=1), down.norm(dim=0), (gate * up).sum(1)], 1).numpy()
-
-    a = invariants(pub_gate, pub_up, pub["down_proj"])
-    b = invariants(key["gate_proj"], key["up_proj"], key["down_proj"])
-    scale = a.std(0) + 1e-12
-    from scipy.spatial import cKDTree
-
-    dist, match = cKDTree(a / scale).query(b / scale)  # keyed neuron i was public neuron match[i]
-    lhs = torch.cat([pub_gate[match], pub_up[match]]).numpy()  # public rows in keyed order: lhs @ Q = rhs
-    rhs = torch.cat([key["gate_proj"], key["up_proj"]]).numpy()
-    q_hat, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
-    u, _, vt = np.linalg.svd(q_hat)
-    q_hat = u @ vt
-    residual = float(np.linalg.norm(lhs @ q_hat - rhs) / np.linalg.norm(rhs))
-    record = {"seconds": round(time.perf_counter() - started, 3), "weight_residual": residual,
-              "distinct_matches": int(len(np.unique(match))), "neurons": int(len(match)),
-              "max_match_distance": float(dist.max()), "used_norm_factor": factor is not None}
-    r = q_hat.T if factor is None else factor @ q_hat.T
-    return r, record, match  # match: [intermediate] public neuron behind each keyed one
 
 
 def keyed_view(collected: Collected, a: np.ndarray) -> Collected:
@@ -336,8 +273,8 @@ def _t3_statistical(audit, side, k, state) -> None:
     tb, eb = pub.train.chunk_bounds(), audit.test.chunk_bounds()
     x_pub, x_obs = pub.train.side(side)[k], audit.test.side(side)[k]
     anchors_pub, anchors_obs = pub.train_full.side(side)[k][:p], state["obs_full"].side(side)[k][:p]
-    fitted = _fit_or_reuse(pub.fitted, (side, "A6"), "mlp", _inner_products(x_pub, anchors_pub), y, tb, cfg.train)
-    pred = attackers.predict(fitted, _inner_products(x_obs, anchors_obs), eb)
+    fitted = _fit_or_reuse(pub.fitted, (side, "A6"), "mlp", inner_products(x_pub, anchors_pub), y, tb, cfg.train)
+    pred = attackers.predict(fitted, inner_products(x_obs, anchors_obs), eb)
     audit._row((side, k, "T3", f"A6 inner products ({p} anchors)", defence), pred, np.ones(len(x_obs), bool), y,
                _info(fitted))
     traffic = _traffic(audit, side, k, state)

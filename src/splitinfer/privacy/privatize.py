@@ -268,7 +268,7 @@ def _merge(installed: list[tuple[nn.Module, str, _Delta]]) -> list[float]:
 
 def write_private_shard(private: nn.Module, shards: Path, out: Path, record: dict) -> Path:
     """OUT/local (new private local weights, manifest pinning them) + OUT/cloud (copied unchanged)."""
-    from ..model.shards import mark_private_local, read_manifest
+    from ..model.manifest import mark_private_local, read_manifest
 
     manifest = read_manifest(shards / "local", "local")
     split = manifest["split"]

@@ -1,0 +1,106 @@
+"""Partition a model into a local shard and a cloud shard and write them with their manifests.
+
+    OUT/local/  (embedding, layers [0, k), layers [N-m, N), final norm, LM head, tokenizer files)
+    OUT/cloud/  (layers [k, N-m) only)
+
+With split-point randomisation (`prepare --split-range K1-K2`) each session picks its head depth k in
+[K1, K2]: the local shard holds layers [0, K2) and the cloud shard layers [K1, N-m), so layers [K1, K2)
+are in both. The cloud shard never contains the embedding, the LM head, the final norm or a local layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import PretrainedConfig
+
+from .. import __version__
+from ..errors import ModelError
+from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, sha256_file
+from .source import SourceModel
+
+log = logging.getLogger("splitinfer.model")
+
+
+def _clean_config(config: PretrainedConfig) -> dict:
+    data = config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        data.pop(key, None)
+    return data
+
+
+def _owners(key: str, split: Split) -> tuple[str, ...]:
+    """The shards that hold one state-dict key: layers [K1, K2) of a randomised split are in both."""
+    if key.startswith("model.layers."):
+        index = int(key.split(".")[2])
+        owners = ("cloud",) if split.cloud_start <= index < split.cloud_end else ()
+        if index < split.head_range[1] or index >= split.cloud_end:
+            owners += ("local",)
+        return owners
+    return ("local",)
+
+
+def prepare(
+    source: SourceModel,
+    out: str | Path,
+    head_layers: int = 2,
+    tail_layers: int = 2,
+    dtype: str = "float32",
+    split_range: tuple[int, int] | None = None,
+) -> Path:
+    """Write OUT/local and OUT/cloud. Returns OUT.
+
+    split_range (K1, K2) replaces head_layers: sessions pick their head depth in [K1, K2] (see module doc).
+    """
+    if dtype not in DTYPES:
+        raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
+    out = Path(out)
+    if split_range is not None:
+        split = Split(source.config.num_hidden_layers, split_range[0], tail_layers, head_max=split_range[1])
+    else:
+        split = Split(source.config.num_hidden_layers, head_layers, tail_layers)
+    state = source.model.state_dict()
+    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
+    for key, tensor in state.items():
+        if tied and key == "lm_head.weight":
+            continue  # the same tensor as the embedding; re-tied on load
+        for owner in _owners(key, split):
+            # clone: tied or shared storage would make safetensors refuse to save
+            parts[owner][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
+    config = _clean_config(source.config)
+
+    cloud_dir, local_dir = out / "cloud", out / "local"
+    files = {}
+    for role, directory in (("cloud", cloud_dir), ("local", local_dir)):
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(parts[role], str(directory / WEIGHTS), metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        files[role] = {name: sha256_file(directory / name) for name in (WEIGHTS, "config.json")}
+    if source.tokenizer is not None:
+        source.tokenizer.save_pretrained(local_dir)
+    cloud_fp = fingerprint(source.model_id, split, dtype, files["cloud"])
+    for role, directory in (("cloud", cloud_dir), ("local", local_dir)):
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "role": role,
+            "model_id": source.model_id,
+            "architecture": (source.config.architectures or [type(source.model).__name__])[0],
+            "model_type": source.config.model_type,
+            "hidden_size": source.config.hidden_size,
+            "split": split.as_dict(),
+            "dtype": dtype,
+            "files": files[role],
+            "cloud_fingerprint": cloud_fp,
+            "has_tokenizer": source.tokenizer is not None,
+            "created_by": f"splitinfer {__version__}",
+        }
+        (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    log.info("wrote %s (cloud layers %d..%d of %d, head depths %s)", out, split.cloud_start, split.cloud_end,
+             split.num_layers, split.head_range)
+    return out
