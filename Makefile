@@ -68,9 +68,9 @@ $(FLOOR_VENV)/.installed: pyproject.toml Makefile
 	$(FLOOR_VENV)/bin/python -m pip install --quiet -e . "transformers==$(TRANSFORMERS_FLOOR)" "pytest>=8"
 	touch $@
 
-# The full sweep (~22 min on a quiet 2-core machine); rewrites docs/bench/ and the results in docs/benchmarks.md.
+# The full sweep (~22 min on a quiet 2-core machine); rewrites notes/bench/ and the results in notes/benchmarks.md.
 bench: prepare
-	$(VENV)/bin/splitinfer bench sweep --shards $(SHARDS) --out docs/bench --docs docs/benchmarks.md
+	$(VENV)/bin/splitinfer bench sweep --shards $(SHARDS) --out notes/bench --docs notes/benchmarks.md
 
 # The GPU check (scripts/gpu_check.sh): serve on the device, bench spec at 0 and 80 ms with the draft head,
 # blocks in flight (D = 1, 2, auto) at 80 ms with the cloud on the device, a short bench batch and drafter

@@ -1,12 +1,12 @@
 """CLI of the `splitinfer bench` group: sweep, spec, step, probe and plan (batch, acceptance and load
 register from their own modules).
 
-    splitinfer bench sweep --shards shards/smollm2 --out docs/bench     # the full sweep (~22 min quiet)
+    splitinfer bench sweep --shards shards/smollm2 --out notes/bench     # the full sweep (~22 min quiet)
     splitinfer bench sweep --quick --out /tmp/bench                     # a smaller sweep (minutes)
-    splitinfer bench sweep --report-only --out docs/bench               # Markdown + plots from bench.json
-    splitinfer bench probe --server ws://HOST:PORT [--bench docs/bench/bench.json] [--expect-rtt-ms 80]
+    splitinfer bench sweep --report-only --out notes/bench               # Markdown + plots from bench.json
+    splitinfer bench probe --server ws://HOST:PORT [--bench notes/bench/bench.json] [--expect-rtt-ms 80]
     splitinfer bench plan  --config mistral-7b-v0.1 [--head-layers 2] [--tail-layers 2] [--dtype float16] [--json]
-    splitinfer bench spec  --shards shards/smollm2 --out docs/bench     # speculative strategies vs sequential
+    splitinfer bench spec  --shards shards/smollm2 --out notes/bench     # speculative strategies vs sequential
 
 Parsing and orchestration only; nothing heavy is imported until a command runs (the `bench sweep` options, whose
 help quotes SweepConfig's defaults, are added when that command is used).
@@ -238,7 +238,7 @@ def _bench_options(s) -> None:
                    f"{QUICK.repeats} repetition(s) (a few minutes)")
     s.add_argument("--report-only", action="store_true", help="rebuild bench.md and the plots from OUT/bench.json")
     s.add_argument("--docs", help="also write the report into this Markdown file between its two bench markers "
-                   "(docs/benchmarks.md)")
+                   "(notes/benchmarks.md)")
     s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
     s.add_argument("--rtt-ms", help=f"comma-separated added round trips (default {_listed(full.rtts_ms)})")
     s.add_argument("--modes", help=f"comma-separated: {','.join(MODES)}")
@@ -296,7 +296,7 @@ def register(sub) -> None:
         Opt("large", help="large messages each way for the bandwidth"),
         Opt("large_kb", help="size of a large message, KiB"),
     ))
-    s.add_argument("--bench", help="bench.json with the fitted model (default: docs/bench/bench.json if present)")
+    s.add_argument("--bench", help="bench.json with the fitted model (default: notes/bench/bench.json if present)")
     s.add_argument("--expect-rtt-ms", type=float, help="check the median round trip is within 10%% of this")
     s.add_argument("--json", action="store_true")
     add_client_auth_args(s)

@@ -20,7 +20,7 @@ from ..local.middle import RemoteMiddle
 from . import throughput
 
 SMALL_BYTES = 1300  # about one SmolLM2 decode step each way; small next to any link's bandwidth
-DEFAULT_BENCH = Path("docs/bench/bench.json")
+DEFAULT_BENCH = Path("notes/bench/bench.json")
 
 
 def _stats(values: list[float]) -> dict:
@@ -108,7 +108,7 @@ def text(result: dict) -> str:
             lines.append(f"  {e['mode']:<18} {e['expected_tokens_per_s']:7.2f} tok/s  (a={e['a']}, f={e['f_ms']} ms, "
                          f"transfer {e['transfer_ms']} ms/step)")
     else:
-        lines.append("pass --bench DIR/bench.json (from `splitinfer bench`) for the expected tok/s per mode.")
+        lines.append("pass --bench DIR/bench.json (from `splitinfer bench sweep`) for the expected tok/s per mode.")
     for c in result["checks"]:
         lines.append(f"{'PASS' if c['passed'] else 'FAIL'}: {c['check']}: {c['measured']} ms ({c['relative_error']:.1%}, "
                      f"tolerance {c['tolerance']:.0%})")

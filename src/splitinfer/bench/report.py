@@ -1,5 +1,5 @@
 """The sweep's Markdown report and plots, made from bench.json alone (`splitinfer bench --report-only`),
-and the results section of docs/benchmarks.md (`--docs`), which is that same report between two markers.
+and the results section of notes/benchmarks.md (`--docs`), which is that same report between two markers.
 
 Plots need matplotlib (`pip install 'splitinfer[bench]'`); without it the report says so and the JSON and
 Markdown are still written.

@@ -4,7 +4,7 @@ A decode step multiplies q rows (the root, and q - 1 draft nodes when speculatin
 matrix; on a CPU the step is bound by streaming those weights from memory. `F.linear` hands each product
 to MKL's sgemm, which for a few rows repacks the weight into its blocked layout on every call (26 SmolLM2
 layers in plain transformers, one core: 75.7 / 87.3 / 91.8 ms for 4 / 8 / 16 rows against 49.0 for one;
-docs/bench/step). oneDNN's linear takes a weight reordered into its own layout
+notes/bench/step). oneDNN's linear takes a weight reordered into its own layout
 once (`torch.ops.mkldnn._reorder_linear_weight`, the kernel `torch.compile` uses for CPU linears), so a
 step of any row count streams each weight once, as a product should. Blocks of one to three rows stay
 with `F.linear` (`PACKED_MIN_ROWS`), as plain transformers runs them. `splitinfer bench step` measures
@@ -35,8 +35,8 @@ from torch import nn
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Below four rows `F.linear` (MKL; for one row a matrix-vector product at the bandwidth limit; what plain
 # transformers runs) measured faster in the whole step than oneDNN's packed product: 26 layers on one core,
-# 59.0 / 62.6 against 64.0 / 71.7 ms for two / three rows (docs/bench/step-rows2-3). From four rows the
-# packed product wins (docs/bench/step: 67.3 against 75.7 ms at four, 77.2 against 87.3 at eight).
+# 59.0 / 62.6 against 64.0 / 71.7 ms for two / three rows (notes/bench/step-rows2-3). From four rows the
+# packed product wins (notes/bench/step: 67.3 against 75.7 ms at four, 77.2 against 87.3 at eight).
 PACKED_MIN_ROWS = 4
 
 
