@@ -87,4 +87,4 @@ def test_text_stream_streams_final_pieces_and_cuts_at_stop_strings(client):
 
     quiet = TextStream(tok, None, stop_ids={0})
     assert not any(quiet.push(t) for t in ids + [0])
-    assert quiet.sent == "" and quiet.finish() == "hello world, bye"  # nothing decoded until the end, no <eos>
+    assert not quiet.sent and quiet.finish() == "hello world, bye"  # nothing decoded until the end, no <eos>

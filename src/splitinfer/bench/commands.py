@@ -326,7 +326,8 @@ def register(sub) -> None:
         Opt("per_category", help="prompts taken from each category"),
     ))
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, default=None,
-                   help="dtype of hidden states on the wire (default: the client default, float16; Gemma 3 needs bfloat16 or float32)")
+                   help="dtype of hidden states on the wire (default: the one the shard records: bfloat16 for "
+                        "Gemma 3, float16 otherwise)")
     s.add_argument("--cloud-device", help="device of the cloud server child (serve --device), e.g. cuda; default cpu")
     add_options(s, SpecBenchOptions, (
         Opt("in_flight", help="comma-separated blocks in flight (1-3, or auto: the controller chooses) to run each "

@@ -195,11 +195,10 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
-        wire = ClientConfig(wire_dtype=args.wire_dtype) if args.wire_dtype else ClientConfig()
-        args.wire_dtype = wire.wire_dtype
         clients = {(rtt, d): open_client(shard=shards / "local", server=target, allow_public_weights=True,
-                                         config=ClientConfig(wire_dtype=wire.wire_dtype, in_flight=d))
+                                         config=ClientConfig(wire_dtype=args.wire_dtype, in_flight=d))
                    for rtt, target in targets.items() for d in sorted(set(depths) | {1})}
+        args.wire_dtype = next(iter(clients.values())).config.wire_dtype  # the shard's unless --wire-dtype
         configs = [(s, rtt, d) for rtt in rtts for d in sorted(set(depths) | {1}) for s in strategies
                    if d == 1 or s != "sequential"]
         local.generate(prompts[0]["prompt"], max_new_tokens=16, strategy="sequential")

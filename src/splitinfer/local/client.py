@@ -33,7 +33,7 @@ from .auth import ClientAuth
 from .conversation import Conversation
 from .failover import FailoverMiddle, ReplicaSet, fetch_replicas, server_list
 from .middle import RemoteMiddle
-from .session import ClientConfig
+from .session import ClientConfig, with_shard_wire_dtype
 from .text import chat_prompt_ids
 
 log = logging.getLogger("splitinfer.local")
@@ -108,7 +108,7 @@ class SplitClient:
     def __init__(self, local: LocalHalf, make_middle: Callable[[], object], config: ClientConfig = ClientConfig()):
         self.local = local
         self.make_middle = make_middle
-        self.config = config
+        self.config = with_shard_wire_dtype(config, local.manifest)
         self.mode = "split"
         # What a verified block costs on this deployment, measured by every tree generation and shared by
         # the next ones (the cost of a row is a property of the machines and the link, not of the text).
@@ -129,6 +129,7 @@ class SplitClient:
     ) -> "SplitClient":
         local = load_local(local_shard, device=device)
         check_local_weights(local.manifest, allow_public_weights)
+        config = with_shard_wire_dtype(config, local.manifest)
         split = local.manifest["split"]
         draw = head_depth_drawer(local, config.split_seed)
         urls = server_list(url)

@@ -33,7 +33,8 @@ def in_flight_option(value: str) -> int:
 
 
 CLIENT_OPTIONS = (
-    Opt("wire_dtype", choices=DTYPE_NAMES, help="dtype of the hidden states on the wire"),
+    Opt("wire_dtype", choices=DTYPE_NAMES, help="dtype of the hidden states on the wire (default: the one the local shard "
+                                                "records: bfloat16 for Gemma 3, float16 otherwise)"),
     Opt("prefill_chunk", help="prompt rows per message"),
     Opt("split_seed", help="with a --split-range shard: seed the per-session split draw (tests/benchmarks only; "
                            "default: the OS's secret RNG)"),

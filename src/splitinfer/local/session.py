@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from ..model.shards import LocalHalf
 from ..telemetry import StepRecord
 from ..wire.inflight import Prefix, prefix_mask
 from ..wire.clientlink import Answered, Block, ClientLink, Open
+from ..wire.frame import wire_dtype_of
 from ..wire.link import Client
 from ..wire.messages import PIPELINE_VERSION, Close
 from ..wire.transport import Middle
@@ -63,7 +64,9 @@ class _Ahead:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    wire_dtype: str = "float16"  # dtype of hidden states on the wire (float32 for bit-exact tests)
+    # dtype of hidden states on the wire; None: the one `prepare` recorded in the local shard (float16, or
+    # bfloat16 for Gemma 3, whose activations overflow float16); float32 for bit-exact tests
+    wire_dtype: str | None = None
     prefill_chunk: int = 512  # rows per prefill message; bounded further by the server's limits
     max_retries: int = 5  # reconnect attempts per step before giving up
     retry_backoff_s: float = 0.25  # first backoff; doubles on each attempt
@@ -91,13 +94,18 @@ class ClientConfig:
         return min(self.retry_backoff_s * (2**attempt), self.retry_backoff_max_s) * random.uniform(0.5, 1.0)
 
 
+def with_shard_wire_dtype(config: ClientConfig, manifest: dict) -> ClientConfig:
+    """`config` with the wire dtype the local shard records, where the caller left it unset."""
+    return config if config.wire_dtype is not None else replace(config, wire_dtype=wire_dtype_of(manifest))
+
+
 class SplitSession:
     """One conversation's split forward pass; a context manager that ends the cloud session on exit."""
 
     def __init__(self, local: LocalHalf, middle: Middle, config: ClientConfig = ClientConfig()):
         self.local = local
         self.middle = middle
-        self.config = config
+        self.config = config = with_shard_wire_dtype(config, local.manifest)
         pinned = middle.head_layers
         self.head_layers = local.head_range[0] if pinned is None else pinned  # k; the server checks its range
         self.head = local.head_for(self.head_layers)

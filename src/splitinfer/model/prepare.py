@@ -22,6 +22,7 @@ from .. import __version__
 from ..errors import ModelError
 from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, sha256_file
 from .source import SourceModel
+from ..wire.frame import default_wire_dtype
 
 log = logging.getLogger("splitinfer.model")
 
@@ -95,6 +96,7 @@ def prepare(
             "hidden_size": source.config.hidden_size,
             "split": split.as_dict(),
             "dtype": dtype,
+            "wire_dtype": default_wire_dtype(source.config.model_type),  # what clients send unless told
             "files": files[role],
             "cloud_fingerprint": cloud_fp,
             "has_tokenizer": source.tokenizer is not None,

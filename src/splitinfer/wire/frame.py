@@ -21,6 +21,10 @@ from .dtypes import DTYPE_NAMES
 MAX_HEADER_BYTES = 64 * 1024
 WIRE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 assert tuple(WIRE_DTYPES) == DTYPE_NAMES, "one list of wire dtypes, in the order the limits announce them"
+# float16 halves float32's bytes, but Gemma 3's residual stream grows past float16's range (65504) within a
+# few layers, so `prepare` records bfloat16 (float32's exponent range) for it; clients use what the shard
+# records unless told otherwise.
+BFLOAT16_WIRE_MODELS = ("gemma3", "gemma3_text")
 _LENGTH = struct.Struct(">I")
 
 # The codec writes the host's bytes as they are; every platform torch supports in practice is
@@ -70,6 +74,16 @@ _BITS = {
 def _all_finite(bits: np.ndarray, dtype: str) -> bool:
     mask = _BITS[dtype][1]
     return not bool(np.any((bits & mask) == mask))
+
+
+def default_wire_dtype(model_type: str) -> str:
+    """The wire dtype `prepare` records for a model family (its config's model_type)."""
+    return "bfloat16" if model_type in BFLOAT16_WIRE_MODELS else "float16"
+
+
+def wire_dtype_of(manifest: dict) -> str:
+    """The wire dtype a shard's manifest records; float16 for shards prepared before manifests recorded one."""
+    return manifest.get("wire_dtype", "float16")
 
 
 def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[dict, bytes]:
