@@ -27,10 +27,10 @@ EXTRA_MODULES = sorted(set(API + AUDIT + BENCH + GGUF + GPU + RAY))
 
 
 def test_require_extra_names_the_missing_modules_and_the_extra():
-    require_extra("audit", AUDIT, "splitinfer audit")  # the dev install has it
+    require_extra("audit", AUDIT, "splitinfer privacy audit")  # the dev install has it
     with pytest.raises(ConfigError) as e:
-        require_extra("audit", ("scipy", "no_such_module_x1"), "splitinfer audit")
-    assert str(e.value) == ("splitinfer audit needs the audit extra (no_such_module_x1 is not installed): "
+        require_extra("audit", ("scipy", "no_such_module_x1"), "splitinfer privacy audit")
+    assert str(e.value) == ("splitinfer privacy audit needs the audit extra (no_such_module_x1 is not installed): "
                             "pip install 'splitinfer[audit]'")
 
 

@@ -36,7 +36,7 @@ SOURCES = {
     "suffix": "suffix index over the prompt and the output so far",
     "suffix-memory": "the same, plus a memory of the earlier held-out replies of this run (what `api`/`chat` keep)",
     "recycling": "Token Recycling from an empty table",
-    "recycling-warm": "Token Recycling from the shipped table (build-recycling)",
+    "recycling-warm": "Token Recycling from the shipped table (drafter recycling)",
     "suffix-replies": "suffix index, also over the replies shipped with the table",
     "tree": "suffix index + Token Recycling from an empty table",
     "tree-warm-noreplies": "suffix index + Token Recycling from the shipped table, without the replies shipped with it",
@@ -78,7 +78,7 @@ def _strategy_factory(name: str, nodes: int, table, memory, head=None):
     if name in factories:
         if ("-warm" in name or name == "suffix-replies") and table is None:
             raise ConfigError(f"source {name!r} needs the shipped recycling table for this model, and none matches "
-                              "its fingerprint; build one with `splitinfer build-recycling` or drop the source.")
+                              "its fingerprint; build one with `splitinfer drafter recycling` or drop the source.")
         return factories[name]
     if name in STRATEGIES:
         return lambda: make_strategy(name)
@@ -281,7 +281,7 @@ def run(args) -> dict:
 
 @dataclass(frozen=True)
 class AcceptanceOptions:
-    """The defaults of `splitinfer bench-acceptance`."""
+    """The defaults of `splitinfer bench acceptance`."""
 
     per_category: int = 3  # prompts taken from each category
     sources: str = DEFAULT_SOURCES  # comma-separated sources or strategy names

@@ -120,7 +120,7 @@ def cmd_bench(args) -> int:
         try:
             data = json.loads((out / "bench.json").read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read {out / 'bench.json'} ({exc}); run `splitinfer bench --out {out}` first.") from exc
+            raise ConfigError(f"cannot read {out / 'bench.json'} ({exc}); run `splitinfer bench sweep --out {out}` first.") from exc
         from .summary import summarize
 
         # recomputed from the raw runs, so a newer summary applies to an older sweep

@@ -1,4 +1,4 @@
-"""The sweep's Markdown report and plots, made from bench.json alone (`splitinfer bench --report-only`),
+"""The sweep's Markdown report and plots, made from bench.json alone (`splitinfer bench sweep --report-only`),
 and the results section of notes/benchmarks.md (`--docs`), which is that same report between two markers.
 
 Plots need matplotlib (`pip install 'splitinfer[bench]'`); without it the report says so and the JSON and

@@ -157,7 +157,7 @@ class CloudServer:
                     return
 
     def _probe_reply(self, probe: Probe) -> bytes:
-        # Path measurement (`splitinfer probe`): no session, no compute; the reply obeys the message limit,
+        # Path measurement (`splitinfer bench probe`): no session, no compute; the reply obeys the message limit,
         # checked before allocating it (a peer may ask for up to MAX_PROBE_BYTES).
         limit = self.config.sessions.max_message_bytes
         reply = b""

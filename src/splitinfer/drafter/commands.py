@@ -1,4 +1,4 @@
-"""CLI: `splitinfer train-drafter` (a thin wrapper over drafter.train.run_training).
+"""CLI: `splitinfer drafter train` (a thin wrapper over drafter.train.run_training).
 
 No torch import at module level: the CLI parses arguments before anything heavy loads.
 """
@@ -44,7 +44,7 @@ def cmd_train_drafter(args) -> int:
 
 @dataclass(frozen=True)
 class DrafterOptions:
-    """`splitinfer train-drafter`'s defaults beyond TrainConfig's."""
+    """`splitinfer drafter train`'s defaults beyond TrainConfig's."""
 
     threads: int = 0  # torch threads; 0: torch's choice
 

@@ -124,7 +124,7 @@ def basis_identity(manifest: dict) -> str:
 
 def local_weights_are_public(manifest: dict) -> bool:
     """True unless the local manifest says its weights were privatized and pins hashes that differ from the
-    public ones it was made from (`splitinfer privatize`). Public local weights let the cloud invert what
+    public ones it was made from (`splitinfer privacy privatize`). Public local weights let the cloud invert what
     it sees (docs/privacy.md)."""
     private = manifest.get("private_local_weights")
     if not isinstance(private, dict):
