@@ -8,6 +8,8 @@ import time
 import pytest
 
 from splitinfer.cloud import sessions as sessions_module
+from splitinfer.cloud.batch import LocalPasses
+from splitinfer.cloud.passtime import MinPassTime
 from splitinfer.cloud.server import ServerConfig, ServerThread
 from splitinfer.cloud.sessions import SessionConfig
 from splitinfer.decoding.draft import Draft
@@ -286,8 +288,9 @@ def test_a_block_dropped_while_queued_is_never_computed(served):
     still waits behind the first: the server applies it without a pass, and the output does not change."""
     shards, _, expected = served
     local = load_local(shards / "local")
-    config = ServerConfig(port=0, sessions=SessionConfig(max_in_flight=3, min_pass_ms=60))
-    with ServerThread(load_cloud(shards / "cloud"), config) as server:
+    config = ServerConfig(port=0, sessions=SessionConfig(max_in_flight=3))
+    half = load_cloud(shards / "cloud")
+    with ServerThread(half, config, MinPassTime(LocalPasses(half), 60)) as server:
         table = server.server.table
         computed, skipped = [], []
         run_steps, skip_step = table.run_steps, table.skip_step

@@ -1,5 +1,5 @@
-"""The link protocol with no socket and no model: every client transition (clientlink.py), the server's rules
-(link.py)."""
+"""The link protocol with no socket and no model: every client transition (clientlink.py), the server's
+connection and rules (serverlink.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from splitinfer.errors import ProtocolError
 from splitinfer.masks import BlockStructure
 from splitinfer.wire import link as link_module
 from splitinfer.wire.clientlink import Answered, Block, ClientLink, Open, Replayed
-from splitinfer.wire.link import (
-    TRANSITIONS, Client, PendingBlock, Server, ServerLink, check_resume, check_step, dropped,
-)
+from splitinfer.wire.link import TRANSITIONS, Client, Server
+from splitinfer.wire.serverlink import PendingBlock, ServerLink, check_resume, check_step, dropped
 from splitinfer.wire.messages import (
     PIPELINE_VERSION, Assumed, Close, Hello, Limits, Probe, Result, Step, Welcome, decode_client_message,
     decode_server_message,
@@ -409,18 +408,29 @@ def step(seq=0, keep=(), positions=(0,), structure=None, dtype="float32") -> Ste
 
 
 def test_the_server_wants_hello_before_any_step():
-    link = ServerLink()
+    link = ServerLink(max_errors=3)
     with pytest.raises(ProtocolError, match="send hello before the first step"):
         link.check(step())
     assert link.check(Probe(1, 0)) is Server.AWAIT_HELLO  # path measurement needs no session
     assert link.state is Server.AWAIT_HELLO  # checking does not move
-    link.state = link.check(HELLO)
-    assert link.state is Server.OPEN
+    link.moved(HELLO, "s1")
+    assert link.state is Server.OPEN and link.session_id == "s1"
     assert link.check(step()) is Server.OPEN and link.check(HELLO) is Server.OPEN
-    link.state = link.check(Close())
+    link.moved(step())
+    assert link.session_id == "s1"
+    link.moved(Close())
+    assert link.state is Server.CLOSED and link.session_id is None
     for message in (HELLO, step(), Probe(1, 0), Close()):
         with pytest.raises(ProtocolError, match="while the link is closed"):
             link.check(message)
+
+
+def test_the_server_link_counts_protocol_errors_only():
+    from splitinfer.errors import SessionError
+
+    link = ServerLink(max_errors=2)
+    assert not link.refused(ProtocolError("x")) and not link.refused(SessionError("expired"))
+    assert link.refused(ProtocolError("y")) and link.errors == 2
 
 
 PENDING = (PendingBlock(2, (5, 6, 6)),)  # the previous block: a tree of root 5 with two children at 6

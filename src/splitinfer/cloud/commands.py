@@ -35,7 +35,6 @@ SESSION_OPTIONS = (
         help="KV cache memory over all sessions, MiB (idle sessions are evicted first)"),
     Opt("evict_idle_s", help="a session idle this long may be evicted for room"),
     Opt("max_sessions_per_owner", "--max-sessions-per-token", help="sessions one client token may hold at once"),
-    Opt("min_pass_ms", help="benchmarks only: every forward pass lasts at least this many ms (a GPU's flat pass time)"),
 )
 BATCH_OPTIONS = (
     Opt("window_ms", "--batch-window-ms",
@@ -49,6 +48,8 @@ class ServeOptions:
     """`splitinfer serve`'s defaults beyond ServerConfig, SessionConfig and BatchConfig."""
 
     tp: int = 1  # ranks every middle layer is split over (tensor parallel; > 1 starts torchrun)
+    # Benchmarks only: every pass lasts at least this long (cloud/passtime.py; bench spec --cloud-pass-ms)
+    min_pass_ms: float = 0.0
 
 
 def _serve_options(s: argparse.ArgumentParser) -> None:
@@ -75,7 +76,9 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
                    help="with --ray: autoscale up to this many replicas on KV bytes reserved and capacity refusals")
     s.add_argument("--address", help="with --ray: an existing Ray cluster (default: start a local one)")
     add_options(s, ServeOptions, (Opt("tp", metavar="N", help="split every middle layer over N ranks (tensor "
-                                                                "parallel; starts torchrun with N processes)"),))
+                                                                "parallel; starts torchrun with N processes)"),
+                                  Opt("min_pass_ms", help="benchmarks only: every forward pass lasts at least this "
+                                                          "many ms (a GPU's flat pass time)")))
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
 
@@ -205,5 +208,11 @@ def cmd_serve(args) -> int:
 
         device_map = spread(half.stack, parse_devices(args.devices), next(half.stack.parameters()).dtype)
         log.info("layer placement: %s", device_map)
-    _run_server(CloudServer(half, config), args)
+    passes = None
+    if args.min_pass_ms:  # the fast-cloud benchmark's stand-in for a GPU, never in the server's own pass
+        from .batch import LocalPasses
+        from .passtime import MinPassTime
+
+        passes = MinPassTime(LocalPasses(half), args.min_pass_ms)
+    _run_server(CloudServer(half, config, passes), args)
     return 0

@@ -34,15 +34,15 @@ from dataclasses import dataclass
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from ..errors import MessageTooLarge, ProtocolError, SplitInferError
+from ..errors import MessageTooLarge, SplitInferError
 from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
-from ..wire.link import ServerLink, dropped
+from ..wire.serverlink import ServerLink, dropped
 from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
 from .batch import LocalPasses
 from .inbox import Inbox
 from .scheduler import BatchConfig, Scheduler
-from .sessions import CloudSession, SessionConfig, SessionTable
+from .sessions import SessionConfig, SessionTable
 
 log = logging.getLogger("splitinfer.cloud")
 
@@ -105,7 +105,7 @@ class CloudServer:
 
     async def _handle(self, ws: ServerConnection) -> None:
         owner = self.config.tokens.identify(ws.request.headers.get("Authorization"))
-        link = ServerLink()
+        link = ServerLink(self.config.max_errors_per_connection)
         try:
             async with Inbox(ws, self.limits, self.config.sessions.max_in_flight + 2) as inbox:
                 await self._serve_messages(ws, inbox, link, owner)
@@ -118,20 +118,20 @@ class CloudServer:
     async def _serve_messages(self, ws: ServerConnection, inbox: Inbox, link: ServerLink, owner: str) -> None:
         """A connection's messages in order: each step's reply goes out before the next message is taken. A
         step that later steps, already received, show its client dropped is applied but not run (`dropped`)."""
-        session: CloudSession | None = None
-        errors = 0
         while (data := await inbox.next()) is not None:
             received_at = time.perf_counter()
             seq = None
             try:
                 message = decode_client_message(data, self.limits)
                 seq = message.seq if isinstance(message, (Step, Probe)) else None
-                after = link.check(message)  # hello first (wire/link.py)
+                link.check(message)  # hello first (wire/serverlink.py)
+                opened = None
                 if isinstance(message, Hello):
                     session, welcome = self.table.open(message, owner=owner)
+                    opened = session.id
                     await ws.send(welcome.encode())
                 elif isinstance(message, Step):
-                    session = self.table.get(session.id, owner)  # raises if it expired meanwhile
+                    session = self.table.get(link.session_id, owner)  # raises if it expired meanwhile
                     skip = dropped(message, inbox.later_steps())
                     reply = await self.scheduler.run(session, message, received_at, skip)
                     if self.metrics is not None:
@@ -140,19 +140,18 @@ class CloudServer:
                 elif isinstance(message, Probe):
                     await ws.send(self._probe_reply(message))
                 elif isinstance(message, Close):
-                    if session is not None:
-                        self.table.close(session.id)
-                    session = None
+                    if link.session_id is not None:
+                        self.table.close(link.session_id)
+                    link.moved(message)
                     await ws.close()
                     return
-                link.state = after
+                link.moved(message, opened)
             except SplitInferError as exc:
                 log.info("error for %s: %s: %s", ws.remote_address, exc.code, exc)
                 if self.metrics is not None:
                     self.metrics.error(exc.code)
                 await ws.send(Error.from_exception(exc, seq).encode())
-                errors += isinstance(exc, ProtocolError)  # capacity or expiry is not the peer's fault
-                if errors >= self.config.max_errors_per_connection:
+                if link.refused(exc):  # protocol errors only: capacity or expiry is not the peer's fault
                     await ws.close(code=1008, reason="too many invalid messages")
                     return
 
@@ -224,8 +223,8 @@ class CloudServer:
 class ServerThread:
     """A CloudServer on its own event loop in a daemon thread (tests, benchmarks, local-only tools)."""
 
-    def __init__(self, half: CloudHalf, config: ServerConfig = ServerConfig(port=0)):
-        self.server = CloudServer(half, config)
+    def __init__(self, half: CloudHalf, config: ServerConfig = ServerConfig(port=0), passes: LocalPasses | None = None):
+        self.server = CloudServer(half, config, passes)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="splitinfer-server", daemon=True)
         self._thread.start()

@@ -37,7 +37,7 @@ from ..errors import CapacityError, ProtocolError, SessionError, ShardMismatch, 
 from ..kv import KVCache
 from ..model.shards import CloudHalf
 from ..wire.inflight import Prefix
-from ..wire.link import PendingBlock, check_resume, check_step
+from ..wire.serverlink import PendingBlock, check_resume, check_step
 from ..wire.messages import PIPELINE_VERSION, SUPPORTED_VERSIONS, Hello, Result, Step, Welcome
 from .batch import Block, LocalPasses
 
@@ -55,18 +55,14 @@ class SessionConfig:
     evict_idle_s: float = 2.0  # a session idle this long may be evicted to make room (its client re-prefills)
     max_sessions_per_owner: int | None = None  # sessions one token may hold at once, so one client cannot take all
     max_in_flight: int = 4  # blocks a v3 session may have pending at once (the client's in-flight depth)
-    # Benchmarks only: every forward pass lasts at least this long (the compute thread waits out the rest),
-    # so a cloud holding a layer or two stands for a GPU, whose pass over the middle takes a few ms whatever
-    # its rows (bench spec --cloud-pass-ms, the fast-cloud scenario). 0: passes take what they take.
-    min_pass_ms: float = 0.0
 
     def __post_init__(self):
         if self.ttl_s <= 0 or self.max_sessions < 1 or self.max_cached_tokens < 1 or self.max_block_rows < 1:
             raise ValueError("session TTL, max sessions, cached-token budget and block rows must all be positive.")
         if not 1 <= self.max_in_flight <= 9:
             raise ValueError("blocks in flight per session must be between 1 and 9.")
-        if (self.max_kv_bytes is not None and self.max_kv_bytes < 1) or self.evict_idle_s < 0 or self.min_pass_ms < 0:
-            raise ValueError("the KV byte budget must be positive, the eviction idle time and pass time not negative.")
+        if (self.max_kv_bytes is not None and self.max_kv_bytes < 1) or self.evict_idle_s < 0:
+            raise ValueError("the KV byte budget must be positive and the eviction idle time not negative.")
 
 
 @dataclass
@@ -342,9 +338,6 @@ class SessionTable:
                     outs[j] = out
             if outs and outs[0].device.type == "cuda":
                 torch.cuda.synchronize(outs[0].device)
-            left = self.config.min_pass_ms / 1e3 - (time.perf_counter() - start)
-            if outs and left > 0:
-                time.sleep(left)
             compute_ms = (time.perf_counter() - start) * 1e3  # the whole batch's pass, shared by its steps
             for i, out in zip(ready, outs):
                 session, step, received_at = items[i]

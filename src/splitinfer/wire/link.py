@@ -1,24 +1,15 @@
-"""The link protocol's one state table, and the rules a server applies to what a peer sends, sans-I/O.
+"""The link protocol's one state table, sans-I/O.
 
 `TRANSITIONS` holds both ends' transitions; an event it does not list for the current state is refused
-with ProtocolError (`transition`). The client's side, `ClientLink`, is in clientlink.py.
-
-Server (`ServerLink`, `check_resume`, `check_step`, `dropped`): the rules a server applies to what a peer
-sends: hello before any step, a resume that keeps the session's dtype and head depth, steps in seq order,
-keep lists that name a contiguous path continuing the committed sequence, positions that follow from the
-block's structure, and (v3) assumptions that name the blocks in flight in order, each of them still valid;
-and which received step need not run, because a later one already says the client dropped it.
-cloud/server.py and cloud/sessions.py call them; they hold the state (sessions, caches), this module
-holds the rules.
+with ProtocolError (`transition`). Each end has its connection object over it: the client's `ClientLink`
+(clientlink.py) and the server's `ServerLink` with the rules a server applies to a peer (serverlink.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 
 from ..errors import ProtocolError
-from .messages import Assumed, Close, Hello, Probe, Step
 
 
 class Client(Enum):
@@ -87,158 +78,3 @@ def transition(state: Client | Server, event: str) -> Client | Server:
     if after is None:
         raise ProtocolError(_REFUSALS.get((state, event), f"{event} is not allowed while the link is {state.value}."))
     return after
-
-
-# -- server ---------------------------------------------------------------------------------------------
-
-_KINDS = {Hello: "hello", Step: "step", Probe: "probe", Close: "close"}
-
-
-class ServerLink:
-    """One connection's protocol state on the server: hello first, then steps, until close."""
-
-    def __init__(self) -> None:
-        self.state = Server.AWAIT_HELLO
-
-    def check(self, message: Hello | Step | Probe | Close) -> Server:
-        """The state after `message`, without moving there: ProtocolError when it is out of turn. The
-        server moves (`state = ...`) once it has acted on the message, so a refused hello opens nothing."""
-        return transition(self.state, _KINDS[type(message)])
-
-
-def check_resume(hello: Hello, wire_dtype: str, head_layers: int, asked_head_layers: int) -> None:
-    """A resumed session keeps the dtype and the head depth it was opened with."""
-    if wire_dtype != hello.wire_dtype:
-        raise ProtocolError("a session cannot change its wire dtype on resume; open a new session.")
-    if head_layers != asked_head_layers:
-        raise ProtocolError(
-            f"a session cannot change its head depth on resume ({head_layers} -> {asked_head_layers}); "
-            "open a new session."
-        )
-
-
-@dataclass(frozen=True)
-class PendingBlock:
-    """A block the cloud ran whose rows the client has not resolved yet."""
-
-    seq: int
-    positions: tuple[int, ...]
-    assume: tuple[Assumed, ...] = ()  # the earlier pending blocks it ran assuming accepted (v3)
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What a valid step does to its session, oldest pending block first."""
-
-    resolves: tuple[tuple[int, ...], ...]  # rows to commit of each of the oldest pending blocks, in order
-    pending: tuple[PendingBlock, ...]  # the pending blocks the step builds on; every other one is dropped
-    committed: int  # committed rows once `resolves` are applied
-
-
-def check_step(
-    step: Step,
-    next_seq: int,
-    wire_dtype: str,
-    committed: int,
-    pending: tuple[PendingBlock, ...],
-    max_position: int,
-    max_in_flight: int = 1,
-) -> StepPlan:
-    """A step against its session: seq, dtype, keep list, assumptions, positions. committed: rows the
-    session holds; pending: the blocks it ran that are not resolved, oldest first; max_in_flight: blocks
-    that may be pending at once, the step's own included (1 before v3).
-
-    A step resolves the oldest pending block with its keep list, unless it assumes that block (then its keep
-    list is empty), and then the next `resolved` ones with their rows in `assume`; it builds on the pending
-    blocks it assumes after those, which must be the next ones in order, each still valid (run under the
-    same assumptions), and drops every later one.
-    """
-    if step.seq != next_seq:
-        raise ProtocolError(f"step seq {step.seq} is out of order; the session expects {next_seq}.")
-    if step.wire_dtype != wire_dtype:
-        raise ProtocolError(f"step tensor is {step.wire_dtype}, but the session uses {wire_dtype}.")
-    if len(step.assume) - step.resolved >= max_in_flight:
-        raise ProtocolError(
-            f"this session allows {max_in_flight} block(s) in flight, so a step may assume at most "
-            f"{max_in_flight - 1} earlier one(s); send fewer ahead (a v3 hello asks for blocks in flight)."
-        )
-    rest: list[PendingBlock | None] = list(pending)
-    resolves: list[tuple[int, ...]] = []
-    if step.assume and rest and step.assume[0].seq == rest[0].seq and not step.resolved:
-        if step.keep:
-            raise ProtocolError(f"a step that assumes block {rest[0].seq} cannot also keep rows of it.")
-    else:
-        oldest = rest.pop(0) if rest else None
-        _check_path(step.keep, oldest.positions if oldest else (), committed, "keep")
-        committed += len(step.keep)
-        resolves.append(step.keep)
-        rest = [_after_resolution(block, oldest.seq, step.keep) for block in rest] if oldest else rest
-    for settled in step.assume[: step.resolved]:
-        block = rest.pop(0) if rest else None
-        if block is None or block.seq != settled.seq or block.assume:
-            raise ProtocolError(f"the step resolves block {settled.seq}, which is not the next valid block in flight.")
-        _check_path(settled.rows, block.positions, committed, "assume")
-        committed += len(settled.rows)
-        resolves.append(settled.rows)
-        rest = [_after_resolution(later, block.seq, settled.rows) for later in rest]
-    kept = _check_assumptions(step, step.assume[step.resolved :], rest, committed, max_position)
-    return StepPlan(tuple(resolves), kept, committed)
-
-
-def dropped(step: Step, later: list[Step]) -> bool:
-    """Whether steps of the same session received after `step` (in order) say the client dropped it, so it
-    need not run: one of them names neither it nor anything after it.
-
-    A client builds on a block it sent ahead by naming it in `assume`, and commits it by naming it there too
-    (`resolved`) or with the keep list of the step after its reply; a step sent before `step` was answered
-    cannot do the latter. So a later step that does not name `step` was sent after the client dropped it, and
-    its reply would be discarded. Whatever a peer sends here, skipping a step only spares its pass: its keep
-    list and resolutions still apply and the steps after it are checked as ever (check_step).
-    """
-    return any(l.seq > step.seq and all(a.seq != step.seq for a in l.assume) for l in later)
-
-
-def _after_resolution(block: PendingBlock | None, seq: int, kept: tuple[int, ...]) -> PendingBlock | None:
-    """`block` once pending block `seq` kept `kept`: its assumption about it settled, or None when it failed."""
-    if block is None or not block.assume or block.assume[0] != Assumed(seq, tuple(kept)):
-        return None
-    return PendingBlock(block.seq, block.positions, block.assume[1:])
-
-
-def _check_assumptions(step: Step, assume, rest: list[PendingBlock | None], committed: int, max_position: int):
-    live = [b.seq for b in rest if b is not None]
-    named = [a.seq for a in assume]
-    if named != [b.seq if b is not None else None for b in rest[: len(named)]]:
-        raise ProtocolError(
-            f"the step assumes blocks {named}, but the valid blocks in flight on this session are {live}; "
-            "assume them oldest first, and never a block whose own assumption failed."
-        )
-    base = committed
-    for i, (assumed, block) in enumerate(zip(assume, rest)):
-        if block.assume != assume[:i]:
-            raise ProtocolError(
-                f"block {block.seq} ran assuming other rows of the blocks before it than this step assumes; "
-                "its assumption fails under this step's, so do not build on it."
-            )
-        _check_path(assumed.rows, block.positions, base, "assume")
-        base += len(assumed.rows)
-    q = len(step.positions)
-    depths = step.structure.depths(q)
-    if depths is not None:
-        if list(step.positions) != [base + d for d in depths]:
-            raise ProtocolError(f"block positions must be the committed length ({base}) plus each row's depth.")
-    elif not all(base <= p < base + q for p in step.positions):
-        raise ProtocolError(f"matrix block positions must lie in [{base}, {base + q}).")
-    if max(step.positions) >= max_position:
-        raise ProtocolError(f"position {max(step.positions)} exceeds the model's context of {max_position} tokens.")
-    return tuple(rest[: len(assume)])
-
-
-def _check_path(rows: tuple[int, ...], positions: tuple[int, ...], committed: int, name: str) -> None:
-    """`rows` of a pending block at `positions` form a contiguous path continuing `committed` rows."""
-    if any(r >= len(positions) for r in rows):
-        what = "the previous block" if name == "keep" else "the assumed block"
-        raise ProtocolError(f"{name} names rows beyond {what} of {len(positions)} rows.")
-    for j, row in enumerate(rows):
-        if positions[row] != committed + j:
-            raise ProtocolError(f"{name}: kept rows must form a contiguous path that continues the committed sequence.")
