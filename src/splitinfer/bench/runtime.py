@@ -16,7 +16,6 @@ server's telemetry; summary.py turns them into medians, fits and checks.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -27,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from ..launch import cloud_server, wan_proxy
+from ..launch import cloud_server, pin_self, wan_proxy
 from ..inprocess import local_only_client
 from ..local.client import SplitClient
 from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
 from ..progress import progress
 
+_pin_self = pin_self  # bench/acceptance.py still imports this name (its owner's edit to make)
 LOCAL_MODES = ("local-only", "local-only-pld")
 SPLIT_MODES = ("split-sequential", "split-lookahead", "split-tree")
 MODES = LOCAL_MODES + SPLIT_MODES
@@ -66,12 +66,6 @@ def load_prompts(path: str | None, per_category: int) -> list[dict]:
         if len(bucket) < per_category:
             bucket.append(row)
     return [r for bucket in chosen.values() for r in bucket]
-
-
-def _pin_self(cpu: int) -> None:
-    if hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
-        os.sched_setaffinity(0, {cpu})
-    torch.set_num_threads(1)
 
 
 def _mean(values: list[float]) -> float:
@@ -156,7 +150,7 @@ def probe_rtt(url: str, count: int, size: int = 1300) -> list[float]:
 
 def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print) -> dict:
     """Every configuration, interleaved per repetition; returns raw per-generation runs and probe RTTs."""
-    _pin_self(0)
+    pin_self(0)
     local_only = local_only_client(shards)
     pld = PromptLookupRunner(shards, local_only, config.pld_tokens) if "local-only-pld" in config.modes else None
     runs: list[dict] = []
