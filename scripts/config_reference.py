@@ -74,7 +74,8 @@ def main() -> int:
     text = render()
     if p.parse_args().check:
         current = OUT.read_text() if OUT.exists() else ""
-        print("docs/configuration.md is current" if current == text else "docs/configuration.md is out of date")
+        print("docs/configuration.md is current" if current == text else
+              "docs/configuration.md is out of date: run python scripts/config_reference.py")
         return 0 if current == text else 1
     OUT.write_text(text)
     return 0
