@@ -3,7 +3,7 @@
 The server takes a connection's messages one at a time, in order, and sends each step's reply before it
 takes the next. With blocks in flight (protocol v3) a client sends steps without waiting, so while one
 step computes, later ones wait here; when a later one already shows that the client dropped an earlier one
-(wire/link.py `dropped`), the earlier one need not run. The inbox reads at most `limit` messages ahead, so
+(wire/serverlink.py `dropped`), the earlier one need not run. The inbox reads at most `limit` messages ahead, so
 a peer that floods its connection still meets the WebSocket's backpressure. Messages that arrived before
 the connection closed are still handed out, as the WebSocket itself does.
 

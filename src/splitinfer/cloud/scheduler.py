@@ -9,7 +9,7 @@ Queued steps are cut into groups of similar block size (`plan_groups`), because 
 largest block: sixteen one-row decode steps and one 512-row prefill chunk are two passes, not one pass of
 17 x 512 rows. Sessions with different head depths (split-point randomisation) run different layers,
 so they are never put in one pass either. Results go to `concurrent.futures.Future`s (awaitable from asyncio via `run`).
-A step submitted with `skip` (its client already dropped its block: wire/link.py `dropped`) is applied on
+A step submitted with `skip` (its client already dropped its block: wire/serverlink.py `dropped`) is applied on
 this thread like the others, in its turn, but joins no pass (`SessionTable.skip_step`).
 
 This module knows nothing about sockets or the wire; it calls `SessionTable.run_steps`.

@@ -1,5 +1,6 @@
 """The cloud server: a WebSocket adapter over SessionTable. It only moves bytes and schedules work;
-which message a peer may send when (hello first) is the link protocol's rule (wire/link.py).
+which message a peer may send when (hello first) is the link protocol's rule: each connection has a
+wire/serverlink.py `ServerLink` over the table in wire/link.py.
 
 Decoding and validation happen on the event loop (cheap); the middle layers run on one compute thread
 (scheduler.py), which batches concurrent sessions' steps, so compute never stalls any connection's I/O.

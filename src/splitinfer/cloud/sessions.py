@@ -6,7 +6,7 @@ which batch.py runs in one pass. The KV budget (rows and bytes) is charged per s
 validated; idle sessions are evicted, least recently used first, before anything is refused. A session
 outlives its connection, so a client whose link dropped can resume it; one that expired, was evicted or
 was lost in a restart is rebuilt by the client (re-prefill). What a peer may send (seq order, keep
-lists, positions, what a resume may not change) is the link protocol's rule (wire/link.py), applied here
+lists, positions, what a resume may not change) is the link protocol's rule (wire/serverlink.py), applied here
 to each session's state.
 
 Blocks in flight (a v3 hello): a session keeps every block it ran whose rows the client has not resolved,
@@ -14,7 +14,7 @@ in order, with its KV rows held after the committed ones (kv.py `hold`). A step 
 keep list) unless it assumes it, builds on the pending blocks it assumes (they must be the next ones, each
 still valid) and drops the rest; its rows see the committed rows and the assumed rows of the blocks it
 builds on (wire/inflight.py). Budgets and metrics count committed and pending rows separately. A step that
-a later, already received step shows the client dropped (wire/link.py `dropped`) is `skip_step`ped: checked
+a later, already received step shows the client dropped (wire/serverlink.py `dropped`) is `skip_step`ped: checked
 and its resolutions applied like any other, its block never computed, its reply without rows.
 
 Under split-point randomisation the hello pins the session's head depth k inside the shard's range; the
@@ -208,7 +208,7 @@ class SessionTable:
         return gone
 
     def _apply_step(self, session: CloudSession, step: Step) -> Prefix | None:
-        """The protocol's rules for a step (wire/link.py), the KV budget for the rows it brings, then its
+        """The protocol's rules for a step (wire/serverlink.py), the KV budget for the rows it brings, then its
         resolution and drops on the cache. Returns the pending rows the block is written after, if any."""
         cache = session.cache
         plan = check_step(
