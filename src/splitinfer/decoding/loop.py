@@ -46,7 +46,7 @@ from .ahead import AheadConfig, AheadController
 from .draft import Block, Draft, accept
 from .roots import candidate_roots, likeliest_outcome, multi_root_block
 from .sampling import greedy
-from .strategies import Strategy
+from .strategy import Strategy
 from .verifier import Verifier
 
 Emit = Callable[[list[int], list[torch.Tensor]], "str | None"]
