@@ -86,7 +86,7 @@ def test_llama_configs(name, billions):
 def test_cli_json(capsys):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["bench", "plan", "--config", "llama-3.1-70b", "--json"])
+    args = parser.parse_args(["plan", "--config", "llama-3.1-70b", "--json"])
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     for key in ("local_weight_bytes", "cloud_weight_bytes", "local_kv_bytes_per_token", "cloud_kv_bytes_per_token",

@@ -83,7 +83,7 @@ def test_probe_command_prints_the_check(server, tmp_path, capsys):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     with wan_proxy(server, 30.0) as url:
-        args = parser.parse_args(["bench", "probe", "--server", url, "--small", "5", "--large", "1", "--large-kb", "64",
+        args = parser.parse_args(["probe", "--server", url, "--small", "5", "--large", "1", "--large-kb", "64",
                                   "--bench", str(_bench_json(tmp_path)), "--expect-rtt-ms", "1000", "--json"])
         code = args.func(args)
     out = json.loads(capsys.readouterr().out)

@@ -196,7 +196,7 @@ def test_audit_cli_takes_t2_tokens():
 
     parser = argparse.ArgumentParser()
     commands.register(parser.add_subparsers())
-    args = parser.parse_args(["privacy", "audit", "--out", "x", "--t2-tokens", "1000,10000,100000"])
+    args = parser.parse_args(["audit", "--out", "x", "--t2-tokens", "1000,10000,100000"])
     assert commands._ints(args.t2_tokens) == (1_000, 10_000, 100_000)
     assert AuditConfig().t2_tokens == (1_000, 10_000, 100_000)
     quick = quick_config("s")

@@ -65,10 +65,13 @@ class StopMatcher:
 def _decode_stream(tokenizer):
     """(the `tokenizers.Tokenizer` behind `tokenizer`, a fresh DecodeStream), or None where it cannot stand
     in for `tokenizer.decode`: a slow tokenizer, or one that cleans up spaces after decoding."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    from transformers import PreTrainedTokenizerFast
+
+    if DecodeStream is None or not isinstance(tokenizer, PreTrainedTokenizerFast):
         return None
-    return backend, DecodeStream(skip_special_tokens=True)
+    if tokenizer.clean_up_tokenization_spaces:
+        return None
+    return tokenizer.backend_tokenizer, DecodeStream(skip_special_tokens=True)
 
 
 class TextStream:
