@@ -37,21 +37,32 @@ def greedy(row: torch.Tensor) -> int:
     return int(torch.argmax(row))
 
 
+def truncated(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one top-k, top-p rule: logits [..., vocab] -> (weights [..., k], ids [..., k]) over the k most
+    likely tokens in descending order (top_k 0: the whole vocabulary). The sort runs over k entries, not
+    the vocabulary. Weights are not renormalised after the top-p cut (torch.multinomial takes weights)."""
+    k = top_k if 0 < top_k < logits.shape[-1] else logits.shape[-1]
+    top, ids = (logits.float() / temperature).topk(k, dim=-1)
+    probs = top.softmax(-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays when the mass before it is < top_p.
+    return probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0), ids
+
+
+def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+         generator: torch.Generator | None) -> torch.Tensor:
+    """logits [B, vocab] -> [B] token ids drawn by `truncated`'s rule."""
+    weights, ids = truncated(logits, temperature, top_k, top_p)
+    pick = torch.multinomial(weights.cpu(), 1, generator=generator).to(ids.device)  # [B, 1]
+    return ids.gather(-1, pick)[:, 0]
+
+
 def target_probs(row: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """[vocab] logits -> [vocab] float32 probabilities of the sampling distribution."""
-    logits = row.float() / config.temperature
-    if config.top_k and config.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, config.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if config.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep a token if the mass before it is still below top_p (the first token is always kept)
-        drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= config.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        probs = probs / probs.sum()
-    return probs
+    """[vocab] logits -> [vocab] float32 probabilities of the sampling distribution (`truncated`'s rule)."""
+    if not config.top_k and config.top_p >= 1.0:
+        return torch.softmax(row.float() / config.temperature, dim=-1)
+    weights, ids = truncated(row, config.temperature, config.top_k, config.top_p)
+    probs = torch.zeros(row.shape[-1], dtype=torch.float32, device=row.device).scatter_(0, ids, weights)
+    return probs / probs.sum()
 
 
 def make_chooser(config: SamplingConfig | None) -> Callable[[torch.Tensor], int]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..decoding.sampling import draw
 from ..model.stack import cache_keyword
 
 
@@ -32,12 +33,7 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling | None, gen: torch.Gene
     """logits [B, vocab] -> token ids [B]: the argmax (greedy, `sampling` None) or a top-k, top-p draw."""
     if sampling is None:
         return logits.argmax(-1)
-    top, ids = (logits.float() / sampling.temperature).topk(min(sampling.top_k, logits.shape[-1]), dim=-1)
-    probs = top.softmax(-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays when the mass before it is < top_p.
-    probs = probs.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, 0.0)
-    pick = torch.multinomial(probs.cpu(), 1, generator=gen).to(ids.device)  # [B, 1]
-    return ids.gather(-1, pick)[:, 0]
+    return draw(logits, sampling.temperature, sampling.top_k, sampling.top_p, gen)
 
 
 def _capture_features(model) -> tuple[list, object]:
