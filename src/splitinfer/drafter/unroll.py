@@ -68,10 +68,37 @@ def window_tensors(sequences: list[dict], picks: list[tuple[int, int]], n: int, 
         f, x = sequences[i]["features"], sequences[i]["tokens"]
         m = min(n + depth, f.shape[0] - start)
         feats[k, :m] = f[start : start + m].float()
-        piece = torch.tensor(x[start : start + n + depth + 1])
+        piece = torch.as_tensor(x[start : start + n + depth + 1], dtype=torch.long)
         tokens[k, : len(piece)] = piece
         rows[k] = m
     return feats.to(device), tokens.to(device), rows.to(device)
+
+
+def path_tokens(sequences: list[dict], picks: list[tuple[int, int]], n: int, depth: int, top_k: int) -> tuple:
+    """Which tokens of each window may be drafted and which the model would have taken, [B, n + depth + 1]
+    bool each: (draft: the token is assistant text, ok: not a drafted token, or one within the model's
+    `top_k` at its row). Sequences without "draft"/"rank" (the model's own continuations) are all True;
+    top_k 0 counts every token as taken."""
+    draft = torch.ones(len(picks), n + depth + 1, dtype=torch.bool)
+    ok = torch.ones_like(draft)
+    for k, (i, start) in enumerate(picks):
+        s = sequences[i]
+        if "draft" not in s:
+            continue
+        d = s["draft"][start : start + n + depth + 1]
+        draft[k, : len(d)] = d
+        if top_k > 0:
+            ok[k, : len(d)] = ~d | (s["rank"][start : start + n + depth + 1] < top_k)
+    return draft, ok
+
+
+def path_valid(draft: torch.Tensor, ok: torch.Tensor, e: int, n: int) -> torch.Tensor:
+    """[B, n]: row i of pass e counts where the token it drafts (x[i+e+2]) is assistant text and the model
+    would have taken every token on the path to it (x[i+1] .. x[i+e+1]): GRIFFIN's loss mask."""
+    valid = draft[:, e + 2 : e + 2 + n].clone()
+    for j in range(e + 1):
+        valid &= ok[:, j + 1 : j + 1 + n]
+    return valid
 
 
 def target_tokens(tokens: torch.Tensor, e: int, n: int) -> torch.Tensor:
