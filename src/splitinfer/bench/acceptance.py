@@ -160,7 +160,7 @@ def _load_head(client, directory: Path | None):
     if directory is None:
         return client.draft_head
     from ..model.drafthead import load_shard_head, read_head_info
-    from ..model.shards import model_identity
+    from ..model.manifest import model_identity
 
     if read_head_info(directory).get("model_fingerprint") != model_identity(client.local.manifest):
         raise ConfigError(f"the draft head in {directory} was trained for another model; pass a head for this one.")

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..model.drafthead import DraftHead, DraftHeadConfig
-from ..model.shards import basis_identity, load_whole_hf, model_identity, read_manifest
+from ..model.manifest import basis_identity, model_identity, read_manifest
+from ..model.shards import load_whole_hf
 from ..progress import progress
 from .corpus import CORPUS_VERSIONS, build_prompts
 from .generate import Sampling, generate_rows

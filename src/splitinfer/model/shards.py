@@ -26,8 +26,6 @@ from ..errors import ModelError
 from ..kv import KVCache
 from .keyed_norm import install as install_keyed_norms
 from .manifest import DTYPES, WEIGHTS, read_manifest, sha256_file, split_of
-# drafter/train.py and bench/acceptance.py still import these two from here; drop once they import manifest.
-from .manifest import basis_identity, model_identity  # noqa: F401
 from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
 
 

@@ -360,7 +360,7 @@ def write_basis_shards(model: nn.Module, secret: Basis, shards: Path, out: Path,
     )
     local = read_manifest(out / "local", "local")
     # The public model's identity, so that heads made for this model are recognised, and the key's name,
-    # so that only a head made for this key is loaded (model.shards.basis_identity).
+    # so that only a head made for this key is loaded (model.manifest.basis_identity).
     local["residual_basis"] = {**record, "model_identity": model_identity(manifest), "basis_id": secret.identity}
     (out / "local" / "manifest.json").write_text(json.dumps(local, indent=2, sort_keys=True))
     return out, carry_draft_head(shards / "local", out / "local", secret)
