@@ -69,6 +69,7 @@ class SpecBenchOptions:
     per_category: int = 3  # prompts taken from each category
     in_flight: str = "1"  # comma-separated blocks in flight (1-3, or auto)
     cloud_pass_ms: float = 0.0  # the fast-cloud scenario's least pass time (serve --min-pass-ms); 0: off
+    turns: int = 1  # 2: prompts with a second turn (MT-Bench) also run it in the same conversation
 
 
 @dataclass(frozen=True)
@@ -326,6 +327,8 @@ def register(sub) -> None:
         Opt("max_new_tokens"),
         Opt("repeats"),
         Opt("per_category", help="prompts taken from each category"),
+        Opt("turns", choices=(1, 2), help="2: a prompt with a second turn (--prompts mt-bench) runs it next in the same "
+                                          "conversation, reusing the caches of turn one as `api` and `chat` do"),
     ))
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, default=None,
                    help="dtype of hidden states on the wire (default: the one the shard records: bfloat16 for "

@@ -42,7 +42,7 @@ import torch
 
 from .. import __version__
 from ..launch import cloud_server, pin_self, wan_proxy
-from ..local.client import SplitClient
+from ..local.client import Generation, SplitClient
 from ..clients import open_client
 from ..local.session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT, ClientConfig, SplitSession
 from ..decoding.strategies import STRATEGIES
@@ -206,18 +206,41 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
         greedy_transformers(whole, local.encode_prompt(prompts[0]["prompt"]), 16)
         for strategy, rtt, d in configs:
             clients[(rtt, d)].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
+        turns = getattr(args, "turns", 1)
         for rep in range(args.repeats):
             for p in prompts:
-                result = local.generate(p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True),
-                                        strategy="sequential")
-                local_runs.append(_record("local-only", 0.0, rep, p, result))
-                local_runs.append(transformers_record(whole, rep, p, result))
+                for q, result in zip(turn_rows(p, turns), generations(local, p, args.max_new_tokens, "sequential", turns)):
+                    local_runs.append(_record("local-only", 0.0, rep, q, result))
+                    local_runs.append(transformers_record(whole, rep, q, result))
                 for strategy, rtt, d in configs:
-                    result = clients[(rtt, d)].generate(
-                        p["prompt"], max_new_tokens=args.max_new_tokens, chat=p.get("chat", True), strategy=strategy
-                    )
-                    runs.append(_record(label(strategy, d), rtt, rep, p, result, d))
+                    for q, result in zip(turn_rows(p, turns), generations(clients[(rtt, d)], p, args.max_new_tokens, strategy,
+                                                                      turns)):
+                        runs.append(_record(label(strategy, d), rtt, rep, q, result, d))
     return runs, local_runs
+
+
+def turn_rows(p: dict, turns: int) -> list[dict]:
+    """The benchmark rows of a prompt: itself, and with `turns` 2 its second turn as "<id>/2"."""
+    if turns < 2 or len(p.get("turns", ())) < 2:
+        return [p]
+    return [p, p | {"id": f"{p['id']}/2", "prompt": p["turns"][1], "category": f"{p['category']}, turn 2"}]
+
+
+def generations(client: SplitClient, p: dict, max_new_tokens: int, strategy: str, turns: int) -> list:
+    """One generation, or with a second turn both turns of one conversation (api/chat.py's ChatSession: the
+    second turn prefills only its own tokens; drafting may search the first reply, as in `api`)."""
+    if len(turn_rows(p, turns)) == 1:
+        return [client.generate(p["prompt"], max_new_tokens=max_new_tokens, chat=p.get("chat", True), strategy=strategy)]
+    from ..api.chat import ChatSession
+
+    results = []
+    with ChatSession(client, strategy=strategy) as chat:
+        for text in p["turns"][:2]:
+            turn = chat.say(text, max_new_tokens)
+            prompt = chat.conversation.history[: turn.prompt_tokens]
+            results.append(Generation(turn.text, prompt, turn.token_ids, turn.finish_reason, turn.logprobs, turn.stats,
+                                      turn.steps))
+    return results
 
 
 def transformers_record(whole, rep: int, p: dict, local_result) -> dict:
