@@ -10,6 +10,7 @@ from splitinfer import errors
 from splitinfer.errors import (
     CapacityError,
     ConfigError,
+    Draining,
     MessageTooLarge,
     ModelError,
     ProtocolError,
@@ -33,6 +34,7 @@ KNOWN = [
     SessionError,
     CapacityError,
     TransportError,
+    Draining,
 ]
 
 ALL_DEFINED = [
@@ -71,7 +73,7 @@ def test_unknown_code_is_remote_error(code):
 
 def test_retryable_flags():
     retryable = {cls for cls in ALL_DEFINED if cls.retryable}
-    assert retryable == {SessionError, CapacityError, TransportError}
+    assert retryable == {SessionError, CapacityError, TransportError, Draining}
     assert error_from_code("session", "x").retryable is True
     assert error_from_code("protocol", "x").retryable is False
 

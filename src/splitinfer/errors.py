@@ -74,6 +74,13 @@ class TransportError(SplitInferError):
     retryable = True
 
 
+class Draining(TransportError):
+    """The server is shutting down gracefully (SIGTERM): it finished the step in progress and closed the
+    connection with link.py's DRAINING_CLOSE; the client moves on at once, without backoff."""
+
+    code = "draining"
+
+
 class AuthError(SplitInferError):
     """The server refused the client's credentials, or the client does not trust the server's certificate."""
 
@@ -99,6 +106,7 @@ _BY_CODE = {
         SessionError,
         CapacityError,
         TransportError,
+        Draining,
         AuthError,
     )
 }

@@ -25,6 +25,8 @@ SERVER_OPTIONS = (
     Opt("tls_cert", help="PEM certificate chain; with --tls-key, serve wss://"),
     Opt("tls_key", help="PEM private key of --tls-cert"),
     Opt("client_ca", help="require client certificates signed by this PEM CA (mutual TLS)"),
+    Opt("drain_timeout_s", "--drain-timeout",
+        help="on SIGTERM, seconds the steps in progress may take before the server exits anyway"),
 )
 SESSION_OPTIONS = (
     Opt("ttl_s", "--session-ttl", help="seconds an idle session keeps its cache"),

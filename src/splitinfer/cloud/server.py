@@ -18,6 +18,10 @@ that opened them. A connection that keeps sending invalid messages is closed (10
 that are up, as `replicas` reports them (the replicas of `serve --ray`, autoscaled ones included), so that
 clients routing by rendezvous hashing learn them (local/failover.py). A server without a replica set
 answers 404.
+
+SIGTERM drains (`drain`): the listening socket closes, each connection finishes the message it is handling
+and sends its reply, then is closed with link.py's DRAINING_CLOSE, which clients take as "open the session
+on another server now" (local/failover.py), not as a fault; the process exits once every connection ended.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from websockets.exceptions import ConnectionClosed
 from ..errors import MessageTooLarge, SplitInferError
 from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
+from ..wire.link import DRAINING_CLOSE
 from ..wire.serverlink import ServerLink, dropped
 from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
 from .batch import LocalPasses
@@ -62,6 +67,7 @@ class ServerConfig:
     tls_key: str | None = None  # PEM private key of tls_cert
     client_ca: str | None = None  # PEM CA bundle; when set, clients must present a certificate it signed (mTLS)
     max_errors_per_connection: int = 16  # invalid messages tolerated on one connection before it is closed
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long steps in progress may take before the server exits anyway
 
     @property
     def scheme(self) -> str:
@@ -83,6 +89,8 @@ class CloudServer:
         self.port: int | None = None
         self.metrics = None  # a metrics.CloudMetrics (`serve --metrics-port`); None records nothing
         self.replicas: Callable[[], list[str]] | None = None  # this deployment's live server URLs, for GET /replicas
+        self.draining = False  # set by `drain`: no new connections; each open one ends after its step in progress
+        self._busy: set[ServerConnection] = set()  # connections handling a message (its reply not sent yet)
 
     def _authorize(self, connection: ServerConnection, request):
         """websockets' process_request hook: refuse a missing or wrong token before the upgrade; answer
@@ -117,44 +125,57 @@ class CloudServer:
             await ws.close(code=1011, reason="internal error")
 
     async def _serve_messages(self, ws: ServerConnection, inbox: Inbox, link: ServerLink, owner: str) -> None:
-        """A connection's messages in order: each step's reply goes out before the next message is taken. A
-        step that later steps, already received, show its client dropped is applied but not run (`dropped`)."""
-        while (data := await inbox.next()) is not None:
-            received_at = time.perf_counter()
-            seq = None
+        """A connection's messages in order: each one's reply goes out before the next message is taken. Once
+        the server drains, the connection is closed with DRAINING_CLOSE after the message in progress."""
+        while not self.draining and (data := await inbox.next()) is not None and not self.draining:
+            self._busy.add(ws)
             try:
-                message = decode_client_message(data, self.limits)
-                seq = message.seq if isinstance(message, (Step, Probe)) else None
-                link.check(message)  # hello first (wire/serverlink.py)
-                opened = None
-                if isinstance(message, Hello):
-                    session, welcome = self.table.open(message, owner=owner)
-                    opened = session.id
-                    await ws.send(welcome.encode())
-                elif isinstance(message, Step):
-                    session = self.table.get(link.session_id, owner)  # raises if it expired meanwhile
-                    skip = dropped(message, inbox.later_steps())
-                    reply = await self.scheduler.run(session, message, received_at, skip)
-                    if self.metrics is not None:
-                        self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
-                    await ws.send(reply)
-                elif isinstance(message, Probe):
-                    await ws.send(self._probe_reply(message))
-                elif isinstance(message, Close):
-                    if link.session_id is not None:
-                        self.table.close(link.session_id)
-                    link.moved(message)
-                    await ws.close()
+                if not await self._serve_message(ws, inbox, link, owner, data):
                     return
-                link.moved(message, opened)
-            except SplitInferError as exc:
-                log.info("error for %s: %s: %s", ws.remote_address, exc.code, exc)
+            finally:
+                self._busy.discard(ws)
+        if self.draining:
+            await ws.close(code=DRAINING_CLOSE, reason="server draining; open the session on another server")
+
+    async def _serve_message(self, ws: ServerConnection, inbox: Inbox, link: ServerLink, owner: str, data) -> bool:
+        """Act on one message and answer it; False when the connection is to end. A step that later steps,
+        already received, show its client dropped is applied but not run (`dropped`)."""
+        received_at = time.perf_counter()
+        seq = None
+        try:
+            message = decode_client_message(data, self.limits)
+            seq = message.seq if isinstance(message, (Step, Probe)) else None
+            link.check(message)  # hello first (wire/serverlink.py)
+            opened = None
+            if isinstance(message, Hello):
+                session, welcome = self.table.open(message, owner=owner)
+                opened = session.id
+                await ws.send(welcome.encode())
+            elif isinstance(message, Step):
+                session = self.table.get(link.session_id, owner)  # raises if it expired meanwhile
+                skip = dropped(message, inbox.later_steps())
+                reply = await self.scheduler.run(session, message, received_at, skip)
                 if self.metrics is not None:
-                    self.metrics.error(exc.code)
-                await ws.send(Error.from_exception(exc, seq).encode())
-                if link.refused(exc):  # protocol errors only: capacity or expiry is not the peer's fault
-                    await ws.close(code=1008, reason="too many invalid messages")
-                    return
+                    self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
+                await ws.send(reply)
+            elif isinstance(message, Probe):
+                await ws.send(self._probe_reply(message))
+            elif isinstance(message, Close):
+                if link.session_id is not None:
+                    self.table.close(link.session_id)
+                link.moved(message)
+                await ws.close()
+                return False
+            link.moved(message, opened)
+        except SplitInferError as exc:
+            log.info("error for %s: %s: %s", ws.remote_address, exc.code, exc)
+            if self.metrics is not None:
+                self.metrics.error(exc.code)
+            await ws.send(Error.from_exception(exc, seq).encode())
+            if link.refused(exc):  # protocol errors only: capacity or expiry is not the peer's fault
+                await ws.close(code=1008, reason="too many invalid messages")
+                return False
+        return True
 
     def _probe_reply(self, probe: Probe) -> bytes:
         # Path measurement (`splitinfer bench probe`): no session, no compute; the reply obeys the message limit,
@@ -203,21 +224,44 @@ class CloudServer:
             f"{len(self.config.tokens.digests)} token(s)" if self.config.tokens.enabled else "no authentication",
         )
 
+    async def drain(self) -> None:
+        """Graceful shutdown (SIGTERM): refuse new connections, let every step in progress finish and its reply
+        go out, then close each connection with DRAINING_CLOSE, which its client takes as "move to another
+        server now" (no backoff). Returns when every connection has ended, or after `drain_timeout_s`."""
+        if self._server is None:
+            return
+        self.draining = True
+        self._server.close(close_connections=False)  # stop listening; handshakes under way get HTTP 503
+        idle = [ws for ws in self._server.connections if ws not in self._busy]
+        log.info("draining: %d connection(s), %d with a step in progress", len(idle) + len(self._busy), len(self._busy))
+        for ws in idle:  # waiting for their next message; the busy ones close themselves after their reply
+            asyncio.get_running_loop().create_task(ws.close(code=DRAINING_CLOSE, reason="server draining"))
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), self.config.drain_timeout_s)
+        except TimeoutError:
+            log.warning("draining: connections still open after %.0f s; stopping anyway", self.config.drain_timeout_s)
+
     async def stop(self) -> None:
         if self._server is not None:
             self._sweeper.cancel()
             self._server.close()
+            for ws in self._server.connections:  # left by a drain cut short (else it closed them already)
+                asyncio.get_running_loop().create_task(ws.close(code=1001, reason="server stopping"))
             await self._server.wait_closed()
             self._server = None
         self.scheduler.close()
 
     async def serve_forever(self) -> None:
+        """Serve until SIGTERM or SIGINT, then drain (a second signal skips the wait) and stop."""
         await self.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        stop.clear()
+        drain = loop.create_task(self.drain())
+        await asyncio.wait([drain, loop.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         await self.stop()
 
 
@@ -234,6 +278,10 @@ class ServerThread:
     @property
     def url(self) -> str:
         return f"{self.server.config.scheme}://{self.server.config.host}:{self.server.port}"
+
+    def drain(self, timeout_s: float = 60.0) -> None:
+        """CloudServer.drain, as SIGTERM runs it: returns once every connection has ended."""
+        asyncio.run_coroutine_threadsafe(self.server.drain(), self._loop).result(timeout=timeout_s)
 
     def close(self) -> None:
         if self._thread.is_alive():

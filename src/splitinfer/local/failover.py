@@ -11,7 +11,8 @@ to one server at a time; when opening or resuming a session there fails because 
 (connection refused or lost: TransportError) or full (CapacityError), it re-reads the set and opens a
 fresh session on the next server in the key's order. The link (wire/clientlink.py) sees a fresh welcome where
 it asked for a resume and re-sends the committed history, so the output is the one the first server
-would have given. A server that lost only
+would have given. A server that closes the link because it is draining (SIGTERM, errors.Draining) is not
+asked again: the next open goes straight to the next server, with no backoff. A server that lost only
 the session (TTL, eviction) is not left: the link re-prefills there, as with one server.
 
 This module moves no session bytes itself (each server is a RemoteMiddle, local/middle.py) and knows
@@ -29,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 
-from ..errors import CapacityError, ConfigError, TransportError
+from ..errors import CapacityError, ConfigError, Draining, TransportError
 from ..wire.messages import Result, Step, Welcome
 from ..wire.transport import StepIO
 
@@ -154,26 +155,36 @@ class FailoverMiddle:
         self.url = self.order[0]  # the session's server; it stays while it serves, whatever joins the set
         self._current = make(self.url)
         self.failovers = 0  # times this session moved to another server
+        self._drained: Draining | None = None  # the current server closed the link because it is shutting down
 
     @property
     def welcome(self) -> Welcome | None:
         return self._current.welcome
 
     def open(self, resume_id: str | None = None, version: int | None = None) -> Welcome:
-        """Resume or open on the current server; when it is gone or full, open fresh on the next one in the
-        order over the set as it is now (re-read: an autoscaled replica may have joined, a dead one left)."""
+        """Resume or open on the current server; when it is gone, full or draining, open fresh on the next one
+        in the order over the set as it is now (re-read: an autoscaled replica may have joined, a dead one left)."""
         failed: set[str] = set()
+        if self._drained is not None:  # it said it is going away: do not knock on it again
+            reason, self._drained = self._drained, None
+            if self._fail_over(failed, reason):
+                resume_id = None
         while True:
             try:
                 return self._current.open(resume_id, version)
             except (TransportError, CapacityError) as exc:
-                failed.add(self.url)
-                self.order = rendezvous_order(self.key, self.replicas.refresh(skip=failed))
-                rest = [url for url in self.order if url not in failed]
-                if not rest:
+                if not self._fail_over(failed, exc):
                     raise  # every server failed once: the link backs off and asks again
-                self._move(rest[0], exc)
                 resume_id = None  # a session id means nothing to another server
+
+    def _fail_over(self, failed: set[str], reason: Exception) -> bool:
+        """Move to the first server of the order, as re-read, that has not failed; False when none is left."""
+        failed.add(self.url)
+        self.order = rendezvous_order(self.key, self.replicas.refresh(skip=failed))
+        rest = [url for url in self.order if url not in failed]
+        if rest:
+            self._move(rest[0], reason)
+        return bool(rest)
 
     def _move(self, url: str, reason: Exception) -> None:
         gone = self.url
@@ -181,10 +192,15 @@ class FailoverMiddle:
         self.url = url
         self._current = self._make(url)
         self.failovers += 1
-        log.warning("server %s failed (%s); moving this session to %s", gone, reason, url)
+        level = logging.INFO if isinstance(reason, Draining) else logging.WARNING  # a drain is planned, not a fault
+        log.log(level, "server %s failed (%s); moving this session to %s", gone, reason, url)
 
     def step(self, step: Step) -> tuple[Result, StepIO]:
-        return self._current.step(step)
+        try:
+            return self._current.step(step)
+        except Draining as exc:
+            self._drained = exc  # the next open goes straight to the next server
+            raise
 
     def post(self, step: Step) -> None:
         self._current.post(step)

@@ -6,7 +6,8 @@ also sends a step without waiting for its reply (`post`) and takes replies in th
 (`collect`): the server answers one connection's steps in order. It decodes everything
 the server returns as strictly as the server decodes requests (an untrusted server must not be able to
 crash or confuse the client) and raises errors from errors.py: `SessionError` when the server lost the
-session, `TransportError` when the connection failed. Whether a reply fits the session (its seq, its rows,
+session, `TransportError` when the connection failed (`Draining` when the server closed it because it is
+shutting down gracefully). Whether a reply fits the session (its seq, its rows,
 the committed length) is the link's rule (wire/clientlink.py), not this module's. The in-process middle, which
 needs the cloud's session table, lives above both local/ and cloud/ (inprocess.py).
 """
@@ -21,10 +22,11 @@ from contextlib import contextmanager
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
-from ..errors import AuthError, ProtocolError, TransportError, error_from_code
+from ..errors import AuthError, Draining, ProtocolError, TransportError, error_from_code
 from ..wire.messages import (
     Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_server_message,
 )
+from ..wire.link import DRAINING_CLOSE
 from ..wire.transport import StepIO
 from .auth import ClientAuth
 
@@ -209,7 +211,12 @@ class RemoteMiddle:
         except TimeoutError as exc:
             self._drop()
             raise TransportError(f"no reply from {self.url} within {self.reply_timeout_s:g} s.") from exc
-        except (ConnectionClosed, OSError) as exc:
+        except ConnectionClosed as exc:
+            self._drop()
+            if exc.rcvd is not None and exc.rcvd.code == DRAINING_CLOSE:
+                raise Draining(f"{self.url} is shutting down and finished this session's last step there.") from exc
+            raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
+        except OSError as exc:
             self._drop()
             raise TransportError(f"the connection to {self.url} was lost ({exc}).") from exc
 

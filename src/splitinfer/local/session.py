@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..errors import ConfigError, SessionError, TransportError, VersionMismatch
+from ..errors import ConfigError, Draining, SessionError, TransportError, VersionMismatch
 from ..masks import BlockStructure
 from ..model.shards import LocalHalf
 from ..telemetry import StepRecord
@@ -307,11 +307,12 @@ class SplitSession:
 
     def _recover(self, exc: Exception, record: StepRecord) -> None:
         """The one reconnect rule: tell the link the session was lost, then back off before it reconnects;
-        re-raise `exc` once the link has used up its attempts."""
-        attempt = self.link.lost()
+        re-raise `exc` once the link has used up its attempts. A draining server is no fault: no attempt, no wait."""
+        drained = isinstance(exc, Draining)
+        attempt = self.link.lost(counted=not drained)
         if attempt is None:
             raise exc
-        delay = self.config.backoff_s(attempt)
+        delay = 0.0 if drained else self.config.backoff_s(attempt)
         log.warning("cloud session lost (%s); reconnecting in %.2f s", exc, delay)
         time.sleep(delay)
         record.recoveries += 1

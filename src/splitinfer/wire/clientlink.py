@@ -201,9 +201,10 @@ class ClientLink:
             self._move("replayed")
         return Replayed(rows, done)
 
-    def lost(self) -> int | None:
+    def lost(self, counted: bool = True) -> int | None:
         """The session or the connection was lost: the 0-based reconnect attempt (for the backoff), or
-        None when `max_retries` reconnects were spent on this block and the loss should be raised."""
+        None when `max_retries` reconnects were spent on this block and the loss should be raised. A loss
+        not `counted` (a server that drained: it said so) spends no attempt."""
         if self.state is Client.FLYING:  # which of the steps in flight the server ran is unknown: rebuild
             self._rebuild = True
             self._flight, self._live, self._assume, self._block = [], [], None, None
@@ -211,6 +212,8 @@ class ClientLink:
         self._sent = None
         if self._replay is not None:  # a partly rebuilt session is useless; the next one starts over
             self._replay, self._replay_at = None, 0
+        if not counted:
+            return self._attempts
         if self._attempts >= self.max_retries:  # give the block up; the next one starts counting afresh
             self._block, self._attempts = None, 0
             return None

@@ -31,6 +31,11 @@ class Server(Enum):
     CLOSED = "closed"
 
 
+# The WebSocket close code of a server that is draining (SIGTERM): it finished the step in progress and is
+# going away, so the client opens its session elsewhere at once, without backoff (errors.Draining). In the
+# 4000-4999 range that RFC 6455 leaves to applications.
+DRAINING_CLOSE = 4001
+
 # a reply is due: only here can a loss show
 AWAITING = (Client.OPENING, Client.REPLAY_SENT, Client.BLOCK_SENT, Client.FLYING)
 
