@@ -61,6 +61,12 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise p.APIError(400, f"the request body is not valid JSON: {exc}.", code="invalid_json") from exc
+    except ValueError as exc:  # Python parses integers of up to 4300 digits
+        raise p.APIError(400, "the request body holds an integer of over 4300 digits; send numbers of ordinary size.",
+                         code="invalid_json") from exc
+    except RecursionError as exc:  # the parser recurses once per level of nesting
+        raise p.APIError(400, "the request body nests arrays or objects too deeply; OpenAI's request bodies "
+                              "need a few levels, so send one of those.", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise p.APIError(400, "the request body must be a JSON object.", code="invalid_json")
     return body
@@ -286,7 +292,7 @@ class _Completions:
             generation = self._generation(body)
             api.admit(generation)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
-            await api.error_response(exc)(scope, receive, send)
+            await _answer(api.error_response(exc), scope, receive, send)
             return
         try:
             async with anyio.create_task_group() as tasks:
@@ -300,7 +306,7 @@ class _Completions:
         engine = self.api.engine
         model = body.get("model")
         if model != engine.model_id:
-            raise p.APIError(404, f"the model {model!r} does not exist here; this server serves {engine.model_id!r}.",
+            raise p.APIError(404, f"the model {p.show(model)} does not exist here; this server serves {engine.model_id!r}.",
                              param="model", code="model_not_found")
         params = p.parse_params(body, engine.default_max_tokens, engine.strategy)
         if self.chat:
@@ -320,14 +326,22 @@ class _Completions:
         if kind == "gone":
             log.info("client went away before its reply; its generation stops and closes its cloud session")
         elif kind == "error":
-            await self.api.error_response(value)(scope, receive, send)
+            await _answer(self.api.error_response(value), scope, receive, send)
         else:
             turn = value
             make = p.chat_body if self.chat else p.completion_body
             stats = {k: turn.stats[k] for k in ("tokens_per_s", "mean_accepted_per_step", "steps", "strategy")}
             use = p.usage(turn.prompt_tokens, len(turn.token_ids))
             rid = p.new_id("chatcmpl" if self.chat else "cmpl")
-            await JSONResponse(make(rid, model, turn.text, turn.finish_reason, use, stats))(scope, receive, send)
+            await _answer(JSONResponse(make(rid, model, turn.text, turn.finish_reason, use, stats)), scope, receive, send)
+
+
+async def _answer(response: Response, scope: Scope, receive: Receive, send: Send) -> None:
+    """Send a whole reply; a client that went away meanwhile gets none (the ASGI server raises OSError on send)."""
+    try:
+        await response(scope, receive, send)
+    except OSError:
+        log.info("client went away before its reply")
 
 
 async def _watch(receive: Receive, generation: _Generation) -> None:
@@ -351,12 +365,12 @@ class _Stream:
 
     async def send(self, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
 
         async def event(obj: dict | str) -> None:
             await send({"type": "http.response.body", "body": sse(obj), "more_body": True})
 
         try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             if self.chat:
                 await event(p.chat_chunk(self.rid, self.model, {"role": "assistant", "content": ""}))
             while True:

@@ -19,6 +19,10 @@ from ..decoding.strategies import STRATEGIES
 from ..local.text import StopMatcher  # noqa: F401  (re-exported)
 
 MAX_STOP_STRINGS = 4
+# Below this a temperature divides logits past float32's range (inf - inf = nan in the softmax); 0 is greedy.
+MIN_TEMPERATURE = 1e-4
+# top_p is compared in float32, where a smaller value rounds to 0 and keeps no token at all; this keeps the best.
+MIN_TOP_P = 1e-6
 
 
 class APIError(Exception):
@@ -34,6 +38,14 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def show(value, limit: int = 80) -> str:
+    """A peer's value quoted in an error message: its repr, at most `limit` characters (an int of any size too)."""
+    if isinstance(value, int) and value.bit_length() > 3 * limit:  # repr refuses ints of over 4300 digits
+        return f"an integer of about {int(math.log10(abs(value))) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -62,10 +74,12 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _bad(name, f"'{name}' must be a number.")
+    if isinstance(value, float) and not math.isfinite(value):  # an int of any size is finite (and may not fit a float)
+        raise _bad(name, f"'{name}' must be a finite number.")
     if not low <= value <= high:
-        raise _bad(name, f"'{name}' must be between {low:g} and {high:g}; got {value}.")
+        raise _bad(name, f"'{name}' must be between {low:g} and {high:g}; got {show(value)}.")
     return float(value)
 
 
@@ -76,22 +90,22 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int | N
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(name, f"'{name}' must be an integer.")
     if value < low or (high is not None and value > high):
-        raise _bad(name, f"'{name}' must be at least {low}" + (f" and at most {high}" if high else "") + f"; got {value}.")
+        raise _bad(name, f"'{name}' must be at least {low}" + (f" and at most {high}" if high else "") + f"; got {show(value)}.")
     return value
 
 
 def parse_params(body: dict, default_max_tokens: int, default_strategy: str) -> Params:
     if _integer(body, "n", 1, 1) != 1:
         raise _bad("n", "this server returns one choice per request; set 'n' to 1.")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _integer({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, 1)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name, default_max_tokens, 1, 2**31 - 1)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
     elif isinstance(stop, str):
-        stops = (stop,)
+        stops = (_text(stop, "stop"),)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = tuple(stop)
+        stops = tuple(_text(s, "stop") for s in stop)
     else:
         raise _bad("stop", "'stop' must be a string or a list of strings.")
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
@@ -103,12 +117,16 @@ def parse_params(body: dict, default_max_tokens: int, default_strategy: str) -> 
     if not isinstance(options, dict):
         raise _bad("stream_options", "'stream_options' must be an object.")
     strategy = body.get("strategy", default_strategy)
-    if strategy not in STRATEGIES:
-        raise _bad("strategy", f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise _bad("strategy", f"unknown strategy {show(strategy)}; choose one of {', '.join(STRATEGIES)}.")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise _bad("temperature", f"'temperature' must be 0 (greedy: the most likely token) or at least {MIN_TEMPERATURE:g}; "
+                                  f"got {temperature:g}. Send 0 for the most likely token every time.")
     return Params(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-6,  # top_p = 0 keeps the single best token
+        temperature=temperature,
+        top_p=max(_number(body, "top_p", 1.0, 0.0, 1.0), MIN_TOP_P),  # top_p near 0 keeps the single best token
         top_k=_integer(body, "top_k", 0, 0) or 0,
         seed=_integer(body, "seed", None, -(2**63), 2**64 - 1),
         stop=stops,
@@ -130,15 +148,16 @@ def chat_messages(body: dict) -> list[dict]:
         content = m.get("content")
         if isinstance(content, list):
             parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content):
-                raise _bad(f"messages[{i}].content", "only text content parts are supported.")
+            if len(parts) != len(content) or not all(isinstance(part, str) for part in parts):
+                raise _bad(f"messages[{i}].content", "only text content parts are supported: "
+                                                     '{"type": "text", "text": "..."} with a string text.')
             content = "".join(parts)
         if content is None:
             content = ""
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts.")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": _text(content, f"messages[{i}].content")})
     return out
 
 
@@ -147,10 +166,21 @@ def completion_prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str) and prompt:
-        return prompt
+        return _text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise _bad("prompt", "'prompt' must be a non-empty string or list of token ids (one prompt per request).")
+
+
+def _text(value: str, param: str) -> str:
+    """`value` when it is valid Unicode: JSON's \\u escapes can carry lone UTF-16 surrogates, which no tokenizer
+    (and no UTF-8 encoder) takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(param, f"'{param}' holds a lone UTF-16 surrogate (\\u{ord(value[exc.start]):04x}), which is not "
+                          "text; send valid Unicode (pair surrogates, or send the character itself).") from exc
+    return value
 
 
 # -- response bodies -------------------------------------------------------------------------------
