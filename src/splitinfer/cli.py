@@ -40,11 +40,12 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 # Groups of commands (`splitinfer GROUP COMMAND`): name -> (help, the modules that register into it).
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "bench": ("benchmarks and sizing: sweep, spec, step, batch, acceptance, load, probe, plan", (
+    "bench": ("benchmarks and sizing: sweep, spec, step, batch, acceptance, load, soak, probe, plan", (
         "splitinfer.bench.commands",  # sweep, probe, plan, spec, step
         "splitinfer.bench.batching",  # batch
         "splitinfer.bench.acceptance",  # acceptance
         "splitinfer.bench.loadtest",  # load
+        "splitinfer.bench.soak",  # soak
     )),
     "privacy": ("what the cloud can recover, and the defences: audit, privatize, check, table", (
         "splitinfer.privacy.commands",  # audit, privatize, check, table
@@ -72,6 +73,7 @@ EXAMPLES: dict[str, str] = {
     "bench batch": "splitinfer bench batch --shards shards/smollm2 --out bench-out/batch --sizes 1,4,16",
     "bench acceptance": "splitinfer bench acceptance --shards shards/smollm2 --out bench-out/acceptance",
     "bench load": "splitinfer bench load --shards shards/smollm2 --sessions 64 --max-sessions 48 --max-new-tokens 32",
+    "bench soak": "splitinfer bench soak --shards shards/smollm2 --servers 2 --clients 8 --duration 1800 --warmup 300",
     "bench probe": "splitinfer bench probe --server wss://gpu-host:8765 --token-file token.txt --ca-file server.pem",
     "bench plan": "splitinfer bench plan --config mistral-7b-v0.1 --head-layers 2 --tail-layers 2",
     "privacy": "splitinfer privacy privatize --shards shards/smollm2 --out shards/smollm2-keyed --basis",

@@ -165,12 +165,16 @@ def cmd_load_test(args) -> int:
     return 0 if report.ok else 1
 
 
-def _prompts(local, count: int) -> list[list[int]]:
+def packaged_prompt_texts(count: int) -> list[str]:
+    """The first `count` prompts of the packaged set, as text."""
     from importlib import resources
 
     lines = resources.files("splitinfer.data").joinpath("prompts.jsonl").read_text().splitlines()
-    texts = [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
-    return [list(local.tokenizer(text)["input_ids"]) for text in texts]
+    return [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
+
+
+def _prompts(local, count: int) -> list[list[int]]:
+    return [list(local.tokenizer(text)["input_ids"]) for text in packaged_prompt_texts(count)]
 
 
 @dataclass(frozen=True)

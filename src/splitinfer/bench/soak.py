@@ -1,0 +1,326 @@
+"""A soak: clients through the OpenAI API against cloud server processes for a set time, watching for growth.
+
+    splitinfer bench soak --shards shards/smollm2 --servers 2 --clients 8 --duration 1800 --warmup 300
+
+The cloud servers are `splitinfer serve` child processes (with --metrics-port); the API server runs in this
+process over all of them, and `clients` threads send it greedy /v1/completions requests without pause:
+streamed or not, of random lengths, some abandoned mid-stream (the client closes its connection). Every
+completed reply is compared with the same request answered alone before the load began. Once a second the
+sampler reads, for this process and each server: resident memory, open file descriptors and threads (from
+/proc), and open sessions and cached KV rows (the servers' /metrics; for this process, requests in progress).
+
+After the warm-up, each series gets a least-squares line; a resource *trends upward* when its slope is more
+than three standard errors above zero and its fitted growth over the run exceeds the metric's tolerance
+(`TOLERANCE`, or 5% of its median). The run fails on any trend, any wrong reply or any failed request. It
+writes soak.json (every sample, the fits, the request counts), soak.md (the table) and, with matplotlib,
+soak.png. The API's drafting memory is off (--memory-tokens 0 of `api`): it fills up to its cap by design.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..options import Opt, Shared, add_options
+from ..tables import table
+from ..wire.dtypes import DTYPE_NAMES
+
+METRICS = ("rss_mib", "fds", "threads", "sessions", "cached_rows")
+# Growth over the run, after warm-up, below which a slope is noise whatever its standard error.
+TOLERANCE = {"rss_mib": 16.0, "fds": 4.0, "threads": 4.0, "sessions": 2.0, "cached_rows": 256.0}
+MODEL_ID = "soak"
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    """The defaults of `splitinfer bench soak`."""
+
+    servers: int = 2  # `splitinfer serve` processes; the API server spreads sessions over them
+    clients: int = 8  # client threads sending requests without pause
+    duration_s: float = 120.0  # seconds of load
+    warmup_s: float = 20.0  # seconds at the start left out of the trend fits
+    max_new_tokens: int = 48  # the longest request; lengths are drawn from a quarter, half and all of it
+    abandon: float = 0.15  # fraction of streamed requests the client abandons mid-stream
+    stream: float = 0.5  # fraction of requests streamed
+    prompts: int = 4  # distinct prompts from the packaged set
+    seed: int = 0  # the clients' random choices
+    wire_dtype: str = "float32"  # hidden states on the wire
+
+
+# -- sampling ----------------------------------------------------------------------------------------
+def proc_stats(pid: int) -> dict:
+    """Resident MiB, open file descriptors and threads of process `pid`, from /proc."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"cannot read /proc/{pid}: bench soak reads /proc, so run it on Linux.") from exc
+    fields = dict(line.split(":", 1) for line in status if ":" in line)
+    return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "fds": fds, "threads": int(fields["Threads"])}
+
+
+def server_gauges(metrics_url: str) -> dict:
+    """Open sessions and cached KV rows of a server, from its Prometheus /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        text = response.read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {"sessions": float(values["splitinfer_active_sessions"]), "cached_rows": float(values["splitinfer_kv_cache_tokens"])}
+
+
+class Sampler:
+    """Samples every process once a second on a thread of its own: {process: [sample, ...]}."""
+
+    def __init__(self, processes: dict[str, tuple[int, object]], period_s: float = 1.0):
+        self.processes = processes  # name -> (pid, () -> {"sessions", "cached_rows"})
+        self.period_s = period_s
+        self.samples: dict[str, list[dict]] = {name: [] for name in processes}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="splitinfer-soak-sampler", daemon=True)
+        self.start = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            t = round(time.monotonic() - self.start, 3)
+            for name, (pid, gauges) in self.processes.items():
+                self.samples[name].append({"t": t, **proc_stats(pid), **gauges()})
+
+    def __enter__(self) -> "Sampler":
+        self.start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+# -- trends ------------------------------------------------------------------------------------------
+def trend(times: list[float], values: list[float], tolerance: float) -> dict:
+    """The least-squares line through (times, values): slope per minute, its standard error, the fitted growth
+    over the span, and whether that is an upward trend beyond noise (module docstring)."""
+    import numpy as np
+
+    t, v = np.asarray(times, dtype=float), np.asarray(values, dtype=float)
+    if len(t) < 3 or np.ptp(t) == 0:
+        return {"slope_per_min": 0.0, "stderr_per_min": 0.0, "growth": 0.0, "trending": False, "samples": len(t)}
+    slope, intercept = np.polyfit(t, v, 1)
+    residual = v - (slope * t + intercept)
+    stderr = float(np.sqrt((residual @ residual) / (len(t) - 2) / ((t - t.mean()) @ (t - t.mean()))))
+    growth = float(slope * np.ptp(t))
+    limit = max(tolerance, 0.05 * abs(float(np.median(v))))
+    trending = bool(slope > 3 * stderr and growth > limit)
+    return {"slope_per_min": round(float(slope) * 60, 4), "stderr_per_min": round(stderr * 60, 4),
+            "growth": round(growth, 3), "limit": round(limit, 3), "trending": trending, "samples": len(t)}
+
+
+def fits(samples: dict[str, list[dict]], warmup_s: float, end_s: float = float("inf")) -> dict:
+    """{process: {metric: trend}} over the samples after the warm-up and before `end_s` (the load's end)."""
+    out = {}
+    for name, rows in samples.items():
+        kept = [r for r in rows if warmup_s <= r["t"] <= end_s]
+        out[name] = {m: trend([r["t"] for r in kept], [r[m] for r in kept], TOLERANCE[m]) for m in METRICS}
+    return out
+
+
+# -- the clients -------------------------------------------------------------------------------------
+def request(port: int, prompt: str, max_tokens: int, stream: bool, abandon_after: int | None) -> str | None:
+    """One greedy completion through the API: its text, or None when the client abandoned it mid-stream."""
+    body = json.dumps({"model": MODEL_ID, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise ConfigError(f"the API answered {response.status}: {response.read()[:300]!r}")
+        if not stream:
+            return json.loads(response.read())["choices"][0]["text"]
+        pieces, events = [], 0
+        while (line := response.readline()) and line.strip() != b"data: [DONE]":
+            if not line.startswith(b"data: "):
+                continue
+            events += 1
+            if abandon_after is not None and events > abandon_after:
+                return None  # the connection closes below, mid-stream
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise ConfigError(f"the stream ended with an error: {chunk['error']['message']}")
+            pieces += [c["text"] for c in chunk["choices"]]
+        return "".join(pieces)
+    finally:
+        conn.close()
+
+
+@dataclass
+class Counts:
+    completed: int = 0
+    exact: int = 0
+    abandoned: int = 0
+    failed: int = 0
+    streamed: int = 0
+
+
+def client_loop(port: int, jobs: list[tuple[str, int]], reference: dict, options: SoakOptions, until: float,
+                rng: random.Random, counts: Counts, errors: list[str], lock: threading.Lock) -> None:
+    """Requests without pause until `until` (time.monotonic()), each checked against `reference`."""
+    while time.monotonic() < until:
+        prompt, length = rng.choice(jobs)
+        stream = rng.random() < options.stream
+        abandon_after = rng.randrange(1, max(2, length)) if stream and rng.random() < options.abandon else None
+        try:
+            text = request(port, prompt, length, stream, abandon_after)
+        except (OSError, ValueError, ConfigError) as exc:  # counted and reported; the soak goes on
+            with lock:
+                counts.failed += 1
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
+            continue
+        with lock:
+            counts.streamed += stream
+            if text is None:
+                counts.abandoned += 1
+            else:
+                counts.completed += 1
+                counts.exact += text == reference[(prompt, length)]
+
+
+# -- the run -----------------------------------------------------------------------------------------
+def run_soak(shards: Path, options: SoakOptions) -> dict:
+    """Start the servers and the API, answer every request alone, then load it for `duration_s` while sampling."""
+    from contextlib import ExitStack
+
+    from ..api.engine import Engine
+    from ..api.server import ApiServer
+    from ..launch import cloud_server, free_port
+    from ..local.client import SplitClient
+    from ..local.session import ClientConfig
+    from .loadtest import packaged_prompt_texts
+
+    texts = packaged_prompt_texts(options.prompts)
+    lengths = sorted({max(1, options.max_new_tokens // 4), max(1, options.max_new_tokens // 2), options.max_new_tokens})
+    jobs = [(text, n) for text in texts for n in lengths]
+    with ExitStack() as stack:
+        processes, urls = {}, []
+        for i in range(options.servers):
+            metrics_port = free_port()
+            url, proc = stack.enter_context(cloud_server(shards / "cloud", threads=1, extra=["--metrics-port", str(metrics_port)]))
+            urls.append(url)
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            processes[f"server {i}"] = (proc.pid, lambda u=metrics_url: server_gauges(u))
+        client = SplitClient.connect(shards / "local", urls, ClientConfig(wire_dtype=options.wire_dtype),
+                                     allow_public_weights=True)
+        engine = Engine(client, MODEL_ID, max_concurrent=options.clients, memory_tokens=0)
+        api = stack.enter_context(ApiServer(engine, port=0))
+        processes["api"] = (os.getpid(), lambda: {"sessions": float(api.app.pending), "cached_rows": 0.0})
+        reference = {job: request(api.port, *job, stream=False, abandon_after=None) for job in jobs}
+        counts, errors, lock = Counts(), [], threading.Lock()
+        with Sampler(processes) as sampler:
+            until = time.monotonic() + options.duration_s
+            threads = [threading.Thread(target=client_loop, daemon=True, args=(
+                api.port, jobs, reference, options, until, random.Random(options.seed * 1000 + i), counts, errors, lock,
+            )) for i in range(options.clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            time.sleep(2 * sampler.period_s)  # the idle state after the load is part of the record
+    fitted = fits(sampler.samples, options.warmup_s, options.duration_s)
+    trending = [f"{name}: {metric}" for name, per in fitted.items() for metric, fit in per.items() if fit["trending"]]
+    ok = not trending and counts.exact == counts.completed and not counts.failed and counts.completed > 0
+    return {"ok": ok, "options": asdict(options), "servers": urls, "counts": asdict(counts), "errors": errors[:20],
+            "trending": trending, "fits": fitted, "samples": sampler.samples}
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    """soak.json, soak.md and (with matplotlib) soak.png in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "soak.json", out / "soak.md"]
+    paths[0].write_text(json.dumps(report, indent=1) + "\n")
+    rows = []
+    for name, per in report["fits"].items():
+        kept = [r for r in report["samples"][name] if report["options"]["warmup_s"] <= r["t"] <= report["options"]["duration_s"]]
+        for metric, fit in per.items():
+            first, last = (kept[0][metric], kept[-1][metric]) if kept else ("-", "-")
+            rows.append([name, metric, _num(first), _num(last), fit["slope_per_min"], fit["stderr_per_min"],
+                         fit["growth"], fit.get("limit", "-"), "**up**" if fit["trending"] else "flat"])
+    c = report["counts"]
+    lines = [
+        f"# Soak: {report['options']['duration_s']:g} s, {report['options']['clients']} clients, "
+        f"{report['options']['servers']} servers ({'pass' if report['ok'] else 'FAIL'})", "",
+        f"Requests: {c['completed']} completed ({c['exact']} equal to their solo run), {c['streamed']} streamed, "
+        f"{c['abandoned']} abandoned mid-stream, {c['failed']} failed. Fits from the end of the warm-up "
+        f"({report['options']['warmup_s']:g} s) to the end of the load; `last` is the last sample in that window.", "",
+        *table(["process", "metric", "first", "last", "slope / min", "stderr / min", "growth", "limit", "trend"], rows),
+    ]
+    paths[1].write_text("\n".join(lines) + "\n")
+    if _plot(report, out / "soak.png"):
+        paths.append(out / "soak.png")
+    return paths
+
+
+def _num(value) -> str:
+    return f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def _plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(len(METRICS), 1, figsize=(8, 2.2 * len(METRICS)), sharex=True)
+    for ax, metric in zip(axes, METRICS):
+        for name, rows in report["samples"].items():
+            ax.plot([r["t"] for r in rows], [r[metric] for r in rows], label=name)
+        ax.axvline(report["options"]["warmup_s"], color="grey", linestyle=":")
+        ax.set_ylabel(metric)
+    axes[0].legend(fontsize="small")
+    axes[-1].set_xlabel("seconds (dotted: end of warm-up)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def cmd_soak(args) -> int:
+    from ..options import config_from_args
+
+    options = config_from_args(SoakOptions, args, SOAK_OPTIONS)
+    if options.warmup_s >= options.duration_s:
+        raise ConfigError("--warmup must be shorter than --duration: the trend is fitted on what comes after it.")
+    report = run_soak(Path(args.shards), options)
+    paths = write_report(report, Path(args.out))
+    print(Path(paths[1]).read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if report["ok"] else 1
+
+
+SOAK_OPTIONS = (
+    Opt("servers", help="`splitinfer serve` processes"),
+    Opt("clients", help="client threads sending requests without pause"),
+    Opt("duration_s", "--duration", help="seconds of load"),
+    Opt("warmup_s", "--warmup", help="seconds at the start left out of the trend fits"),
+    Opt("max_new_tokens", help="the longest request (lengths: a quarter, half and all of it)"),
+    Opt("abandon", help="fraction of streamed requests abandoned mid-stream"),
+    Opt("stream", help="fraction of requests streamed"),
+    Opt("prompts", help="distinct prompts from the packaged set"),
+    Opt("seed", help="seed of the clients' random choices"),
+    Opt("wire_dtype", choices=DTYPE_NAMES),
+)
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser("soak", help="clients through the API against server processes for a set time; "
+                                           "fails when memory, fds, threads, sessions or cached rows grow")
+    add_options(s, Shared, (Opt("shards", help="a prepared OUT directory (OUT/local + OUT/cloud)"),
+                            Opt("out", help="where soak.json, soak.md and soak.png go")))
+    add_options(s, SoakOptions, SOAK_OPTIONS)
+    s.set_defaults(func=cmd_soak)

@@ -1,0 +1,66 @@
+"""bench soak: the trend rule on made-up series, the report, and a few seconds of a real soak on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from splitinfer.bench.soak import METRICS, SoakOptions, fits, run_soak, trend, write_report
+
+
+def test_a_flat_noisy_series_does_not_trend_and_a_steady_climb_does():
+    rng = random.Random(0)
+    times = [float(t) for t in range(120)]
+    flat = [500 + rng.gauss(0, 3) for _ in times]
+    assert not trend(times, flat, 16.0)["trending"]
+    leak = [500 + 0.5 * t + rng.gauss(0, 3) for t in times]  # 60 MiB over two minutes
+    fit = trend(times, leak, 16.0)
+    assert fit["trending"] and 25 < fit["slope_per_min"] < 35
+    small = [500 + 0.05 * t + rng.gauss(0, 0.1) for t in times]  # certain, but 6 MiB: under the tolerance
+    assert not trend(times, small, 16.0)["trending"]
+    assert not trend([1.0, 2.0], [1.0, 9.0], 0.0)["trending"]  # too few samples to fit
+
+
+def _samples(grow: float) -> list[dict]:
+    return [{"t": float(t), "rss_mib": 400 + grow * t, "fds": 30, "threads": 12, "sessions": t % 3,
+             "cached_rows": 100 * (t % 3)} for t in range(60)]
+
+
+def test_the_report_flags_the_growing_resource_of_the_right_process(tmp_path):
+    samples = {"api": _samples(0.0), "server 0": _samples(1.0)}
+    fitted = fits(samples, warmup_s=10)
+    assert fitted["server 0"]["rss_mib"]["trending"]
+    assert not any(fit["trending"] for name, per in fitted.items() for m, fit in per.items() if (name, m) != ("server 0", "rss_mib"))
+    report = {"ok": False, "options": {**SoakOptions().__dict__, "warmup_s": 10}, "servers": [], "errors": [],
+              "counts": {"completed": 5, "exact": 5, "abandoned": 1, "failed": 0, "streamed": 3},
+              "trending": ["server 0: rss_mib"], "fits": fitted, "samples": samples}
+    paths = write_report(report, tmp_path)
+    assert json.loads(paths[0].read_text())["trending"] == ["server 0: rss_mib"]
+    md = paths[1].read_text()
+    assert "FAIL" in md and md.count("**up**") == 1 and "| server 0 | rss_mib |" in md
+
+
+@pytest.mark.slow  # a `splitinfer serve` process
+def test_a_short_soak_on_a_tiny_model_answers_every_request_exactly(tmp_path):
+    from splitinfer.model.prepare import prepare
+    from splitinfer.model.source import SourceModel
+
+    from tiny import char_tokenizer, tiny_model
+
+    model = tiny_model("llama", seed=3)
+    model.config.eos_token_id = 0
+    shards = tmp_path / "tiny-chat"
+    prepare(SourceModel("tiny-chat", model.config, model, char_tokenizer()), shards, 2, 2, "float32")
+    options = SoakOptions(servers=1, clients=3, duration_s=8, warmup_s=2, max_new_tokens=8, abandon=0.5, prompts=2)
+    report = run_soak(shards, options)
+    counts = report["counts"]
+    print(f"soak: {counts}, trending {report['trending']}")
+    assert counts["failed"] == 0 and counts["completed"] > 10 and counts["exact"] == counts["completed"]
+    assert counts["abandoned"] >= 1 and counts["streamed"] > counts["abandoned"]
+    assert set(report["samples"]) == {"api", "server 0"}
+    assert all(len(rows) >= 6 and set(METRICS) <= set(rows[0]) for rows in report["samples"].values())
+    assert report["samples"]["server 0"][-1]["sessions"] == 0  # every session closed, abandoned ones included
+    paths = write_report(report, tmp_path / "out")
+    assert paths[1].read_text().count("\n| ") == 1 + 2 * len(METRICS)  # the header and a row per process and metric
