@@ -42,8 +42,8 @@ def test_the_report_flags_the_growing_resource_of_the_right_process(tmp_path):
     assert "FAIL" in md and md.count("**up**") == 1 and "| server 0 | rss_mib |" in md
 
 
-@pytest.mark.slow  # a `splitinfer serve` process
-def test_a_short_soak_on_a_tiny_model_answers_every_request_exactly(tmp_path):
+@pytest.mark.slow  # `splitinfer serve` processes
+def test_a_short_soak_with_a_rolling_restart_answers_every_request_exactly(tmp_path):
     from splitinfer.model.prepare import prepare
     from splitinfer.model.source import SourceModel
 
@@ -53,14 +53,18 @@ def test_a_short_soak_on_a_tiny_model_answers_every_request_exactly(tmp_path):
     model.config.eos_token_id = 0
     shards = tmp_path / "tiny-chat"
     prepare(SourceModel("tiny-chat", model.config, model, char_tokenizer()), shards, 2, 2, "float32")
-    options = SoakOptions(servers=1, clients=3, duration_s=8, warmup_s=2, max_new_tokens=8, abandon=0.5, prompts=2)
+    options = SoakOptions(servers=2, clients=3, duration_s=14, warmup_s=2, max_new_tokens=8, abandon=0.5, prompts=2,
+                          restart_every_s=4)
     report = run_soak(shards, options)
     counts = report["counts"]
-    print(f"soak: {counts}, trending {report['trending']}")
+    print(f"soak: {counts}, restarts {report['restarts']}, trending {report['trending']}")
     assert counts["failed"] == 0 and counts["completed"] > 10 and counts["exact"] == counts["completed"]
     assert counts["abandoned"] >= 1 and counts["streamed"] > counts["abandoned"]
-    assert set(report["samples"]) == {"api", "server 0"}
-    assert all(len(rows) >= 6 and set(METRICS) <= set(rows[0]) for rows in report["samples"].values())
-    assert report["samples"]["server 0"][-1]["sessions"] == 0  # every session closed, abandoned ones included
+    assert report["restarts"] and all(r["exit_code"] == 0 for r in report["restarts"])  # each drained and exited
+    assert set(report["samples"]) == {"api", "server 0", "server 1"}
+    # one sample a second, none from a server while it restarts
+    assert len(report["samples"]["api"]) >= 12 and all(len(rows) >= 3 for rows in report["samples"].values())
+    assert all(set(METRICS) <= set(rows[0]) for rows in report["samples"].values())
+    assert all(report["samples"][f"server {i}"][-1]["sessions"] == 0 for i in (0, 1))  # every session closed
     paths = write_report(report, tmp_path / "out")
-    assert paths[1].read_text().count("\n| ") == 1 + 2 * len(METRICS)  # the header and a row per process and metric
+    assert paths[1].read_text().count("\n| ") == 1 + 3 * len(METRICS)  # the header and a row per process and metric

@@ -13,7 +13,8 @@ After the warm-up, each series gets a least-squares line; a resource *trends upw
 than three standard errors above zero and its fitted growth over the run exceeds the metric's tolerance
 (`TOLERANCE`, or 5% of its median). The run fails on any trend, any wrong reply or any failed request. It
 writes soak.json (every sample, the fits, the request counts), soak.md (the table) and, with matplotlib,
-soak.png. The API's drafting memory is off (--memory-tokens 0 of `api`): it fills up to its cap by design.
+soak.png. `--restart-every S` replaces the servers one at a time during the load (SIGTERM, drain, exit,
+start on the same port: a rolling restart), and then also fails on a server that did not exit 0. The API's drafting memory is off (--memory-tokens 0 of `api`): it fills up to its cap by design.
 """
 
 from __future__ import annotations
@@ -52,17 +53,17 @@ class SoakOptions:
     stream: float = 0.5  # fraction of requests streamed
     prompts: int = 4  # distinct prompts from the packaged set
     seed: int = 0  # the clients' random choices
+    # Rolling restart: every this many seconds the next server in turn gets SIGTERM, drains, exits and is
+    # started again on its port (needs 2 or more servers); 0 never restarts one.
+    restart_every_s: float = 0.0
     wire_dtype: str = "float32"  # hidden states on the wire
 
 
 # -- sampling ----------------------------------------------------------------------------------------
 def proc_stats(pid: int) -> dict:
     """Resident MiB, open file descriptors and threads of process `pid`, from /proc."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text().splitlines()
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-    except FileNotFoundError as exc:
-        raise ConfigError(f"cannot read /proc/{pid}: bench soak reads /proc, so run it on Linux.") from exc
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
     fields = dict(line.split(":", 1) for line in status if ":" in line)
     return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "fds": fds, "threads": int(fields["Threads"])}
 
@@ -79,7 +80,7 @@ class Sampler:
     """Samples every process once a second on a thread of its own: {process: [sample, ...]}."""
 
     def __init__(self, processes: dict[str, tuple[int, object]], period_s: float = 1.0):
-        self.processes = processes  # name -> (pid, () -> {"sessions", "cached_rows"})
+        self.processes = processes  # name -> (() -> pid, () -> {"sessions", "cached_rows"})
         self.period_s = period_s
         self.samples: dict[str, list[dict]] = {name: [] for name in processes}
         self._stop = threading.Event()
@@ -90,7 +91,10 @@ class Sampler:
         while not self._stop.wait(self.period_s):
             t = round(time.monotonic() - self.start, 3)
             for name, (pid, gauges) in self.processes.items():
-                self.samples[name].append({"t": t, **proc_stats(pid), **gauges()})
+                try:
+                    self.samples[name].append({"t": t, **proc_stats(pid()), **gauges()})
+                except OSError:  # a server being restarted: no sample this second
+                    pass
 
     def __enter__(self) -> "Sampler":
         self.start = time.monotonic()
@@ -191,13 +195,54 @@ def client_loop(port: int, jobs: list[tuple[str, int]], reference: dict, options
 
 
 # -- the run -----------------------------------------------------------------------------------------
+class Servers:
+    """The `splitinfer serve` child processes, each with a port and a metrics port of its own, and their
+    replacement one at a time on the same ports (a rolling restart: SIGTERM, wait for the exit, start)."""
+
+    def __init__(self, stack, shard: Path, count: int):
+        from ..launch import free_port
+
+        self.stack, self.shard = stack, shard
+        self.ports = [(free_port(), free_port()) for _ in range(count)]  # (server, metrics)
+        self.procs = [self._start(i) for i in range(count)]
+        self.urls = [f"ws://127.0.0.1:{port}" for port, _ in self.ports]
+        self.restarts: list[dict] = []  # {"server", "exit_code", "seconds"} per restart
+
+    def _start(self, i: int):
+        from ..launch import cloud_server
+
+        port, metrics = self.ports[i]
+        return self.stack.enter_context(cloud_server(self.shard, threads=1, port=port, extra=["--metrics-port", str(metrics)]))[1]
+
+    def processes(self) -> dict:
+        """{name: (() -> pid, () -> gauges)} for the Sampler; the pid follows a restart."""
+        return {f"server {i}": (lambda i=i: self.procs[i].pid,
+                                lambda m=metrics: server_gauges(f"http://127.0.0.1:{m}/metrics"))
+                for i, (_, metrics) in enumerate(self.ports)}
+
+    def restart(self, i: int) -> None:
+        import signal
+
+        start = time.monotonic()
+        self.procs[i].send_signal(signal.SIGTERM)
+        code = self.procs[i].wait(timeout=120)
+        self.procs[i] = self._start(i)
+        self.restarts.append({"server": i, "exit_code": code, "seconds": round(time.monotonic() - start, 2)})
+
+    def rolling(self, every_s: float, stop: threading.Event) -> None:
+        """Restart the servers in turn, one every `every_s` seconds, until `stop` is set."""
+        turn = 0
+        while not stop.wait(every_s):
+            self.restart(turn % len(self.procs))
+            turn += 1
+
+
 def run_soak(shards: Path, options: SoakOptions) -> dict:
     """Start the servers and the API, answer every request alone, then load it for `duration_s` while sampling."""
     from contextlib import ExitStack
 
     from ..api.engine import Engine
     from ..api.server import ApiServer
-    from ..launch import cloud_server, free_port
     from ..local.client import SplitClient
     from ..local.session import ClientConfig
     from .loadtest import packaged_prompt_texts
@@ -206,35 +251,42 @@ def run_soak(shards: Path, options: SoakOptions) -> dict:
     lengths = sorted({max(1, options.max_new_tokens // 4), max(1, options.max_new_tokens // 2), options.max_new_tokens})
     jobs = [(text, n) for text in texts for n in lengths]
     with ExitStack() as stack:
-        processes, urls = {}, []
-        for i in range(options.servers):
-            metrics_port = free_port()
-            url, proc = stack.enter_context(cloud_server(shards / "cloud", threads=1, extra=["--metrics-port", str(metrics_port)]))
-            urls.append(url)
-            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-            processes[f"server {i}"] = (proc.pid, lambda u=metrics_url: server_gauges(u))
-        client = SplitClient.connect(shards / "local", urls, ClientConfig(wire_dtype=options.wire_dtype),
+        servers = Servers(stack, shards / "cloud", options.servers)
+        client = SplitClient.connect(shards / "local", servers.urls, ClientConfig(wire_dtype=options.wire_dtype),
                                      allow_public_weights=True)
         engine = Engine(client, MODEL_ID, max_concurrent=options.clients, memory_tokens=0)
         api = stack.enter_context(ApiServer(engine, port=0))
-        processes["api"] = (os.getpid(), lambda: {"sessions": float(api.app.pending), "cached_rows": 0.0})
+        processes = {**servers.processes(), "api": (os.getpid, lambda: {"sessions": float(api.app.pending), "cached_rows": 0.0})}
         reference = {job: request(api.port, *job, stream=False, abandon_after=None) for job in jobs}
-        counts, errors, lock = Counts(), [], threading.Lock()
+        counts, errors, lock, done = Counts(), [], threading.Lock(), threading.Event()
         with Sampler(processes) as sampler:
             until = time.monotonic() + options.duration_s
             threads = [threading.Thread(target=client_loop, daemon=True, args=(
                 api.port, jobs, reference, options, until, random.Random(options.seed * 1000 + i), counts, errors, lock,
             )) for i in range(options.clients)]
+            if options.restart_every_s:
+                threads.append(threading.Thread(target=servers.rolling, args=(options.restart_every_s, done), daemon=True))
             for thread in threads:
                 thread.start()
-            for thread in threads:
+            for thread in threads[: options.clients]:
+                thread.join()
+            done.set()
+            for thread in threads[options.clients :]:
                 thread.join()
             time.sleep(2 * sampler.period_s)  # the idle state after the load is part of the record
-    fitted = fits(sampler.samples, options.warmup_s, options.duration_s)
-    trending = [f"{name}: {metric}" for name, per in fitted.items() for metric, fit in per.items() if fit["trending"]]
-    ok = not trending and counts.exact == counts.completed and not counts.failed and counts.completed > 0
-    return {"ok": ok, "options": asdict(options), "servers": urls, "counts": asdict(counts), "errors": errors[:20],
-            "trending": trending, "fits": fitted, "samples": sampler.samples}
+    return _verdict(options, servers, counts, errors, sampler.samples)
+
+
+def _verdict(options: SoakOptions, servers: Servers, counts: Counts, errors: list[str], samples: dict) -> dict:
+    """The report: counts, fits and whether the soak passed. Replaced servers start their series afresh, so
+    under a rolling restart only the API process's trends count."""
+    fitted = fits(samples, options.warmup_s, options.duration_s)
+    judged = {name: per for name, per in fitted.items() if not servers.restarts or not name.startswith("server")}
+    trending = [f"{name}: {metric}" for name, per in judged.items() for metric, fit in per.items() if fit["trending"]]
+    clean_exits = all(r["exit_code"] == 0 for r in servers.restarts)
+    ok = not trending and counts.exact == counts.completed and not counts.failed and counts.completed > 0 and clean_exits
+    return {"ok": ok, "options": asdict(options), "servers": servers.urls, "counts": asdict(counts),
+            "restarts": servers.restarts, "errors": errors[:20], "trending": trending, "fits": fitted, "samples": samples}
 
 
 def write_report(report: dict, out: Path) -> list[Path]:
@@ -254,7 +306,8 @@ def write_report(report: dict, out: Path) -> list[Path]:
         f"# Soak: {report['options']['duration_s']:g} s, {report['options']['clients']} clients, "
         f"{report['options']['servers']} servers ({'pass' if report['ok'] else 'FAIL'})", "",
         f"Requests: {c['completed']} completed ({c['exact']} equal to their solo run), {c['streamed']} streamed, "
-        f"{c['abandoned']} abandoned mid-stream, {c['failed']} failed. Fits from the end of the warm-up "
+        f"{c['abandoned']} abandoned mid-stream, {c['failed']} failed; "
+        f"{len(report.get('restarts', []))} server restarts (exit codes {sorted({r['exit_code'] for r in report.get('restarts', [])})}). Fits from the end of the warm-up "
         f"({report['options']['warmup_s']:g} s) to the end of the load; `last` is the last sample in that window.", "",
         *table(["process", "metric", "first", "last", "slope / min", "stderr / min", "growth", "limit", "trend"], rows),
     ]
@@ -296,6 +349,10 @@ def cmd_soak(args) -> int:
     options = config_from_args(SoakOptions, args, SOAK_OPTIONS)
     if options.warmup_s >= options.duration_s:
         raise ConfigError("--warmup must be shorter than --duration: the trend is fitted on what comes after it.")
+    if options.restart_every_s and options.servers < 2:
+        raise ConfigError("--restart-every replaces one server at a time while the others serve; give --servers 2 or more.")
+    if not Path("/proc/self/status").exists():
+        raise ConfigError("bench soak reads /proc for every process's memory, fds and threads; run it on Linux.")
     report = run_soak(Path(args.shards), options)
     paths = write_report(report, Path(args.out))
     print(Path(paths[1]).read_text())
@@ -313,6 +370,8 @@ SOAK_OPTIONS = (
     Opt("stream", help="fraction of requests streamed"),
     Opt("prompts", help="distinct prompts from the packaged set"),
     Opt("seed", help="seed of the clients' random choices"),
+    Opt("restart_every_s", "--restart-every", help="rolling restart: every this many seconds the next server gets "
+                                                   "SIGTERM, drains and is started again (0: never)"),
     Opt("wire_dtype", choices=DTYPE_NAMES),
 )
 
