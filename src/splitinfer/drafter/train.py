@@ -46,7 +46,8 @@ DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generat
 GENERATE_DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("templates", "sharegpt")
 TEACHER = "teacher"  # the teacher-forced shards' directory under the output (source sharegpt)
-DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024}  # what data made before an option existed was made with
+# path_top_k: any value trains the same on the model's own continuations, all that heads before it saw.
+DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024, "path_top_k": 4}  # what data made before an option existed was made with
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
