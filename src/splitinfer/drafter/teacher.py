@@ -42,8 +42,8 @@ class TeacherConfig:
     shard_tokens: int = 100_000  # rows per shard
     batch_tokens: int = 2048  # padded rows per forward pass
     chunk_tokens: int = 16_384  # rows read, sorted by length and labelled between two chances to write a shard
-    # float32: the features the split model computes at run time; on a CPU without AMX bfloat16 products are
-    # no faster (36-43 against 49-53 GFLOP/s at 2048 x 576 x 1536 on this machine's two cores).
+    # float32: the features the split model computes at run time; on a CPU without AMX bfloat16 products
+    # were no faster in an ad-hoc check (notes/bench/drafter/README.md section 17).
     dtype: str = "float32"
     seed: int = 0  # order of the conversations
 
