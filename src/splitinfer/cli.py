@@ -8,7 +8,7 @@ Commands that use the model:
     wan          a user-space WAN emulator
     config       the effective configuration
 Groups, as in vLLM (`splitinfer bench --help` lists a group's commands):
-    bench        sweep, spec, step, batch, acceptance, load, probe, plan
+    bench        sweep, spec, step, plain-split, dtype, batch, acceptance, load, soak, probe, plan
     privacy      audit, privatize, check, table
     drafter      train, recycling
 
@@ -40,12 +40,15 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 # Groups of commands (`splitinfer GROUP COMMAND`): name -> (help, the modules that register into it).
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "bench": ("benchmarks and sizing: sweep, spec, step, batch, acceptance, load, soak, probe, plan", (
+    "bench": ("benchmarks and sizing: sweep, spec, step, plain-split, dtype, batch, acceptance, load, soak, probe, "
+              "plan", (
         "splitinfer.bench.commands",  # sweep, probe, plan, spec, step
         "splitinfer.bench.batching",  # batch
         "splitinfer.bench.acceptance",  # acceptance
         "splitinfer.bench.loadtest",  # load
         "splitinfer.bench.soak",  # soak
+        "splitinfer.bench.plainsplit",  # plain-split
+        "splitinfer.bench.dtypecheck",  # dtype
     )),
     "privacy": ("what the cloud can recover, and the defences: audit, privatize, check, table", (
         "splitinfer.privacy.commands",  # audit, privatize, check, table
@@ -70,6 +73,8 @@ EXAMPLES: dict[str, str] = {
     "bench sweep": "splitinfer bench sweep --shards shards/smollm2 --out bench-out --quick",
     "bench spec": "splitinfer bench spec --shards shards/smollm2 --out bench-out --rtt-ms 0,80 --max-new-tokens 64",
     "bench step": "splitinfer bench step --shards shards/smollm2 --out bench-out/step --e2e-prompts 3 --max-ratio 1.2",
+    "bench plain-split": "splitinfer bench plain-split --shards shards/smollm2 --out bench-out/plain --rtt-ms 0,80",
+    "bench dtype": "splitinfer bench dtype --shards shards/smollm2 --out bench-out/bf16 --dtype bfloat16",
     "bench batch": "splitinfer bench batch --shards shards/smollm2 --out bench-out/batch --sizes 1,4,16",
     "bench acceptance": "splitinfer bench acceptance --shards shards/smollm2 --out bench-out/acceptance",
     "bench load": "splitinfer bench load --shards shards/smollm2 --sessions 64 --max-sessions 48 --max-new-tokens 32",
