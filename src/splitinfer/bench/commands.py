@@ -70,6 +70,7 @@ class SpecBenchOptions:
     in_flight: str = "1"  # comma-separated blocks in flight (1-3, or auto)
     cloud_pass_ms: float = 0.0  # the fast-cloud scenario's least pass time (serve --min-pass-ms); 0: off
     turns: int = 1  # 2: prompts with a second turn (MT-Bench) also run it in the same conversation
+    pad_rows: str = "0"  # comma-separated padding settings (ClientConfig.pad_rows; 0: none) to run each strategy with
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,8 @@ def register(sub) -> None:
                               "speculative strategy with, e.g. 1,2,3,auto; D > 1 rows are reported against their bound"),
         Opt("cloud_pass_ms", help="the fast-cloud scenario: every cloud pass lasts at least this long (serve "
                                   "--min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud"),
+        Opt("pad_rows", help="comma-separated padding settings, e.g. 0,33: each speculative strategy also runs with "
+                             "every step and reply padded to multiples of N rows (T6, docs/privacy.md), as '<name>+padN'"),
     ))
     s.add_argument("--readme", help="also put the results table between the `bench spec` markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)

@@ -143,6 +143,7 @@ def run_speculative_bench(args) -> dict:
         "prompts": [p["id"] for p in prompts],
         "prompt_lookup": reference,
         "in_flight": depths,
+        "pad_rows": parse_pads(str(getattr(args, "pad_rows", "0"))),
         "summary": summarize(runs, reference, local_runs),
         "divergences": divergences,
         "runs": runs,
@@ -173,12 +174,21 @@ def parse_depths(text: str) -> list[int]:
     return depths
 
 
-def label(strategy: str, depth: int) -> str:
-    """A configuration's name in the tables: the strategy, and its blocks in flight when more than one
-    (`@Dauto` when the controller chose them)."""
+def label(strategy: str, depth: int, pad: int = 0) -> str:
+    """A configuration's name in the tables: the strategy, its padding (`+padN`) and its blocks in flight when
+    more than one (`@Dauto` when the controller chose them)."""
+    name = f"{strategy}+pad{pad}" if pad else strategy
     if depth == AUTO_IN_FLIGHT:
-        return f"{strategy}@Dauto"
-    return strategy if depth == 1 else f"{strategy}@D{depth}"
+        return f"{name}@Dauto"
+    return name if depth == 1 else f"{name}@D{depth}"
+
+
+def parse_pads(text: str) -> list[int]:
+    """--pad-rows: comma-separated row counts, 0 for no padding."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items or not all(x.isdigit() for x in items):
+        raise ConfigError(f"--pad-rows takes comma-separated row counts (0: no padding), e.g. 0,33, not {text!r}.")
+    return list(dict.fromkeys(int(x) for x in items))
 
 
 def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient,
@@ -195,27 +205,29 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
-        clients = {(rtt, d): open_client(shard=shards / "local", server=target, allow_public_weights=True,
-                                         config=ClientConfig(wire_dtype=args.wire_dtype, in_flight=d))
-                   for rtt, target in targets.items() for d in sorted(set(depths) | {1})}
+        pads = sorted(set(parse_pads(str(getattr(args, "pad_rows", "0")))) | {0})  # sequential runs unpadded
+        clients = {(rtt, d, pad): open_client(shard=shards / "local", server=target, allow_public_weights=True,
+                                              config=ClientConfig(wire_dtype=args.wire_dtype, in_flight=d, pad_rows=pad))
+                   for rtt, target in targets.items() for d in sorted(set(depths) | {1}) for pad in pads}
         args.wire_dtype = next(iter(clients.values())).config.wire_dtype  # the shard's unless --wire-dtype
-        configs = [(s, rtt, d) for rtt in rtts for d in sorted(set(depths) | {1}) for s in strategies
-                   if d == 1 or s != "sequential"]
+        # sequential sends one row a step whatever the text, so it has nothing to pad and no blocks ahead
+        configs = [(s, rtt, d, pad) for rtt in rtts for d in sorted(set(depths) | {1}) for pad in pads for s in strategies
+                   if s != "sequential" or (d == 1 and pad == 0)]
         local.generate(prompts[0]["prompt"], max_new_tokens=16, strategy="sequential")
         whole = load_whole_hf(shards)  # plain transformers on the same core and thread: the anchor
         greedy_transformers(whole, local.encode_prompt(prompts[0]["prompt"]), 16)
-        for strategy, rtt, d in configs:
-            clients[(rtt, d)].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
+        for strategy, rtt, d, pad in configs:
+            clients[(rtt, d, pad)].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
         turns = getattr(args, "turns", 1)
         for rep in range(args.repeats):
             for p in prompts:
                 for q, result in zip(turn_rows(p, turns), generations(local, p, args.max_new_tokens, "sequential", turns)):
                     local_runs.append(_record("local-only", 0.0, rep, q, result))
                     local_runs.append(transformers_record(whole, rep, q, result))
-                for strategy, rtt, d in configs:
-                    for q, result in zip(turn_rows(p, turns), generations(clients[(rtt, d)], p, args.max_new_tokens, strategy,
-                                                                      turns)):
-                        runs.append(_record(label(strategy, d), rtt, rep, q, result, d))
+                for strategy, rtt, d, pad in configs:
+                    for q, result in zip(turn_rows(p, turns), generations(clients[(rtt, d, pad)], p, args.max_new_tokens,
+                                                                          strategy, turns)):
+                        runs.append(_record(label(strategy, d, pad), rtt, rep, q, result, d))
     return runs, local_runs
 
 

@@ -353,6 +353,7 @@ class SessionTable:
                     handle_ms=(time.perf_counter() - received_at) * 1e3,
                     committed=session.cache.length,
                     wire_dtype=session.wire_dtype,
+                    pad_quantum=step.pad_quantum,  # padding is never a row: nothing above ran for it
                 )
         finally:
             for session in held:
@@ -377,7 +378,7 @@ class SessionTable:
             return Result(
                 seq=step.seq, hidden=step.hidden[:0], compute_ms=0.0,
                 handle_ms=(time.perf_counter() - received_at) * 1e3, committed=session.cache.length,
-                wire_dtype=session.wire_dtype, skipped=True,
+                wire_dtype=session.wire_dtype, skipped=True, pad_quantum=step.pad_quantum,
             )
 
     def run_step(self, session: CloudSession, step: Step, received_at: float) -> Result:

@@ -65,6 +65,9 @@ class RemoteMiddle:
         self._ws: ClientConnection | None = None
         self._probe_seq = 0
         self._posted: deque[tuple[float, float, int]] = deque()  # (sent at, encode ms, bytes) of posted steps
+        # A list to record (direction "up"/"down", perf_counter time, bytes) of every message in: what a network
+        # observer with TLS intact sees, for the metadata audit (privacy/metadata.py, threat T6). None: off.
+        self.tap: list[tuple[str, float, int]] | None = None
 
     def _exchange(self, payload: bytes):
         reply = self._exchange_raw(payload)
@@ -144,7 +147,7 @@ class RemoteMiddle:
         if self._ws is None:
             raise TransportError("not connected")
         with self._link_errors():
-            self._ws.send(payload)
+            self._send(payload)
         self._posted.append((t1, (t1 - t0) * 1e3, len(payload)))
 
     def collect(self) -> tuple[Result, StepIO]:
@@ -154,7 +157,7 @@ class RemoteMiddle:
         if self._ws is None:
             raise TransportError("not connected")
         with self._link_errors():
-            reply = self._ws.recv(timeout=self.reply_timeout_s)
+            reply = self._recv()
         t2 = time.perf_counter()
         message = self._result(reply)
         t3 = time.perf_counter()
@@ -200,8 +203,19 @@ class RemoteMiddle:
         if self._ws is None:
             raise TransportError("not connected")
         with self._link_errors():
-            self._ws.send(payload)
-            return self._ws.recv(timeout=self.reply_timeout_s)
+            self._send(payload)
+            return self._recv()
+
+    def _send(self, payload: bytes) -> None:
+        self._ws.send(payload)
+        if self.tap is not None:
+            self.tap.append(("up", time.perf_counter(), len(payload)))
+
+    def _recv(self) -> bytes:
+        reply = self._ws.recv(timeout=self.reply_timeout_s)
+        if self.tap is not None:
+            self.tap.append(("down", time.perf_counter(), len(reply)))
+        return reply
 
     @contextmanager
     def _link_errors(self):
@@ -239,7 +253,7 @@ class RemoteMiddle:
         """Ask the server to free the session (best effort), then close the connection."""
         if self._ws is not None and end_session:
             try:
-                self._ws.send(Close().encode())
+                self._send(Close().encode())
             except (OSError, ConnectionClosed):
                 pass
         self._drop()

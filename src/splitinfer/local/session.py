@@ -81,12 +81,17 @@ class ClientConfig:
     # is back, assuming its most likely outcome; needs a server that speaks protocol v3 (else 1 is used).
     # AUTO_IN_FLIGHT (0): up to MAX_IN_FLIGHT, each block ahead only when its measured costs say it pays.
     in_flight: int = 1
+    # Pad every step and its reply to multiples of this many rows (wire/padding.py), so a network observer
+    # cannot read block sizes or accepted counts from message sizes (threat T6); 0: off. Output is unchanged.
+    pad_rows: int = 0
 
     def __post_init__(self):
         if self.drafter not in DRAFTER_MODES:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_MODES)}, not {self.drafter!r}")
         if not (1 <= self.in_flight <= MAX_IN_FLIGHT or self.in_flight == AUTO_IN_FLIGHT):
             raise ConfigError(f"--in-flight must be between 1 and {MAX_IN_FLIGHT} blocks, or auto, not {self.in_flight}.")
+        if self.pad_rows < 0:
+            raise ConfigError(f"--pad-rows must be 0 (off) or a positive row count, not {self.pad_rows}.")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -111,7 +116,7 @@ class SplitSession:
         self.head = local.head_for(self.head_layers)
         self.head_cache = self.head.new_cache()
         self.tail_cache = local.tail.new_cache()
-        self.link = ClientLink(config.wire_dtype, config.max_retries, config.prefill_chunk)
+        self.link = ClientLink(config.wire_dtype, config.max_retries, config.prefill_chunk, config.pad_rows)
         self.records: list[StepRecord] = []
         self._device = next(local.embed.parameters()).device
         self._pending_q = 0

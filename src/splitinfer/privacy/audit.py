@@ -7,6 +7,8 @@ secret residual basis (`privatize --basis`) and the attacker is an observer with
 the host with it (T4), or holds known (text, activation) pairs (T5); see keyed.py. Defences: split depth, private
 local weights, Gaussian noise on the sent activations (sigma times each row's RMS). Every row carries its
 frequency-prior baseline, its ceiling, a bootstrap interval over documents and its per-token outcomes.
+T6 is a network observer with TLS intact, reading message sizes and times (metadata.py), with and without
+padding; its rows score steps, generations or documents instead of tokens.
 This module orchestrates; the attackers, statistics and report live in their own modules.
 """
 
@@ -27,6 +29,7 @@ from .collect import collect
 from .corpus import CorpusConfig, build_corpus
 from .exact import ExactConfig
 from .keyed import KeyedConfig
+from .metadata import MetadataConfig, metadata_section, metadata_threat
 from .privatize import PrivatizeConfig, privatize_model, utility
 
 log = logging.getLogger("splitinfer.privacy")
@@ -60,11 +63,14 @@ class AuditConfig:
     # T0 rows (the public-weights baseline) and their collection; the noise and private-weights defences
     # build on them. --quick leaves them to the full audit.
     t0: bool = True
+    # T6: a network observer's recovery of accepted counts, category and document from sizes and times, per
+    # padding setting (a loopback server and real generations); None leaves it out (the CLI's full audit runs it).
+    metadata: MetadataConfig | None = None
     n_boot: int = 1000
     seed: int = 0
 
     def __post_init__(self):
-        if not self.t0 and self.basis is None:
+        if not self.t0 and self.basis is None and self.metadata is None:
             raise ConfigError("without T0 and without the secret basis there is nothing to audit; drop --no-t0 "
                               "or --no-basis.")
         if not self.t0 and (self.noise_sigmas or self.privatize is not None):
@@ -234,7 +240,17 @@ class Audit:
             self.timings["basis_threats_s"] = time.perf_counter() - t0
         if cfg.privatize is not None:
             private_defence(self)
+        self._metadata()
         return self.result()
+
+    def _metadata(self) -> None:
+        """T6: the observer behind TLS, on real traffic (metadata.py)."""
+        if self.config.metadata is None:
+            return
+        t0 = time.perf_counter()
+        rows, self.extra["metadata"] = metadata_threat(self.config.shards, self.config.metadata, self.config.n_boot)
+        self.rows += rows
+        self.timings["metadata_s"] = time.perf_counter() - t0
 
     def _baseline(self) -> None:
         """T0: every attacker against the public local weights at every depth, and the paired tests."""
@@ -284,10 +300,25 @@ def run_audit(config: AuditConfig, out: str | Path, model=None, tokenizer=None) 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    audit = Audit(config, model, tokenizer)
-    result = audit.run()
+    if not config.t0 and config.basis is None:  # T6 alone: no model in this process, no corpus
+        result = metadata_only(config)
+    else:
+        result = Audit(config, model, tokenizer).run()
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
+    if "metadata" in result:  # T6's recorded messages, beside the rows rather than in them
+        (out / "traffic.json").write_text(json.dumps(result["metadata"].pop("traces")))
     (out / "audit.json").write_text(json.dumps(result, indent=1))
-    write_report(result, out)
+    if "corpus" in result:
+        write_report(result, out)
+    else:
+        (out / "audit.md").write_text("\n".join(["# Privacy audit: metadata only (T6)", "", *metadata_section(result)]))
     return result
+
+
+def metadata_only(config: AuditConfig) -> dict:
+    """The audit's result with T6 rows only (`privacy audit --metadata-only`)."""
+    rows, record = metadata_threat(config.shards, config.metadata, config.n_boot)
+    return {"schema": "splitinfer-privacy-audit/1", "model": config.shards,
+            "config": json.loads(json.dumps(asdict(config), default=str)), "results": rows, "paired_tests": [],
+            "metadata": record}
 

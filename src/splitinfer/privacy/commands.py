@@ -43,6 +43,28 @@ def _keys(text: str) -> tuple[str, ...]:
     return keys
 
 
+def _metadata_changes(args, config) -> dict:
+    """T6 (metadata.py): on in the full audit unless --no-metadata, off with --quick unless --metadata;
+    --metadata-only runs it alone (no model in this process, no other threat)."""
+    from dataclasses import replace
+
+    from .metadata import MetadataConfig
+
+    metadata = MetadataConfig()
+    if args.pad_rows is not None:
+        try:
+            pads = tuple(int(v) for v in args.pad_rows.split(",") if v.strip())
+        except ValueError as exc:
+            raise ConfigError(f"--pad-rows takes comma-separated row counts like 0,33, not {args.pad_rows!r}.") from exc
+        if not pads or min(pads) < 0:
+            raise ConfigError(f"--pad-rows takes row counts of 0 (no padding) or more, like 0,33, not {args.pad_rows!r}.")
+        metadata = replace(metadata, pad_rows=pads)
+    if args.metadata_only:
+        return {"metadata": metadata, "t0": False, "basis": None, "privatize": None, "noise_sigmas": ()}
+    wanted = args.metadata if args.metadata is not None else config.t0
+    return {"metadata": metadata if wanted else None}
+
+
 def cmd_audit(args) -> int:
     from ..extras import AUDIT, require_extra
 
@@ -82,6 +104,7 @@ def cmd_audit(args) -> int:
             changes["basis"] = replace(changes.get("basis", config.basis), keys=_keys(args.keys))
     if args.t0 is not None:
         changes["t0"] = args.t0
+    changes.update(_metadata_changes(args, config))
     if args.noise is not None:
         try:
             changes["noise_sigmas"] = tuple(float(v) for v in args.noise.split(",") if v.strip())
@@ -236,6 +259,11 @@ def register(subparsers) -> None:
                    help="the public-weights baseline rows (default: on, off with --quick)")
     s.add_argument("--t5-pairs", help="known (text, activation) pairs for T5's least squares, e.g. 100,1000,10000")
     s.add_argument("--noise", help="noise sigmas (relative to each row's RMS), e.g. 0.1,0.5; '' for none")
+    s.add_argument("--metadata", action=argparse.BooleanOptionalAction, default=None,
+                   help="T6, a network observer's recovery from message sizes and times, with and without padding "
+                        "(default: on, off with --quick)")
+    s.add_argument("--metadata-only", action="store_true", help="run T6 alone (a loopback server, real generations)")
+    s.add_argument("--pad-rows", help="T6's padding settings in rows, e.g. 0,33 (0: none; the default)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..tables import left_table
+from .metadata import metadata_section
 
 
 def _pct(x) -> str:
@@ -97,8 +98,10 @@ def markdown(result: dict) -> str:
         *_section("T0: local layers are the public weights",
                   [r for r in rows if r["threat"] == "T0" and r["defence"] == "none"]),
         *_section("Defences (noise on the sent activations; private local weights under T1 and T2)",
-                  [r for r in rows if not (r["threat"] == "T0" and r["defence"] == "none") and r["threat"] not in KEYED]),
+                  [r for r in rows if not (r["threat"] == "T0" and r["defence"] == "none")
+                   and r["threat"] not in (*KEYED, "T6")]),
         *_keyed_section(result),
+        *metadata_section(result),
         "## Utility and throughput cost of the defences",
         "",
         *left_table(["defence", "side", "depth", "perplexity (original)", "greedy agreement %", "added local ms / token", "tokens"],

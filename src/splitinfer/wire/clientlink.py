@@ -24,6 +24,7 @@ from ..errors import ProtocolError
 from ..masks import BlockStructure
 from . import link
 from .link import Client
+from .frame import WIRE_DTYPES
 from .messages import PIPELINE_VERSION, Assumed, Close, Result, Step, Welcome
 
 
@@ -72,8 +73,9 @@ class _Flight:
 class ClientLink:
     """The client's side of one cloud session. See the module docstring for what it decides."""
 
-    def __init__(self, wire_dtype: str = "float16", max_retries: int = 5, replay_rows: int = 512):
+    def __init__(self, wire_dtype: str = "float16", max_retries: int = 5, replay_rows: int = 512, pad_rows: int = 0):
         self.wire_dtype = wire_dtype
+        self.pad_rows = pad_rows  # every step and its reply padded to multiples of this many rows (padding.py); 0: off
         self.max_retries = max_retries  # reconnects per block before the loss is raised
         self.replay_rows = replay_rows  # rows per re-sent history chunk, bounded by the welcome's limits
         self.state = Client.IDLE
@@ -139,8 +141,13 @@ class ClientLink:
 
     def _step(self, positions: tuple[int, ...], structure: BlockStructure, hidden: torch.Tensor) -> Step:
         also = tuple(self._also)  # left by blocks in flight: committed by this step too
-        self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype, also, len(also))
+        self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype, also, len(also),
+                          self._quantum(hidden))
         return self._sent
+
+    def _quantum(self, hidden: torch.Tensor) -> int:
+        """Bytes of `pad_rows` rows of hidden state in the wire dtype: the padding ladder's step."""
+        return self.pad_rows * hidden.shape[1] * WIRE_DTYPES[self.wire_dtype].itemsize
 
     def on_welcome(self, welcome: Welcome) -> None:
         """The server answered the hello: carry on, end a stale session, or rebuild a fresh one."""
@@ -280,7 +287,7 @@ class ClientLink:
         keep = self.keep if self._to_resolve else ()  # else the step assumes the oldest pending block
         assumed = tuple(self._also) + tuple(Assumed(f.seq, rows) for f, rows in zip(self._live, assume))
         step = Step(self.seq, keep, block.positions, block.structure, block.hidden, self.wire_dtype, assumed,
-                    len(self._also))
+                    len(self._also), self._quantum(block.hidden))
         flight = _Flight(self.seq, block.hidden, self.committed)
         self.seq += 1
         self.keep, self._to_resolve, self._also = (), False, []

@@ -1,8 +1,8 @@
 """Framing and the tensor codec (sans-I/O: bytes in, values out; never touches a socket).
 
 One message is `[4-byte big-endian header length][UTF-8 JSON header][raw tensor bytes]`. A tensor is
-raw little-endian float16, bfloat16 or float32, described in the header by dtype and shape. Nothing read
-from the network is unpickled, `torch.load`ed or base64-decoded.
+raw little-endian float16, bfloat16 or float32, described in the header by dtype and shape; a padded
+message (wire/padding.py) ends in zero bytes its header counts. Nothing read from the network is unpickled, `torch.load`ed or base64-decoded.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def encode_frame(header: dict, body: bytes = b"") -> bytes:
 
 
 def decode_frame(data: bytes) -> tuple[dict, memoryview]:
-    """Split a message into its JSON header (a dict) and its body (a view, not a copy)."""
+    """Split a message into its JSON header (a dict) and its body (a view, not a copy), padding removed."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError("expected a binary message; text messages are not part of the protocol.")
     view = memoryview(data)
@@ -55,7 +55,10 @@ def decode_frame(data: bytes) -> tuple[dict, memoryview]:
         raise ProtocolError(f"message header is not valid UTF-8 JSON: {show(exc)}") from exc
     if not isinstance(header, dict):
         raise ProtocolError("message header must be a JSON object.")
-    return header, view[4 + length :]
+    end = len(view)
+    if "pad" in header:  # zero bytes after the body that hide its size (wire/padding.py): never read
+        end -= check_int(header.pop("pad"), "pad", 0, len(view) - 4 - length)
+    return header, view[4 + length : end]
 
 
 def _reject_constant(name: str):

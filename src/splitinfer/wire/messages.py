@@ -38,6 +38,7 @@ from .frame import (
     encode_tensor,
     show,
 )
+from .padding import pad_frame
 
 PROTOCOL_VERSION = 1  # the base protocol: every message, and every hello that does not pin a head depth
 # A hello that pins its head depth (split-point randomisation) says v2, so a server from before the
@@ -53,6 +54,7 @@ MAX_ASSUMED = 8  # earlier blocks one step may assume; the server's own limit (w
 MAX_POSITION = 1 << 24
 MAX_ERROR_CHARS = 1000  # error sentences are cut here; peers' values are quoted shorter still
 MAX_PROBE_BYTES = 1 << 30  # decoder bound on a probe's reply size; the server applies its message limit
+MAX_PAD_QUANTUM = 1 << 24  # bytes: a step may ask for its reply padded to multiples of at most this
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ class Step:
     wire_dtype: str = "float16"
     assume: tuple[Assumed, ...] = ()  # v3: earlier blocks in flight, oldest first, this block assumes accepted
     resolved: int = 0  # v3: the first `resolved` of `assume` are already resolved: commit them after `keep`
+    # bytes: pad this frame, and ask for the reply padded, to wire/padding.py's ladder (threat T6); 0: unpadded
+    pad_quantum: int = 0
 
     def encode(self) -> bytes:
         spec, raw = encode_tensor(self.hidden, self.wire_dtype)
@@ -152,7 +156,9 @@ class Step:
             header["assume"] = [{"seq": a.seq, "keep": keep_runs(a.rows)} for a in self.assume]
         if self.resolved:
             header["resolved"] = self.resolved
-        return encode_frame(header, raw)
+        if self.pad_quantum:
+            header["reply_pad"] = self.pad_quantum
+        return pad_frame(encode_frame(header, raw), self.pad_quantum)
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,6 +172,7 @@ class Result:
     # v3: the block never ran, because a later step of its session, already received, builds on neither it
     # nor anything after it (the client dropped it); its keep list and resolutions were applied all the same
     skipped: bool = False
+    pad_quantum: int = 0  # the step's reply_pad: this reply is padded to the same ladder as the step
 
     def encode(self) -> bytes:
         header = {
@@ -177,10 +184,10 @@ class Result:
         }
         if self.skipped:  # absent otherwise, so every other result is the v1 result byte for byte
             header["skipped"] = True
-            return encode_frame(header)
+            return pad_frame(encode_frame(header), self.pad_quantum)
         spec, raw = encode_tensor(self.hidden, self.wire_dtype)
         header["tensor"] = spec
-        return encode_frame(header, raw)
+        return pad_frame(encode_frame(header, raw), self.pad_quantum)
 
 
 @dataclass(frozen=True)
@@ -351,7 +358,9 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         structure = _decode_structure(header.get("structure"), q)
         assume = _decode_assume(header.get("assume"), seq, limits.max_block_rows)
         resolved = check_int(header.get("resolved", 0), "resolved", 0, len(assume))
-        return Step(seq, tuple(keep), tuple(positions), structure, hidden, header["tensor"]["dtype"], assume, resolved)
+        pad = check_int(header.get("reply_pad", 0), "reply_pad", 0, MAX_PAD_QUANTUM)
+        return Step(seq, tuple(keep), tuple(positions), structure, hidden, header["tensor"]["dtype"], assume, resolved,
+                    pad)
     if kind == "close":
         return Close()
     if kind == "probe":

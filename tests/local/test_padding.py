@@ -1,0 +1,106 @@
+"""Padding end to end (ClientConfig.pad_rows, threat T6): greedy output token-identical with and without it,
+one block at a time and with blocks in flight, on tiny random models of several families and on the shipped
+model; padded, every decode request and every reply has one size as the client's transport tap saw it."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitinfer.cloud.server import ServerThread
+from splitinfer.decoding.draft import Draft
+from splitinfer.decoding.strategies import Strategy
+from splitinfer.local.client import SplitClient
+from splitinfer.local.middle import RemoteMiddle
+from splitinfer.local.session import ClientConfig
+from splitinfer.model.shards import load_cloud
+
+from tiny import hf_greedy, prepare_tiny
+
+PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71, 3, 17, 42, 5, 88]
+N = 24
+PAD = 8  # rows: above the largest block Varying sends
+
+
+class Varying(Strategy):
+    """Drafts 0-5 tokens of the known continuation by turns, the last one wrong every third step: blocks of
+    1-6 rows and accepted counts that vary, which an unpadded stream shows in its sizes."""
+
+    name = "varying"
+
+    def __init__(self, text: list[int]):
+        self.text, self.proposed = text, 0
+
+    def propose(self, history):
+        self.proposed += 1
+        if history != self.text[: len(history)]:
+            return Draft()
+        tokens = self.text[len(history) : len(history) + self.proposed % 6]
+        if tokens and self.proposed % 3 == 0:
+            tokens[-1] = (tokens[-1] + 1) % 96
+        return Draft(tokens=tokens, parents=list(range(len(tokens))), scores=[0.9] * len(tokens))
+
+    def predict(self, history, nodes):
+        return Draft(tokens=self.text[len(history) : len(history) + 1] or [history[-1]], parents=[0], scores=[0.5])
+
+
+def tapped_client(shards, url: str, config: ClientConfig) -> tuple[SplitClient, list]:
+    """A client whose every session records (direction, time, bytes) of each message it sends or receives."""
+    client = SplitClient.connect(shards / "local", url, config, allow_public_weights=True)
+    tap: list = []
+    inner = client.make_middle
+
+    def make():
+        middle = inner()
+        assert isinstance(middle, RemoteMiddle)
+        middle.tap = tap
+        return middle
+
+    client.make_middle = make
+    return client, tap
+
+
+def decode_sizes(tap: list, steps: list[dict]) -> tuple[set[int], set[int]]:
+    """The sizes of the decode requests and of every reply after the prompt's (one block in flight)."""
+    first = 1 + sum(s["kind"] == "prefill" for s in steps)  # the hello, then the prompt's chunks
+    ups = [n for d, _, n in tap if d == "up"][first : first + sum(s["kind"] == "decode" for s in steps)]
+    downs = [n for d, _, n in tap if d == "down"][first:]
+    return set(ups), set(downs)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def served(request, tmp_path_factory):
+    model, shards = prepare_tiny(tmp_path_factory.mktemp("padding"), request.param, 2, 2)
+    with ServerThread(load_cloud(shards / "cloud")) as server:
+        yield shards, server, hf_greedy(model, PROMPT, N)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_padding_changes_no_token_and_hides_the_block_sizes(served, in_flight):
+    shards, server, expected = served
+    sizes = {}
+    for pad in (0, PAD):
+        config = ClientConfig(wire_dtype="float32", prefill_chunk=8, in_flight=in_flight, pad_rows=pad)
+        client, tap = tapped_client(shards, server.url, config)
+        for strategy in (Varying(PROMPT + expected), "tree", "sequential"):
+            tap.clear()
+            generation = client.generate(PROMPT, max_new_tokens=N, strategy=strategy, stop_ids=set())
+            assert generation.token_ids == expected, (pad, strategy)
+            if isinstance(strategy, Varying) and in_flight == 1:
+                sizes[pad] = decode_sizes(tap, generation.steps)
+    if in_flight == 1:
+        assert len(sizes[0][0]) > 1 and len(sizes[0][1]) > 1  # unpadded: the sizes vary with the blocks
+        assert len(sizes[PAD][0]) == 1 and sizes[PAD][1] == sizes[PAD][0]  # padded: one size, up and down
+
+
+def test_padding_on_the_shipped_model_is_token_identical(smollm2_shards):
+    prompt = "Write a Python function that returns the squares of a list of numbers."
+    with ServerThread(load_cloud(smollm2_shards / "cloud")) as server:
+        outputs = {}
+        for pad in (0, 33):
+            client, tap = tapped_client(smollm2_shards, server.url, ClientConfig(pad_rows=pad))
+            generation = client.generate(prompt, max_new_tokens=48, strategy="tree")
+            outputs[pad] = generation.token_ids
+            ups, downs = decode_sizes(tap, generation.steps)
+            if pad:
+                assert len(ups) == 1 and downs == ups, (ups, downs)
+        assert outputs[0] == outputs[33]
