@@ -196,6 +196,7 @@ def test_step_before_hello_and_version_mismatch(tiny):
             assert isinstance(decode_server_message(ws.recv(timeout=10), limits), Result)
 
 
+@pytest.mark.slow  # a 16k-token prompt on both paths: ~20 s quiet
 def test_long_prompt_is_chunked_under_the_default_message_limit(tiny):
     """A 16k-token prompt goes through the default 16 MiB limit in chunks, with the local-only result."""
     shards, _ = tiny

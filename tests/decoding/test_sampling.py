@@ -95,6 +95,7 @@ def head_tree(client):
     return lambda: Tree(TreeConfig(fixed_nodes=12), head=head)
 
 
+@pytest.mark.slow  # 7,200 sampled generations: ~1 minute a drafter on a quiet core
 @pytest.mark.parametrize("drafter", ["full-tree", "head"])
 def test_speculative_sampling_matches_sequential_and_the_test_catches_a_wrong_rule(spread_model, monkeypatch, drafter):
     draft = FullTree if drafter == "full-tree" else head_tree(spread_model)

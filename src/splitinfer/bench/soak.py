@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..allocator import fix_mmap_threshold
 from ..errors import ConfigError
 from ..options import Opt, Shared, add_options
 from ..tables import table
@@ -353,6 +354,7 @@ def cmd_soak(args) -> int:
         raise ConfigError("--restart-every replaces one server at a time while the others serve; give --servers 2 or more.")
     if not Path("/proc/self/status").exists():
         raise ConfigError("bench soak reads /proc for every process's memory, fds and threads; run it on Linux.")
+    fix_mmap_threshold()  # the API server runs in this process, as `splitinfer api` runs it (allocator.py)
     report = run_soak(Path(args.shards), options)
     paths = write_report(report, Path(args.out))
     print(Path(paths[1]).read_text())

@@ -1,0 +1,39 @@
+"""Give freed tensor memory back to the OS in long-running processes (`serve`, `api`).
+
+glibc's malloc serves blocks of 128 KiB and more with mmap, but it raises that threshold each time such a
+block is freed (up to 32 MiB), so after a while the KV buffers and activations of finished sessions are
+carved from the heap, where a free block in the middle is not returned. In the 30-minute soak of
+notes/bench/soak that showed as a cloud server's resident memory rising in steps, ~6 MiB a minute, with
+sessions and cached rows flat; with the threshold fixed at 128 KiB (what glibc starts with) the same load
+stayed within noise (docs/security.md, "Soak"). Fixing the threshold is all this does: memory is still
+reused within the process, and blocks under 128 KiB are unaffected.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial threshold, kept from then on
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+_ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc's own setting: a user who set it keeps theirs
+
+
+def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Fix glibc's mmap threshold at `threshold` bytes; False where there is no glibc (or the user set it)."""
+    if _ENV in os.environ:
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+        mallopt = None
+    if mallopt is None:
+        return False
+    done = bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    log.debug("malloc mmap threshold fixed at %d bytes: %s", threshold, done)
+    return done

@@ -1,0 +1,46 @@
+"""The allocator setting of long-running processes: glibc's mmap threshold fixed, a user's own setting kept."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import subprocess
+import sys
+
+import pytest
+
+from splitinfer import allocator
+
+
+def _glibc() -> bool:
+    name = ctypes.util.find_library("c")
+    return bool(name) and hasattr(ctypes.CDLL(name), "gnu_get_libc_version")
+
+
+@pytest.mark.skipif(not _glibc(), reason="mallopt's mmap threshold is glibc's")
+def test_a_freed_large_block_goes_back_to_the_os():
+    """After the threshold is fixed, a freed block above it is unmapped: resident memory falls back. Without it,
+    glibc raises the threshold on the first such free and keeps the second block in the heap."""
+    script = """
+import sys, torch
+from splitinfer import allocator
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'): return int(line.split()[1]) // 1024
+fix = sys.argv[1] == 'fix'
+if fix: assert allocator.fix_mmap_threshold()
+for _ in range(2):  # the first free raises glibc's dynamic threshold; the second block then comes from the heap
+    before = rss(); x = torch.ones(8 * 2**20 // 4); grown = rss() - before; del x; kept = rss() - before
+print(grown, kept)
+"""
+    for mode, held in (("fix", False), ("default", True)):
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True,
+                             env={"PATH": "/usr/bin:/bin"}).stdout.split()
+        grown, kept = int(out[0]), int(out[1])
+        assert grown >= 7, out  # the 8 MiB block was touched
+        assert (kept >= 7) == held, (mode, out)
+
+
+def test_a_users_own_setting_is_kept(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert allocator.fix_mmap_threshold() is False
