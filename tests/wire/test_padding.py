@@ -97,3 +97,16 @@ def test_the_client_link_asks_for_pad_rows_of_its_wire_dtype():
     link.on_welcome(Welcome("s", 0, False, 1 << 26, 1024))
     step = link.next_send()
     assert step.pad_quantum == 33 * ROW and len(step.encode()) == HEADER_ALLOWANCE + 33 * ROW
+
+
+def test_a_step_may_not_ask_for_a_reply_padded_past_its_own_size():
+    """An unpadded step asking for a 16 MiB reply quantum would turn a few hundred bytes into megabytes sent:
+    the decoder bounds reply_pad by the step's own message size (a padded step always satisfies it)."""
+    raw = _step(1, (), 5, 0).encode()
+    (length,) = struct.unpack(">I", raw[:4])
+    header = json.loads(raw[4 : 4 + length])
+    header["reply_pad"] = 1 << 20
+    with pytest.raises(ProtocolError, match="reply_pad"):
+        decode_client_message(encode_frame(header, raw[4 + length :]), LIMITS)
+    padded = _step(1, (), 5, 33 * ROW).encode()
+    assert decode_client_message(padded, LIMITS).pad_quantum == 33 * ROW

@@ -358,7 +358,8 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         structure = _decode_structure(header.get("structure"), q)
         assume = _decode_assume(header.get("assume"), seq, limits.max_block_rows)
         resolved = check_int(header.get("resolved", 0), "resolved", 0, len(assume))
-        pad = check_int(header.get("reply_pad", 0), "reply_pad", 0, MAX_PAD_QUANTUM)
+        # no larger than the step's own (padded) message: a padded reply never amplifies what the peer sent
+        pad = check_int(header.get("reply_pad", 0), "reply_pad", 0, min(MAX_PAD_QUANTUM, len(data)))
         return Step(seq, tuple(keep), tuple(positions), structure, hidden, header["tensor"]["dtype"], assume, resolved,
                     pad)
     if kind == "close":
