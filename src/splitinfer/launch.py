@@ -51,7 +51,7 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -
     raise ConfigError(f"nothing listened on port {port} within {timeout_s:.0f} s.")
 
 
-def _spawn(args: list[str], cpu: int | None, threads: int | None, quiet: bool) -> subprocess.Popen:
+def _spawn(args: list[str], cpu: int | None, threads: int | None, quiet: bool, log: Path | None = None) -> subprocess.Popen:
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -60,6 +60,10 @@ def _spawn(args: list[str], cpu: int | None, threads: int | None, quiet: bool) -
     if cpu is not None and hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
         preexec = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
     out = subprocess.DEVNULL if quiet else None
+    if log is not None:  # appended, so a restarted server's log follows the one before it
+        with open(log, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "splitinfer", *args], env=env, preexec_fn=preexec, stdout=out,
+                                    stderr=subprocess.STDOUT)
     return subprocess.Popen([sys.executable, "-m", "splitinfer", *args], env=env, preexec_fn=preexec, stdout=out, stderr=out)
 
 
@@ -82,8 +86,10 @@ def cloud_server(
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
     port: int | None = None,
+    log: Path | None = None,
 ):
     """Yields (URL, process) of a server child on a loopback port: wss:// with tls_cert/tls_key, else ws://.
+    `log`: a file its stdout and stderr are appended to (else they are dropped when quiet).
 
     Tokens go by file (never on the command line, where `ps` shows them); `port` reuses a port, e.g. to
     restart a server where its clients expect it.
@@ -94,7 +100,7 @@ def cloud_server(
         args += ["--token-file", str(token_file)]
     if tls_cert:
         args += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key or tls_cert)]
-    proc = _spawn(args, cpu, threads, quiet)
+    proc = _spawn(args, cpu, threads, quiet, log)
     try:
         wait_for_port(port, proc)
         yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -68,3 +69,30 @@ def test_a_short_soak_with_a_rolling_restart_answers_every_request_exactly(tmp_p
     assert all(report["samples"][f"server {i}"][-1]["sessions"] == 0 for i in (0, 1))  # every session closed
     paths = write_report(report, tmp_path / "out")
     assert paths[1].read_text().count("\n| ") == 1 + 3 * len(METRICS)  # the header and a row per process and metric
+
+
+def test_a_server_that_dies_is_skipped_by_the_sampler_and_fails_the_soak(tmp_path):
+    """A dead child not yet waited for (a zombie) has no VmRSS: the sampler skips it instead of dying (the first
+    30-minute rerun lost its sampler that way), and a server that exited on its own fails the report."""
+    import subprocess
+    import sys
+    import time
+
+    from splitinfer.bench.soak import Sampler, proc_stats
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and "Z" not in open(f"/proc/{child.pid}/stat").read().split()[2]:
+        time.sleep(0.05)
+    with pytest.raises(OSError):
+        proc_stats(child.pid)
+    with Sampler({"gone": (lambda: child.pid, dict), "api": (os.getpid, dict)}, period_s=0.05) as sampler:
+        time.sleep(0.5)
+    assert len(sampler.samples["api"]) >= 3 and not sampler.samples["gone"]  # "gone" comes first in every round
+    child.wait()
+    fitted = fits({"api": _samples(0.0)}, warmup_s=10)
+    report = {"ok": False, "options": {**SoakOptions().__dict__, "warmup_s": 10}, "servers": [], "errors": [],
+              "counts": {"completed": 5, "exact": 5, "abandoned": 1, "failed": 0, "streamed": 3}, "trending": [],
+              "exited": [{"server": 1, "exit_code": -9}], "fits": fitted, "samples": {"api": _samples(0.0)}}
+    md = write_report(report, tmp_path)[1].read_text()
+    assert "1 servers exited on their own (server 1: exit code -9, see server-1.log)" in md

@@ -66,6 +66,8 @@ def proc_stats(pid: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     fds = len(os.listdir(f"/proc/{pid}/fd"))
     fields = dict(line.split(":", 1) for line in status if ":" in line)
+    if "VmRSS" not in fields:  # a process that has exited and not been waited for (a zombie) has no memory
+        raise ProcessLookupError(f"process {pid} has exited")
     return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "fds": fds, "threads": int(fields["Threads"])}
 
 
@@ -200,10 +202,10 @@ class Servers:
     """The `splitinfer serve` child processes, each with a port and a metrics port of its own, and their
     replacement one at a time on the same ports (a rolling restart: SIGTERM, wait for the exit, start)."""
 
-    def __init__(self, stack, shard: Path, count: int):
+    def __init__(self, stack, shard: Path, count: int, logs: Path | None = None):
         from ..launch import free_port
 
-        self.stack, self.shard = stack, shard
+        self.stack, self.shard, self.logs = stack, shard, logs  # logs: a folder for server-<i>.log
         self.ports = [(free_port(), free_port()) for _ in range(count)]  # (server, metrics)
         self.procs = [self._start(i) for i in range(count)]
         self.urls = [f"ws://127.0.0.1:{port}" for port, _ in self.ports]
@@ -213,7 +215,13 @@ class Servers:
         from ..launch import cloud_server
 
         port, metrics = self.ports[i]
-        return self.stack.enter_context(cloud_server(self.shard, threads=1, port=port, extra=["--metrics-port", str(metrics)]))[1]
+        log = self.logs / f"server-{i}.log" if self.logs else None
+        return self.stack.enter_context(cloud_server(self.shard, threads=1, port=port, log=log,
+                                                     extra=["--metrics-port", str(metrics)]))[1]
+
+    def exited(self) -> list[dict]:
+        """Servers that exited on their own (not by a restart): {"server", "exit_code"} each."""
+        return [{"server": i, "exit_code": p.poll()} for i, p in enumerate(self.procs) if p.poll() is not None]
 
     def processes(self) -> dict:
         """{name: (() -> pid, () -> gauges)} for the Sampler; the pid follows a restart."""
@@ -238,7 +246,7 @@ class Servers:
             turn += 1
 
 
-def run_soak(shards: Path, options: SoakOptions) -> dict:
+def run_soak(shards: Path, options: SoakOptions, logs: Path | None = None) -> dict:
     """Start the servers and the API, answer every request alone, then load it for `duration_s` while sampling."""
     from contextlib import ExitStack
 
@@ -252,7 +260,7 @@ def run_soak(shards: Path, options: SoakOptions) -> dict:
     lengths = sorted({max(1, options.max_new_tokens // 4), max(1, options.max_new_tokens // 2), options.max_new_tokens})
     jobs = [(text, n) for text in texts for n in lengths]
     with ExitStack() as stack:
-        servers = Servers(stack, shards / "cloud", options.servers)
+        servers = Servers(stack, shards / "cloud", options.servers, logs)
         client = SplitClient.connect(shards / "local", servers.urls, ClientConfig(wire_dtype=options.wire_dtype),
                                      allow_public_weights=True)
         engine = Engine(client, MODEL_ID, max_concurrent=options.clients, memory_tokens=0)
@@ -275,19 +283,26 @@ def run_soak(shards: Path, options: SoakOptions) -> dict:
             for thread in threads[options.clients :]:
                 thread.join()
             time.sleep(2 * sampler.period_s)  # the idle state after the load is part of the record
-    return _verdict(options, servers, counts, errors, sampler.samples)
+        exited = servers.exited()  # before the stack stops them
+    return _verdict(options, servers, counts, errors, sampler.samples, exited)
 
 
-def _verdict(options: SoakOptions, servers: Servers, counts: Counts, errors: list[str], samples: dict) -> dict:
+def _verdict(options: SoakOptions, servers: Servers, counts: Counts, errors: list[str], samples: dict,
+             exited: list[dict] = ()) -> dict:
     """The report: counts, fits and whether the soak passed. Replaced servers start their series afresh, so
     under a rolling restart only the API process's trends count."""
     fitted = fits(samples, options.warmup_s, options.duration_s)
     judged = {name: per for name, per in fitted.items() if not servers.restarts or not name.startswith("server")}
     trending = [f"{name}: {metric}" for name, per in judged.items() for metric, fit in per.items() if fit["trending"]]
-    clean_exits = all(r["exit_code"] == 0 for r in servers.restarts)
+    clean_exits = all(r["exit_code"] == 0 for r in servers.restarts) and not exited
     ok = not trending and counts.exact == counts.completed and not counts.failed and counts.completed > 0 and clean_exits
     return {"ok": ok, "options": asdict(options), "servers": servers.urls, "counts": asdict(counts),
-            "restarts": servers.restarts, "errors": errors[:20], "trending": trending, "fits": fitted, "samples": samples}
+            "restarts": servers.restarts, "exited": list(exited), "errors": errors[:20], "trending": trending, "fits": fitted, "samples": samples}
+
+
+def _exits(report: dict) -> str:
+    gone = report.get("exited", [])
+    return " (" + ", ".join(f"server {e['server']}: exit code {e['exit_code']}, see server-{e['server']}.log" for e in gone) + ")" if gone else ""
 
 
 def write_report(report: dict, out: Path) -> list[Path]:
@@ -308,7 +323,8 @@ def write_report(report: dict, out: Path) -> list[Path]:
         f"{report['options']['servers']} servers ({'pass' if report['ok'] else 'FAIL'})", "",
         f"Requests: {c['completed']} completed ({c['exact']} equal to their solo run), {c['streamed']} streamed, "
         f"{c['abandoned']} abandoned mid-stream, {c['failed']} failed; "
-        f"{len(report.get('restarts', []))} server restarts (exit codes {sorted({r['exit_code'] for r in report.get('restarts', [])})}). Fits from the end of the warm-up "
+        f"{len(report.get('restarts', []))} server restarts (exit codes {sorted({r['exit_code'] for r in report.get('restarts', [])})}); "
+        f"{len(report.get('exited', []))} servers exited on their own{_exits(report)}. Fits from the end of the warm-up "
         f"({report['options']['warmup_s']:g} s) to the end of the load; `last` is the last sample in that window.", "",
         *table(["process", "metric", "first", "last", "slope / min", "stderr / min", "growth", "limit", "trend"], rows),
     ]
@@ -355,7 +371,9 @@ def cmd_soak(args) -> int:
     if not Path("/proc/self/status").exists():
         raise ConfigError("bench soak reads /proc for every process's memory, fds and threads; run it on Linux.")
     fix_mmap_threshold()  # the API server runs in this process, as `splitinfer api` runs it (allocator.py)
-    report = run_soak(Path(args.shards), options)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = run_soak(Path(args.shards), options, logs=out)
     paths = write_report(report, Path(args.out))
     print(Path(paths[1]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
