@@ -6,7 +6,7 @@ Every reply must be an OpenAI error body or a valid completion (streamed or not)
 capacity answer; no request may hang, and none may outlive its client. Greedy requests served between fuzz
 cases must stay exactly what they were before the fuzzing. The cloud side is a real server
 (tests/api/conftest.py), so a request that generates opens and closes a real cloud session.
-`make test` runs 300 cases, the slow set (CI) a campaign of 3,000; SPLITINFER_API_FUZZ_EXAMPLES sets the count of
+`make test` runs 300 cases, the slow set (CI) a campaign of 2,000; SPLITINFER_API_FUZZ_EXAMPLES sets the count of
 the first for a longer campaign (docs/security.md).
 """
 
@@ -27,7 +27,7 @@ from splitinfer.local.session import ClientConfig
 
 MODEL = "tiny-chat"
 EXAMPLES = int(os.environ.get("SPLITINFER_API_FUZZ_EXAMPLES", "300"))
-CAMPAIGN = 3000  # the slow set's count
+CAMPAIGN = 2000  # the slow set's count
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 REPLY_TIMEOUT_S = 30.0  # a reply that takes longer is a hang
