@@ -44,3 +44,25 @@ print(grown, kept)
 def test_a_users_own_setting_is_kept(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert allocator.fix_mmap_threshold() is False
+
+
+@pytest.mark.skipif(not _glibc(), reason="mallinfo2 is glibc's")
+def test_heap_counts_what_malloc_has_handed_out_and_python_blocks():
+    import torch
+
+    before = allocator.heap()
+    x = torch.ones(16 * 2**20 // 4)  # 16 MiB from malloc (torch's CPU allocator)
+    during = allocator.heap()
+    del x
+    after = allocator.heap()
+    assert during["in_use_bytes"] - before["in_use_bytes"] >= 15 * 2**20
+    assert during["in_use_bytes"] - after["in_use_bytes"] >= 15 * 2**20
+    assert after["python_blocks"] > 0 and after["free_bytes"] >= 0
+
+
+def test_both_sides_export_the_heap_on_metrics():
+    from splitinfer.metrics import HEAP_GAUGES, LocalMetrics
+
+    text = LocalMetrics().render().decode()
+    for name, _ in HEAP_GAUGES.values():
+        assert name in text

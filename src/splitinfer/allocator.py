@@ -7,6 +7,10 @@ notes/bench/soak that showed as a cloud server's resident memory rising in steps
 sessions and cached rows flat; with the threshold fixed at 128 KiB (what glibc starts with) the same load
 stayed within noise (docs/security.md, "Soak"). Fixing the threshold is all this does: memory is still
 reused within the process, and blocks under 128 KiB are unaffected.
+
+`heap()` reads what the allocators hold, so a soak can tell a leak (memory in use grows) from memory kept
+by the allocator (free bytes grow, in use stays flat): glibc's mallinfo2 and CPython's count of allocated
+object blocks. Both are exported on each side's /metrics (metrics.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -37,3 +42,31 @@ def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     done = bool(mallopt(_M_MMAP_THRESHOLD, threshold))
     log.debug("malloc mmap threshold fixed at %d bytes: %s", threshold, done)
     return done
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallinfo2 if name else None  # glibc 2.33 and later
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap() -> dict:
+    """{"in_use_bytes", "free_bytes"}: what glibc's malloc has handed out (heap blocks + mmapped blocks) and
+    what it holds free (both 0.0 without glibc 2.33+), and "python_blocks": CPython's allocated blocks."""
+    info = _MALLINFO2() if _MALLINFO2 is not None else None
+    in_use = float(info.uordblks + info.hblkhd) if info is not None else 0.0
+    free = float(info.fordblks) if info is not None else 0.0
+    return {"in_use_bytes": in_use, "free_bytes": free, "python_blocks": float(sys.getallocatedblocks())}

@@ -87,7 +87,7 @@ EXAMPLES: dict[str, str] = {
     "privacy check": "splitinfer privacy check --public shards/smollm2 --keyed shards/smollm2-keyed --out check.json",
     "privacy table": "splitinfer privacy table --audit audit-out/audit.json --write docs/privacy.md",
     "drafter": "splitinfer drafter train --shards shards/smollm2 --out drafter-out --tokens 200000",
-    "drafter train": "splitinfer drafter train --shards shards/smollm2 --out drafter-out --tokens 200000 --prompts 2400",
+    "drafter train": "splitinfer drafter train --shards shards/smollm2 --out drafter-out --tokens 200000 --prompts 2400 --schedule cosine",
     "drafter recycling": "splitinfer drafter recycling --shards shards/smollm2 --out recycling-out",
 }
 DESCRIPTION = ("Run a language model split across two machines: the text-facing layers here, the middle on a "

@@ -21,12 +21,21 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .allocator import heap
+
 # Seconds; dense around WAN round trips (10-150 ms) where the SLOs live.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 ACCEPTED_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 RATE_BUCKETS = (1, 2, 5, 10, 15, 20, 30, 50, 75, 100, 200, 500)
 
-__all__ = ["CONTENT_TYPE_LATEST", "LocalMetrics", "CloudMetrics", "render"]
+# allocator.heap()'s keys -> (metric name, help)
+HEAP_GAUGES = {
+    "in_use_bytes": ("splitinfer_heap_in_use_bytes", "Bytes malloc has handed out (glibc; 0 elsewhere)."),
+    "free_bytes": ("splitinfer_heap_free_bytes", "Bytes malloc holds free (glibc; 0 elsewhere)."),
+    "python_blocks": ("splitinfer_python_blocks", "Object blocks CPython has allocated."),
+}
+
+__all__ = ["CONTENT_TYPE_LATEST", "HEAP_GAUGES", "LocalMetrics", "CloudMetrics", "render"]
 
 
 def render(registry: CollectorRegistry) -> bytes:
@@ -52,6 +61,10 @@ class _Common:
         self.active_sessions = Gauge("splitinfer_active_sessions", "Sessions holding a KV cache now.", registry=r)
         self.kv_tokens = Gauge("splitinfer_kv_cache_tokens", "KV rows held over all sessions.", registry=r)
         self.kv_bytes = Gauge("splitinfer_kv_cache_bytes", "Bytes allocated for KV buffers over all sessions.", registry=r)
+        # What the allocators hold, read at scrape time (allocator.heap): a leak grows in_use or python_blocks,
+        # memory kept by malloc grows free.
+        for key, (name, text) in HEAP_GAUGES.items():
+            Gauge(name, text, registry=r).set_function(lambda key=key: heap()[key])
 
     def error(self, code: str) -> None:
         self.errors.labels(code=code).inc()

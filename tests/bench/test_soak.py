@@ -26,13 +26,15 @@ def test_a_flat_noisy_series_does_not_trend_and_a_steady_climb_does():
 
 def _samples(grow: float) -> list[dict]:
     return [{"t": float(t), "rss_mib": 400 + grow * t, "fds": 30, "threads": 12, "sessions": t % 3,
-             "cached_rows": 100 * (t % 3)} for t in range(60)]
+             "cached_rows": 100 * (t % 3), "heap_in_use_mib": 300.0, "heap_free_mib": 5 + grow * t,
+             "python_blocks": 250_000} for t in range(60)]
 
 
 def test_the_report_flags_the_growing_resource_of_the_right_process(tmp_path):
     samples = {"api": _samples(0.0), "server 0": _samples(1.0)}
     fitted = fits(samples, warmup_s=10)
     assert fitted["server 0"]["rss_mib"]["trending"]
+    assert fitted["server 0"]["heap_free_mib"]["limit"] is None  # memory malloc keeps: reported, never judged
     assert not any(fit["trending"] for name, per in fitted.items() for m, fit in per.items() if (name, m) != ("server 0", "rss_mib"))
     report = {"ok": False, "options": {**SoakOptions().__dict__, "warmup_s": 10}, "servers": [], "errors": [],
               "counts": {"completed": 5, "exact": 5, "abandoned": 1, "failed": 0, "streamed": 3},

@@ -25,6 +25,12 @@ def test_both_sides_run_and_the_anchor_computes_the_same_layers(tmp_path, family
             torch.testing.assert_close(side.ours(3, hidden), side.anchor(3, hidden), rtol=1e-4, atol=1e-4)
     cloud = sides[0]
     assert all(type(m) is torch.nn.Linear for m in cloud.hf.modules() if isinstance(m, torch.nn.Linear))
+    if family == "llama":  # the compute bound counts every weight product of the side, from the config
+        c = cloud.stacks[0].config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        per_layer = 2 * c.hidden_size * c.num_attention_heads * head_dim + 3 * c.hidden_size * c.intermediate_size \
+            + 2 * c.hidden_size * c.num_key_value_heads * head_dim
+        assert cloud.product_flops(3) == 2 * 3 * per_layer * len(cloud.stacks[0].layers)
 
 
 def test_the_report_and_the_guard(tmp_path):
@@ -35,6 +41,7 @@ def test_the_report_and_the_guard(tmp_path):
     assert saved["rows"] == report["rows"] and len(report["rows"]) == 4
     row = report["rows"][0]
     assert row["splitinfer_ms"] > 0 and row["transformers_ms"] > 0 and row["bound_ms"] > 0
+    assert row["compute_bound_ms"] > 0 and report["product_peak_gflops"] > 0
     assert set(row["breakdown_ms"]) == set(step.GROUPS)
     assert "| cloud | 8 | 1 |" in (tmp_path / "out" / "step.md").read_text()
     strict = step.guard(report, StepBenchConfig(max_ratio=1e-9))

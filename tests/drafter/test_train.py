@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, replace
 
 import pytest
@@ -11,12 +12,13 @@ from safetensors.torch import load_file
 
 from splitinfer.drafter import train
 from splitinfer.drafter import corpus
+from splitinfer.drafter.schedule import STABLE
 from splitinfer.drafter.corpus import benchmark_prompts, build_prompts, check_no_overlap
 from splitinfer.errors import ConfigError
 from splitinfer.model.drafthead import HEAD_WEIGHTS
 
 TOY = train.TrainConfig(tokens=24, prompts=8, steps=4, max_new_tokens=6, generate_batch=4, batch=2, window=16,
-                        draft_vocab_size=256, intermediate_size=64, checkpoint_every=2)
+                        draft_vocab_size=256, intermediate_size=64, checkpoint_every=2, warmup_steps=1)
 
 
 def test_prompts_never_contain_benchmark_prompts():
@@ -91,9 +93,10 @@ def test_the_shipped_head_is_made_for_the_shipped_model_and_prepare_installs_onl
     assert "installed" in install_shipped_drafter(local)
     shipped = json.loads((local / DRAFTER_DIR / "manifest.json").read_text())
     assert shipped["model_fingerprint"] == model_identity(read_manifest(smollm2_shards / "local", "local"))
-    # `splitinfer drafter train --tokens 200000 --prompts 2400` remakes it (the data the shipped successor
-    # table was built from): every other recorded option is today's default.
-    recipe = {k: v for k, v in asdict(train.TrainConfig(tokens=200_000, prompts=2400)).items() if k != "device"}
+    # `splitinfer drafter train --tokens 200000 --prompts 2400 --schedule cosine` remakes it (the data the shipped
+    # successor table was built from): every other recorded option is today's default.
+    recipe = {k: v for k, v in asdict(train.TrainConfig(tokens=200_000, prompts=2400, schedule="cosine")).items()
+              if k != "device"}
     assert train.made_with(shipped["config"], recipe) == recipe and shipped["steps"] == recipe["steps"]
     # The successor table and its replies were built from the same data run (`drafter recycling --from-data`).
     assert json.loads((local / DRAFTER_DIR / "recycling.json").read_text())["data_sha256"] == shipped["data_sha256"]
@@ -128,3 +131,20 @@ def test_bfloat16_data_records_its_dtype_and_is_not_mixed_with_float32_data(smol
     assert manifest["generated_tokens"] >= 24 and manifest["steps"] == 2
     with pytest.raises(ConfigError, match="other options"):  # float32 data would need its own --out
         train.run_training(smollm2_shards, tmp_path, replace(config, generate_dtype="float32"))
+
+
+def test_a_run_extended_with_more_steps_ends_with_the_head_of_the_longer_run(smollm2_shards, tmp_path):
+    torch.set_num_threads(1)
+    short = replace(TOY, steps=4, decay_share=0.5, checkpoint_every=1)  # warm-up 1 step, decay from step 2
+    long = replace(short, steps=8)
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    train.run_training(smollm2_shards, straight, long)
+    extended.mkdir()
+    shutil.copy(straight / train.DATA, extended / train.DATA)  # the same data, not made twice
+    train.run_training(smollm2_shards, extended, short)
+    assert torch.load(extended / STABLE, weights_only=False)["step"] == 2
+    manifest = train.run_training(smollm2_shards, extended, long)  # resumes from step 2, before the decay
+    a, b = load_file(str(straight / HEAD_WEIGHTS)), load_file(str(extended / HEAD_WEIGHTS))
+    assert all(torch.equal(a[k], b[k]) for k in a) and manifest["steps"] == 8
+    with pytest.raises(ConfigError, match="resume with the --steps it was made with"):
+        train.run_training(smollm2_shards, extended, replace(long, steps=9, schedule="cosine"))

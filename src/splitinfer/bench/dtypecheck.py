@@ -210,7 +210,7 @@ def run(args, log=print) -> dict:
 
     from .. import __version__
     from .runtime import load_prompts
-    from .step import cpu_flags
+    from .machine import cpu_flags
 
     shards = Path(args.shards)
     if not (shards / "local" / "manifest.json").exists():

@@ -7,7 +7,10 @@ process over all of them, and `clients` threads send it greedy /v1/completions r
 streamed or not, of random lengths, some abandoned mid-stream (the client closes its connection). Every
 completed reply is compared with the same request answered alone before the load began. Once a second the
 sampler reads, for this process and each server: resident memory, open file descriptors and threads (from
-/proc), and open sessions and cached KV rows (the servers' /metrics; for this process, requests in progress).
+/proc), open sessions and cached KV rows (the servers' /metrics; for this process, requests in progress),
+and what the allocators hold (allocator.heap: malloc's bytes in use and free, CPython's object blocks), so
+that a rise in resident memory can be told apart: a leak grows what is in use, memory malloc keeps grows
+what is free (reported, not judged).
 
 After the warm-up, each series gets a least-squares line; a resource *trends upward* when its slope is more
 than three standard errors above zero and its fitted growth over the run exceeds the metric's tolerance
@@ -29,15 +32,18 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..allocator import fix_mmap_threshold
+from ..allocator import fix_mmap_threshold, heap
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options
+from ..metrics import HEAP_GAUGES
+from ..options import MIB, Opt, Shared, add_options
 from ..tables import table
 from ..wire.dtypes import DTYPE_NAMES
 
-METRICS = ("rss_mib", "fds", "threads", "sessions", "cached_rows")
-# Growth over the run, after warm-up, below which a slope is noise whatever its standard error.
-TOLERANCE = {"rss_mib": 16.0, "fds": 4.0, "threads": 4.0, "sessions": 2.0, "cached_rows": 256.0}
+METRICS = ("rss_mib", "fds", "threads", "sessions", "cached_rows", "heap_in_use_mib", "heap_free_mib", "python_blocks")
+# Growth over the run, after warm-up, below which a slope is noise whatever its standard error. The heap's
+# free bytes are memory malloc keeps, not a leak: reported, never judged (None).
+TOLERANCE = {"rss_mib": 16.0, "fds": 4.0, "threads": 4.0, "sessions": 2.0, "cached_rows": 256.0,
+             "heap_in_use_mib": 16.0, "heap_free_mib": None, "python_blocks": 20_000.0}
 MODEL_ID = "soak"
 
 
@@ -76,7 +82,15 @@ def server_gauges(metrics_url: str) -> dict:
     with urllib.request.urlopen(metrics_url, timeout=5) as response:
         text = response.read().decode()
     values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-    return {"sessions": float(values["splitinfer_active_sessions"]), "cached_rows": float(values["splitinfer_kv_cache_tokens"])}
+    heap = {key: float(values[name]) for key, (name, _) in HEAP_GAUGES.items()}
+    return {"sessions": float(values["splitinfer_active_sessions"]), "cached_rows": float(values["splitinfer_kv_cache_tokens"]),
+            **heap_gauges(heap)}
+
+
+def heap_gauges(heap: dict) -> dict:
+    """allocator.heap()'s figures in the soak's units."""
+    return {"heap_in_use_mib": heap["in_use_bytes"] / MIB, "heap_free_mib": heap["free_bytes"] / MIB,
+            "python_blocks": heap["python_blocks"]}
 
 
 class Sampler:
@@ -110,7 +124,7 @@ class Sampler:
 
 
 # -- trends ------------------------------------------------------------------------------------------
-def trend(times: list[float], values: list[float], tolerance: float) -> dict:
+def trend(times: list[float], values: list[float], tolerance: float | None) -> dict:
     """The least-squares line through (times, values): slope per minute, its standard error, the fitted growth
     over the span, and whether that is an upward trend beyond noise (module docstring)."""
     import numpy as np
@@ -122,10 +136,10 @@ def trend(times: list[float], values: list[float], tolerance: float) -> dict:
     residual = v - (slope * t + intercept)
     stderr = float(np.sqrt((residual @ residual) / (len(t) - 2) / ((t - t.mean()) @ (t - t.mean()))))
     growth = float(slope * np.ptp(t))
-    limit = max(tolerance, 0.05 * abs(float(np.median(v))))
-    trending = bool(slope > 3 * stderr and growth > limit)
+    limit = None if tolerance is None else round(max(tolerance, 0.05 * abs(float(np.median(v)))), 3)
+    trending = bool(limit is not None and slope > 3 * stderr and growth > limit)
     return {"slope_per_min": round(float(slope) * 60, 4), "stderr_per_min": round(stderr * 60, 4),
-            "growth": round(growth, 3), "limit": round(limit, 3), "trending": trending, "samples": len(t)}
+            "growth": round(growth, 3), "limit": limit, "trending": trending, "samples": len(t)}
 
 
 def fits(samples: dict[str, list[dict]], warmup_s: float, end_s: float = float("inf")) -> dict:
@@ -265,7 +279,8 @@ def run_soak(shards: Path, options: SoakOptions, logs: Path | None = None) -> di
                                      allow_public_weights=True)
         engine = Engine(client, MODEL_ID, max_concurrent=options.clients, memory_tokens=0)
         api = stack.enter_context(ApiServer(engine, port=0))
-        processes = {**servers.processes(), "api": (os.getpid, lambda: {"sessions": float(api.app.pending), "cached_rows": 0.0})}
+        processes = {**servers.processes(), "api": (os.getpid, lambda: {"sessions": float(api.app.pending), "cached_rows": 0.0,
+                                                                        **heap_gauges(heap())})}
         reference = {job: request(api.port, *job, stream=False, abandon_after=None) for job in jobs}
         counts, errors, lock, done = Counts(), [], threading.Lock(), threading.Event()
         with Sampler(processes) as sampler:
@@ -316,7 +331,7 @@ def write_report(report: dict, out: Path) -> list[Path]:
         for metric, fit in per.items():
             first, last = (kept[0][metric], kept[-1][metric]) if kept else ("-", "-")
             rows.append([name, metric, _num(first), _num(last), fit["slope_per_min"], fit["stderr_per_min"],
-                         fit["growth"], fit.get("limit", "-"), "**up**" if fit["trending"] else "flat"])
+                         fit["growth"], "-" if fit.get("limit") is None else fit["limit"], "**up**" if fit["trending"] else "flat"])
     c = report["counts"]
     lines = [
         f"# Soak: {report['options']['duration_s']:g} s, {report['options']['clients']} clients, "

@@ -181,11 +181,12 @@ def _divergence_lines(report: dict) -> list[str]:
     local = report["summary"].get("local_only")
     if local:
         same = ", ".join(f"{v} at {k} ms" for k, v in local["identical_to_split_sequential"].items())
-        lines += [f"Split sequential generations token-identical to local-only float32: {same}.", ""]
+        lines += [f"Split sequential generations token-identical to local-only {report.get('dtype', 'float32')}: {same}.", ""]
     if divergences:
         lines.append("Generations whose tokens differ from sequential decoding at the same round trip "
                      f"({report.get('wire_dtype', 'float16')} wire), "
-                     "with the local float32 model's top-1 minus top-2 logit at the first different token:")
+                     f"with the local {report.get('dtype', 'float32')} model's top-1 minus top-2 logit at the first "
+                     "different token:")
         lines.append("")
         for d in divergences:
             lines.append(f"- {d['strategy']} @ {d['rtt_ms']:g} ms, {d['prompt_id']} (rep {d['repeat']}): token "

@@ -87,7 +87,7 @@ def prompt_lookup_reference(shards: Path, prompts: list[dict], client: SplitClie
 
 
 def margin_before(client: SplitClient, prompt_ids: list[int], tokens: list[int], step: int) -> float:
-    """Top-1 minus top-2 logit of the local float32 model before tokens[step] (for divergence reports)."""
+    """Top-1 minus top-2 logit of the local model (float32 wire) before tokens[step] (for divergence reports)."""
     session = SplitSession(client.local, client.make_middle(), ClientConfig(wire_dtype="float32"))
     top = session.prefill(prompt_ids + tokens[:step])[-1].topk(2).values
     session.close()
@@ -117,6 +117,8 @@ def run_speculative_bench(args) -> dict:
     pass_ms = getattr(args, "cloud_pass_ms", 0) or 0
     if pass_ms:
         device += f", every pass padded to at least {pass_ms:g} ms (the fast-cloud scenario)"
+    manifest = json.loads((shards / "local" / "manifest.json").read_text())
+    dtype = manifest["dtype"]
     table = local.recycling_table
     replies = (f" and its suffix lookup also searches the {table.manifest.get('reply_tokens')} reply tokens shipped with it"
                if table is not None and table.replies is not None else "")
@@ -130,9 +132,10 @@ def run_speculative_bench(args) -> dict:
         "setup": f"client: this process, core 0, 1 thread; cloud server: child process, core 1, 1 thread, {device}; "
         f"WAN emulator: child process on core 1; {args.wire_dtype} wire; greedy; fresh drafting state per generation "
         "(the client's measured step costs, and what its draft head is worth, are shared by its generations); "
-        "local-only: the whole model in this process, core 0, 1 thread, sequential greedy, float32; every "
+        f"local-only: the whole model in this process, core 0, 1 thread, sequential greedy, {dtype}; every "
         f"configuration runs on a prompt before the next prompt starts; {warm}",
-        "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
+        "model": manifest["model_id"],
+        "dtype": dtype,  # the shards' compute dtype (both sides and local-only)
         "wire_dtype": args.wire_dtype,
         "cloud_device": device,
         "recycling_table": table.manifest if table is not None else None,

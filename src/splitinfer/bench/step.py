@@ -9,8 +9,9 @@ and threads:
 - **transformers**: the same layers in plain transformers (a model of that many layers holding the same
   weights, its own `DynamicCache`, masks, `F.linear` and sdpa attention, logits for every row on the
   local side);
-- **bound**: bytes the step must stream (the side's weights once, plus the cached keys and values it
-  reads) over this machine's measured memory bandwidth (one thread summing a 1 GiB buffer).
+- **bounds** (bench/machine.py, measured on the same thread): the bytes the step must stream (the side's
+  weights once, plus the cached keys and values it reads) over the memory bandwidth, and the weight
+  products' flops over the product peak; beside them the rate the profiled products reached.
 
 Both run on real activations of the benchmark prompts (token embeddings for the local side, the local
 head's output for the cloud's). Configurations run in a shuffled order every repetition after a warm-up;
@@ -48,6 +49,7 @@ from .. import __version__
 from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
 from ..model.stack import LayerStack
 from ..tables import table
+from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul")
@@ -165,6 +167,11 @@ class Side:
         self.hf_cache.crop(-q)
         return out
 
+    def product_flops(self, q: int) -> int:
+        """Multiply-adds x 2 of the weight products of a q-row step (attention's are not counted)."""
+        modules = list(self.stacks) + list(self.tail or ())
+        return 2 * q * sum(m.weight.numel() for top in modules for m in top.modules() if isinstance(m, nn.Linear))
+
     def streamed_bytes(self) -> int:
         """Weights read once plus the cached keys and values attended to, per step."""
         modules = list(self.stacks) + list(self.tail or ())
@@ -203,28 +210,6 @@ def real_inputs(local: LocalHalf, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- measuring -----------------------------------------------------------------------------------------
-
-
-def cpu_flags() -> list[str]:
-    """The CPU features the products' speed depends on (the same torch differs between CPUs of one kind)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
-
-
-def bandwidth_gbps(repeats: int = 5) -> float:
-    """One thread's read bandwidth: a 1 GiB float32 buffer summed, median of `repeats`."""
-    buf = torch.ones(1 << 28)
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
-    return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
 def time_configs(sides: list[Side], rows: tuple[int, ...], repeats: int) -> dict[tuple, list[float]]:
@@ -335,6 +320,8 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
     gbps = bandwidth_gbps()
     log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
     sides = build_sides(shards, config.contexts, config.rows, config.dtype)
+    peak = product_gflops(sides[0].dtype)
+    log(f"product peak, one thread: {peak:.1f} GFLOP/s ({str(sides[0].dtype).removeprefix('torch.')})")
     times = time_configs(sides, config.rows, config.repeats)
     rows = []
     for i, side in enumerate(sides):
@@ -346,15 +333,19 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
                 "side": side.name, "context": side.context, "rows": q,
                 "splitinfer_ms": round(ours, 2), "transformers_ms": round(anchor, 2), "ratio": round(ours / anchor, 3),
                 "bound_ms": round(side.streamed_bytes() / gbps / 1e6, 2),
+                "compute_bound_ms": float(f"{side.product_flops(q) / peak / 1e6:.4g}"),
                 "breakdown_ms": {k: round(v * ours, 2) for k, v in shares.items()},
             })
+            products_ms = rows[-1]["breakdown_ms"]["products"]
+            rows[-1]["products_gflops"] = round(side.product_flops(q) / products_ms / 1e6, 1) if products_ms else None
             log(f"{side.name:<5} ctx {side.context:>5} q {q:>2}: splitinfer {ours:7.1f} ms  transformers {anchor:7.1f} ms  "
                 f"x{ours / anchor:.2f}  bound {rows[-1]['bound_ms']} ms")
     report = {
         "command": "splitinfer " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("splitinfer") else shlex.join(sys.argv),
         "version": __version__, "torch": torch.__version__, "machine": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(), "config": asdict(config),
-        "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2), "rows": rows,
+        "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2),
+        "product_peak_gflops": round(peak, 1), "rows": rows,
     }
     if config.e2e_prompts:
         report["e2e"] = e2e(shards, config, log)
@@ -379,13 +370,16 @@ def markdown(report: dict) -> str:
     lines = [f"# One decode step: splitinfer against plain transformers ({report['dtype']})", "",
              f"`{report['command']}`", "",
              f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}), {report['config']['threads']} thread(s) pinned to "
-             f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s (one thread). Medians of "
-             f"{report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Bound: the side's weights "
-             "plus the cached keys/values it reads, over that bandwidth.", ""]
-    header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "bound", *GROUPS]
+             f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s and product peak "
+             f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product). Medians of "
+             f"{report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: the side's "
+             "weights plus the cached keys/values it reads, over that bandwidth; compute bound: the weight products' "
+             "flops over that peak; products GFLOP/s: those flops over the profiled products' time.", ""]
+    header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "memory bound", "compute bound", *GROUPS,
+              "products GFLOP/s"]
     body = [[r["side"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], f"{r['ratio']}x", r["bound_ms"],
-             *(r["breakdown_ms"][g] for g in GROUPS)] for r in report["rows"]]
-    lines += table(header, body, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|") + [""]
+             r["compute_bound_ms"], *(r["breakdown_ms"][g] for g in GROUPS), r["products_gflops"]] for r in report["rows"]]
+    lines += table(header, body, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|") + [""]
     e2e_ = report.get("e2e")
     if e2e_:
         lines += [f"Whole generations, {e2e_['tokens']} tokens, prompts {', '.join(e2e_['prompts'])}: local-only "

@@ -18,7 +18,13 @@ TRAIN_OPTIONS = (
     Opt("seed", help="seed of the prompts, the sampling and the training"),
     Opt("steps", help="training steps"),
     Opt("batch", help="windows per training step"),
-    Opt("lr", help="peak learning rate (warm-up, then cosine to a tenth)"),
+    Opt("lr", help="peak learning rate"),
+    Opt("schedule", choices=("wsd", "cosine"), help="learning-rate schedule: wsd (warm-up, held, then a decay over the "
+        "last --decay-share of the steps; a run extended with a larger --steps resumes from its last checkpoint "
+        "before the decay) or cosine (warm-up over a twentieth of the steps, then down to a tenth; the shipped "
+        "head's; a resume must keep --steps)"),
+    Opt("warmup_steps", help="warm-up steps of --schedule wsd"),
+    Opt("decay_share", help="share of the steps --schedule wsd decays over, to a tenth of --lr"),
     Opt("window", help="rows per window"),
     Opt("draft_vocab_size", help="token ids the head can draft (the most frequent ones)"),
     Opt("generate_dtype", help="dtype of the model copy that generates the data: float32, bfloat16 (about twice "

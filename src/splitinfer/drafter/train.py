@@ -35,7 +35,9 @@ from ..model.manifest import basis_identity, model_identity, read_manifest
 from ..model.shards import load_whole_hf
 from ..progress import progress
 from .corpus import CORPUS_VERSIONS, build_prompts
+from . import schedule
 from .generate import Sampling, generate_rows
+from .schedule import Schedule
 from .unroll import accuracy, path_tokens, path_valid, soft_cross_entropy, unroll, window_tensors
 
 DATA = "data.pt"
@@ -47,8 +49,9 @@ GENERATE_DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("templates", "sharegpt")
 TEACHER = "teacher"  # the teacher-forced shards' directory under the output (source sharegpt)
 # path_top_k: any value trains the same on the model's own continuations, all that heads before it saw.
-DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024, "path_top_k": 4}  # what data made before an option existed was made with
-CHECKPOINT = "checkpoint.pt"
+# What data (and heads) made before an option existed were made with (cosine used no schedule option).
+DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024, "path_top_k": 4,
+               "schedule": "cosine", "warmup_steps": 240, "decay_share": 0.2}
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
@@ -82,7 +85,12 @@ class TrainConfig:
     batch: int = 4  # windows per step
     window: int = 144  # rows per window: a whole reply of max_new_tokens and the prompt rows before it
     prompt_rows: int = 16  # prompt rows a window starts with, as context for the reply's first drafts
-    lr: float = 1.5e-3
+    lr: float = 1.5e-3  # peak learning rate
+    # drafter/schedule.py: wsd (warm-up, held, decay over the last decay_share of steps: a run extended with a
+    # larger --steps resumes from its last checkpoint before the decay) or cosine (the shipped head's)
+    schedule: str = "wsd"
+    warmup_steps: int = 240  # wsd's warm-up (cosine warms up over steps // 20)
+    decay_share: float = 0.2
     draft_vocab_size: int = 8192
     intermediate_size: int = 768
     noise: float = 0.05  # uniform input-feature noise, relative to each row's RMS
@@ -273,19 +281,6 @@ def window_batch(sequences: list[dict], picks: list[tuple[int, int]], config: Tr
             *path_tokens(sequences, picks, config.window, config.depth, config.path_top_k))
 
 
-def _lr(config: TrainConfig, step: int) -> float:
-    warmup = max(1, config.steps // 20)
-    if step < warmup:
-        return config.lr * (step + 1) / warmup
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, config.steps - warmup))))
-
-
-def _save_checkpoint(path: Path, head, optimiser, gen, state: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save({"head": head.state_dict(), "optimiser": optimiser.state_dict(), "rng": gen.get_state(), **state}, tmp)
-    tmp.replace(path)
-
-
 def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path) -> dict:
     """Train `head` for `config.steps`, resuming from out/checkpoint.pt; returns the training state."""
     sequences, heldout = split_heldout(data["sequences"], config.heldout_every)
@@ -295,8 +290,9 @@ def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path) -> d
     optimiser = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(config.seed)
     state = {"step": 0, "losses": [], "heldout": [], "wall_s": 0.0}
-    if (out / CHECKPOINT).exists():
-        saved = torch.load(out / CHECKPOINT, weights_only=False)
+    rates = Schedule.of(config)
+    saved = schedule.resume(out, rates)
+    if saved is not None:
         head.load_state_dict(saved["head"])
         optimiser.load_state_dict(saved["optimiser"])
         gen.set_state(saved["rng"])
@@ -309,7 +305,7 @@ def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path) -> d
             picks = [windows[int(i)] for i in torch.randint(len(windows), (config.batch,), generator=gen)]
             batch = window_batch(sequences, picks, config)
             for group in optimiser.param_groups:
-                group["lr"] = _lr(config, step)
+                group["lr"] = rates.rate(step)
             loss, feature_loss, ce_loss = _step_loss(head, batch, config, scale, gen)
             optimiser.zero_grad()
             loss.backward()
@@ -322,7 +318,8 @@ def train_head(head: DraftHead, data: dict, config: TrainConfig, out: Path) -> d
             bar.set_postfix(feature=f"{feature_loss:.4f}", ce=f"{ce_loss:.3f}")
             if state["step"] % config.checkpoint_every == 0 or state["step"] == config.steps:
                 state["heldout"].append({"step": state["step"]} | heldout_loss(head, heldout, config, scale))
-                _save_checkpoint(out / CHECKPOINT, head, optimiser, gen, state)
+                schedule.save(out, {"head": head.state_dict(), "optimiser": optimiser.state_dict(), "rng": gen.get_state(),
+                                    **state}, rates)
     head.eval()
     return state
 

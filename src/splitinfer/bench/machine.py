@@ -1,0 +1,49 @@
+"""What one thread of this machine can do, measured: memory read bandwidth and the weight-product peak.
+
+`bench step` sets each step beside the two limits a step can hit (a roofline): streaming the weights and
+the cached keys/values from memory, and the multiply-adds of the weight products. Both are measured here
+on the thread and core the step runs on, never taken from a datasheet.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_SIZE = 1024  # n of the n x n x n product that measures the peak: compute-bound, and in cache blocks
+
+
+def cpu_flags() -> list[str]:
+    """The CPU features the products' speed depends on (the same torch differs between CPUs of one kind)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+
+
+def _median_s(run, repeats: int) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bandwidth_gbps(repeats: int = 5) -> float:
+    """One thread's read bandwidth: a 1 GiB float32 buffer summed, median of `repeats`."""
+    buf = torch.ones(1 << 28)
+    return buf.numel() * 4 / _median_s(buf.sum, repeats) / 1e9
+
+
+def product_gflops(dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """One thread's product peak in `dtype`: a square PEAK_SIZE product (2 n^3 flops), GFLOP/s, median."""
+    a = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=torch.Generator().manual_seed(0)).to(dtype)
+    b = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return 2 * PEAK_SIZE**3 / _median_s(lambda: a @ b, repeats) / 1e9
