@@ -38,4 +38,5 @@ def test_wsd_rates_before_the_decay_do_not_depend_on_steps():
         Schedule("wsd", 10, 1e-3, 1, 0.0)
     with pytest.raises(ConfigError, match="--warmup-steps 240 leaves"):
         Schedule("wsd", 100, 1e-3, 240, 0.2)
+    Schedule("wsd", 0, 1e-3, 240, 0.2)  # --steps 0 makes the data only
     assert Schedule("cosine", 100, 1e-3, 240, 0.2).warmup() == 5  # cosine's own warm-up: steps // 20

@@ -43,7 +43,7 @@ class Schedule:
         if not 0.0 < self.decay_share <= 1.0 or self.warmup_steps < 0:
             raise ConfigError(f"--decay-share must be in (0, 1] and --warmup-steps >= 0; got {self.decay_share}, "
                               f"{self.warmup_steps}.")
-        if self.kind == "wsd" and self.warmup_steps > self.steps * (1 - self.decay_share):
+        if self.kind == "wsd" and self.steps and self.warmup_steps > self.steps * (1 - self.decay_share):
             raise ConfigError(f"--warmup-steps {self.warmup_steps} leaves --schedule wsd no steps at the peak rate "
                               f"in --steps {self.steps}; give fewer warm-up steps or more steps.")
 

@@ -5,7 +5,9 @@ Three stages, each kept in the output directory so a run can stop and resume whe
    continuations of them (drafter/generate.py, batches of prompts of similar length), and the final features
    before the final norm of every row, captured while generating; its sha256 goes into the manifest. While
    it is being collected, data.partial.pt holds the batches done so far.
-2. checkpoint.pt every `checkpoint_every` steps: head, optimiser, RNG state, loss curves, wall time.
+2. checkpoint.pt every `checkpoint_every` steps: head, optimiser, RNG state, loss curves, wall time, and
+   the learning-rate schedule; checkpoint-stable.pt, the last one before the schedule's decay, which a run
+   extended with a larger --steps resumes from (drafter/schedule.py).
 3. The head (head.safetensors + head.json) and manifest.json (data hash, seed, steps, losses, held-out
    losses and teacher-forced accuracy by depth, wall times, model fingerprint, token count).
 
@@ -403,6 +405,7 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
     shards, out = Path(shards), Path(out)
     if not (shards / "local").is_dir() or not (shards / "cloud").is_dir():
         raise ConfigError(f"{shards} is not a prepared shards directory (OUT/local + OUT/cloud); run `splitinfer prepare`.")
+    Schedule.of(config)  # a schedule that cannot run fails now, not after the data
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     model, tokenizer, data = load_or_collect(shards, config, out)
