@@ -104,3 +104,18 @@ def test_padding_on_the_shipped_model_is_token_identical(smollm2_shards):
             if pad:
                 assert len(ups) == 1 and downs == ups, (ups, downs)
         assert outputs[0] == outputs[33]
+
+
+def test_prompt_padding_gives_prompts_of_any_length_under_it_one_size_and_changes_no_token(served):
+    shards, server, expected = served
+    padded, tap = tapped_client(shards, server.url, ClientConfig(wire_dtype="float32", pad_rows=PAD, pad_prompt_rows=64))
+    plain, _ = tapped_client(shards, server.url, ClientConfig(wire_dtype="float32"))
+    prompt_sizes = set()
+    for prompt in (PROMPT[:3], PROMPT[:11], PROMPT):
+        tap.clear()
+        generation = padded.generate(prompt, max_new_tokens=4, strategy="tree", stop_ids=set())
+        assert generation.token_ids == plain.generate(prompt, max_new_tokens=4, strategy="tree", stop_ids=set()).token_ids
+        ups, downs = [n for d, _, n in tap if d == "up"], [n for d, _, n in tap if d == "down"]
+        prompt_sizes.add((ups[1], downs[1]))  # the prompt's message (after the hello) and its reply
+        assert ups[1] > ups[2]  # the prompt's ladder is above the steps' ladder
+    assert generation.token_ids == expected[:4] and len(prompt_sizes) == 1

@@ -45,6 +45,8 @@ CLIENT_OPTIONS = (
              "(needs a v3 server; else 1); auto sends each block ahead, up to 3, when measured costs say it pays"),
     Opt("pad_rows", help="pad every step and reply to multiples of this many rows, so message sizes do not show "
                          "block sizes or accepted drafts (docs/privacy.md, T6); 0: off"),
+    Opt("pad_prompt_rows", help="pad every prompt message and its reply to multiples of this many rows instead, so "
+                                "prompts shorter than it look alike on the wire (docs/privacy.md, T6); 0: as --pad-rows"),
 )
 
 

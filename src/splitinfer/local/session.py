@@ -84,14 +84,19 @@ class ClientConfig:
     # Pad every step and its reply to multiples of this many rows (wire/padding.py), so a network observer
     # cannot read block sizes or accepted counts from message sizes (threat T6); 0: off. Output is unchanged.
     pad_rows: int = 0
+    # Pad every prompt chunk (and replayed history) and its reply to multiples of this many rows instead, so
+    # prompts shorter than it look alike on the wire (their length carried the category best, docs/privacy.md
+    # T6); 0: prompts are padded as steps are.
+    pad_prompt_rows: int = 0
 
     def __post_init__(self):
         if self.drafter not in DRAFTER_MODES:
             raise ValueError(f"drafter must be one of {', '.join(DRAFTER_MODES)}, not {self.drafter!r}")
         if not (1 <= self.in_flight <= MAX_IN_FLIGHT or self.in_flight == AUTO_IN_FLIGHT):
             raise ConfigError(f"--in-flight must be between 1 and {MAX_IN_FLIGHT} blocks, or auto, not {self.in_flight}.")
-        if self.pad_rows < 0:
-            raise ConfigError(f"--pad-rows must be 0 (off) or a positive row count, not {self.pad_rows}.")
+        if self.pad_rows < 0 or self.pad_prompt_rows < 0:
+            raise ConfigError(f"--pad-rows and --pad-prompt-rows must be 0 (off) or positive row counts, not "
+                              f"{self.pad_rows} and {self.pad_prompt_rows}.")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -116,7 +121,8 @@ class SplitSession:
         self.head = local.head_for(self.head_layers)
         self.head_cache = self.head.new_cache()
         self.tail_cache = local.tail.new_cache()
-        self.link = ClientLink(config.wire_dtype, config.max_retries, config.prefill_chunk, config.pad_rows)
+        self.link = ClientLink(config.wire_dtype, config.max_retries, config.prefill_chunk, config.pad_rows,
+                               config.pad_prompt_rows)
         self.records: list[StepRecord] = []
         self._device = next(local.embed.parameters()).device
         self._pending_q = 0
@@ -168,7 +174,8 @@ class SplitSession:
         with torch.inference_mode():
             hidden = self.head(self.local.embed(ids), pos, allowed, self.head_cache)  # [1, q, d]
         head_ms = (time.perf_counter() - t0) * 1e3
-        returned = self._through_link(Block(tuple(positions), structure, hidden[0]), record)  # [q, d]
+        block = Block(tuple(positions), structure, hidden[0], prefill=kind == "prefill")
+        returned = self._through_link(block, record)  # [q, d]
         logits, tail_ms = self._tail(returned, pos, allowed, hidden.dtype, logits_from)
         record.local_ms = head_ms + tail_ms
         self._received = (record.cloud_compute_ms, tail_ms)

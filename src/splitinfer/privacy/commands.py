@@ -59,6 +59,10 @@ def _metadata_changes(args, config) -> dict:
         if not pads or min(pads) < 0:
             raise ConfigError(f"--pad-rows takes row counts of 0 (no padding) or more, like 0,33, not {args.pad_rows!r}.")
         metadata = replace(metadata, pad_rows=pads)
+    if args.pad_prompt_rows:
+        if args.pad_prompt_rows < 0:
+            raise ConfigError(f"--pad-prompt-rows takes a row count of 0 (off) or more, not {args.pad_prompt_rows}.")
+        metadata = replace(metadata, pad_prompt_rows=args.pad_prompt_rows)
     if args.metadata_only:
         return {"metadata": metadata, "t0": False, "basis": None, "privatize": None, "noise_sigmas": ()}
     wanted = args.metadata if args.metadata is not None else config.t0
@@ -264,6 +268,8 @@ def register(subparsers) -> None:
                         "(default: on, off with --quick)")
     s.add_argument("--metadata-only", action="store_true", help="run T6 alone (a loopback server, real generations)")
     s.add_argument("--pad-rows", help="T6's padding settings in rows, e.g. 0,33 (0: none; the default)")
+    s.add_argument("--pad-prompt-rows", type=int, help="T6: every padded setting also pads prompt messages to this "
+                   "many rows (ClientConfig.pad_prompt_rows; default: prompts padded as steps are)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
 

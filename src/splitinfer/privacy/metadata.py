@@ -41,6 +41,8 @@ class MetadataConfig:
     # padding settings measured (ClientConfig.pad_rows); 0 is none. 33 rows is the largest tree block
     # (ControllerConfig.max_nodes 32 drafts + the root), so every decode step pads to the same size.
     pad_rows: tuple[int, ...] = (0, 33)
+    # every padded setting also pads prompt messages to this many rows (ClientConfig.pad_prompt_rows); 0: not
+    pad_prompt_rows: int = 0
     max_new_tokens: int = 64  # per generation
     step_neighbours: int = 5  # k of the per-step attacker
     generation_neighbours: int = 3  # k of the category attacker
@@ -85,7 +87,8 @@ def collect_traffic(shards: Path, config: MetadataConfig) -> dict[int, dict[str,
             url = stack.enter_context(wan_proxy(url, config.rtt_ms, cpu=1))
         for pad in config.pad_rows:
             client = open_client(shard=shards / "local", server=url, allow_public_weights=True,
-                                 config=ClientConfig(pad_rows=pad, in_flight=1))
+                                 config=ClientConfig(pad_rows=pad, pad_prompt_rows=config.pad_prompt_rows if pad else 0,
+                                                     in_flight=1))
             tap: list = []
             inner = client.make_middle
 
@@ -114,7 +117,8 @@ def _row(what: str, attacker: str, pad: int, scored: list[Scored], depth: int, n
     baseline = chance if what == "document" else float(chance_hits.mean())
     return {
         "side": what, "depth": depth, "threat": "T6", "attacker": attacker,
-        "defence": f"padding {pad} rows" if pad else "none",
+        "defence": (f"padding {pad} rows" + (f", prompts {extra['pad_prompt_rows']}" if extra.get("pad_prompt_rows")
+                                               else "")) if pad else "none",
         "top1": float(hits.mean()), "top1_ci": stats.bootstrap_ci(hits, docs, n_boot),
         "top5": None, "top5_ci": None,
         "baseline_top1": baseline, "baseline_top1_ci": stats.bootstrap_ci(chance_hits, docs, n_boot),
@@ -148,7 +152,8 @@ def score(traffic: dict[int, dict[str, list[Trace]]], row_bytes: int, config: Me
     """Every T6 row: per padding, per attack, sizes alone and sizes with timing."""
     rows = []
     for pad, sets in traffic.items():
-        extra = traffic_summary(sets["victim"])
+        prompt_rows = config.pad_prompt_rows if pad else 0
+        extra = traffic_summary(sets["victim"]) | {"pad_prompt_rows": prompt_rows}
         folds = ((sets["own"], sets["victim"]), (sets["known"], sets["own"]))
         lookup = [attack_steps_lookup(a, b, row_bytes) for a, b in folds]
         rows.append(_row("accepted", "size lookup", pad, lookup, depth, n_boot, extra))

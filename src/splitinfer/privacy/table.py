@@ -119,7 +119,9 @@ def metadata_table(sources: list[tuple[str, dict]]) -> list[str]:
         best = [max((r for r in mine if r["side"] == side), key=lambda r: r["top1"], default=None) for side in T6_SIDES]
         cells = [f"**{100 * r['top1']:.1f}%** ({r['attacker']}; chance {100 * r['baseline_top1']:.1f}%)"
                  if r is not None else "not measured" for r in best]
-        padding = "none" if defence == "none" else f"`--pad-rows {mine[0]['pad_rows']}`"
+        prompts = mine[0].get("pad_prompt_rows")
+        padding = "none" if defence == "none" else (f"`--pad-rows {mine[0]['pad_rows']}`"
+                                                    + (f" `--pad-prompt-rows {prompts}`" if prompts else ""))
         lines.append(f"| a network observer, TLS intact | {padding} | {mine[0]['bytes_per_decode_step']:.0f} | "
                      f"{' | '.join(cells)} | {label} (T6) |")
     return lines

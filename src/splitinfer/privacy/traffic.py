@@ -152,9 +152,10 @@ def attack_steps_lookup(train: list[Trace], test: list[Trace], row_bytes: int) -
     return Scored(pred == y_test, y_test == guess, docs, guess, len(y_train), float(np.isin(y_test, y_train).mean()))
 
 
-def attack_category(train: list[Trace], test: list[Trace], features: str, k: int) -> Scored:
-    """(b): each test generation's prompt category, from the attacker's own generations of other prompts."""
-    cols = GENERATION_COLUMNS[features]
+def attack_category(train: list[Trace], test: list[Trace], features: str | list[int], k: int) -> Scored:
+    """(b): each test generation's prompt category, from the attacker's own generations of other prompts;
+    `features` names a GENERATION_COLUMNS set or lists generation_features' columns."""
+    cols = GENERATION_COLUMNS[features] if isinstance(features, str) else list(features)
     x_train = np.stack([generation_features(t) for t in train])[:, cols]
     y_train = [t.category for t in train]
     pred = knn(x_train, y_train, np.stack([generation_features(t) for t in test])[:, cols], k)

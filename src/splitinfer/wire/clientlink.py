@@ -57,6 +57,7 @@ class Block:
     positions: tuple[int, ...]
     structure: BlockStructure
     hidden: torch.Tensor  # [q, d] head outputs
+    prefill: bool = False  # a prompt chunk: padded to the prompt ladder (pad_prompt_rows) where one is set
 
 
 @dataclass(eq=False)
@@ -73,9 +74,11 @@ class _Flight:
 class ClientLink:
     """The client's side of one cloud session. See the module docstring for what it decides."""
 
-    def __init__(self, wire_dtype: str = "float16", max_retries: int = 5, replay_rows: int = 512, pad_rows: int = 0):
+    def __init__(self, wire_dtype: str = "float16", max_retries: int = 5, replay_rows: int = 512, pad_rows: int = 0,
+                 pad_prompt_rows: int = 0):
         self.wire_dtype = wire_dtype
         self.pad_rows = pad_rows  # every step and its reply padded to multiples of this many rows (padding.py); 0: off
+        self.pad_prompt_rows = pad_prompt_rows  # the same for prompt chunks and replayed history; 0: as pad_rows
         self.max_retries = max_retries  # reconnects per block before the loss is raised
         self.replay_rows = replay_rows  # rows per re-sent history chunk, bounded by the welcome's limits
         self.state = Client.IDLE
@@ -129,7 +132,7 @@ class ClientLink:
             chunk = self.max_rows(self.replay_rows, self._replay.shape[1] * 4)  # 4 bytes a value: a float32 wire at worst
             rows = self._replay[self._replay_at : self._replay_at + chunk]
             positions = tuple(range(self._replay_at, self._replay_at + rows.shape[0]))
-            return self._step(positions, BlockStructure.chain(), rows)
+            return self._step(positions, BlockStructure.chain(), rows, prefill=True)
         if self.state is Client.REPLAYING:
             self._move("replayed")
         if self._assume is not None:
@@ -137,17 +140,20 @@ class ClientLink:
         self._move("send_block")
         block = self._block
         assert block is not None, "submit a block first"
-        return self._step(block.positions, block.structure, block.hidden)
+        return self._step(block.positions, block.structure, block.hidden, block.prefill)
 
-    def _step(self, positions: tuple[int, ...], structure: BlockStructure, hidden: torch.Tensor) -> Step:
+    def _step(self, positions: tuple[int, ...], structure: BlockStructure, hidden: torch.Tensor,
+              prefill: bool = False) -> Step:
         also = tuple(self._also)  # left by blocks in flight: committed by this step too
         self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype, also, len(also),
-                          self._quantum(hidden))
+                          self._quantum(hidden, prefill))
         return self._sent
 
-    def _quantum(self, hidden: torch.Tensor) -> int:
-        """Bytes of `pad_rows` rows of hidden state in the wire dtype: the padding ladder's step."""
-        return self.pad_rows * hidden.shape[1] * WIRE_DTYPES[self.wire_dtype].itemsize
+    def _quantum(self, hidden: torch.Tensor, prefill: bool = False) -> int:
+        """Bytes of `pad_rows` rows (`pad_prompt_rows` for a prompt chunk, where set) of hidden state in the
+        wire dtype: the padding ladder's step."""
+        rows = self.pad_prompt_rows if prefill and self.pad_prompt_rows else self.pad_rows
+        return rows * hidden.shape[1] * WIRE_DTYPES[self.wire_dtype].itemsize
 
     def on_welcome(self, welcome: Welcome) -> None:
         """The server answered the hello: carry on, end a stale session, or rebuild a fresh one."""
