@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import subprocess
 import sys
 
 import pytest
 
 from splitinfer import allocator
+from splitinfer.model.rows import ONEDNN
 
 
 def _glibc() -> bool:
@@ -66,3 +68,36 @@ def test_both_sides_export_the_heap_on_metrics():
     text = LocalMetrics().render().decode()
     for name, _ in HEAP_GAUGES.values():
         assert name in text
+
+
+@pytest.mark.skipif(not (_glibc() and ONEDNN), reason="oneDNN's caches, read with mallinfo2")
+def test_capped_kernel_caches_keep_memory_bounded_over_many_row_counts():
+    """Each row count a packed product meets builds and caches a primitive: 120 row counts grow malloc's bytes
+    in use by tens of MiB under the default capacities and stay near flat under the cap (the servers' leak of
+    the 60-minute soak)."""
+    script = """
+import sys, torch
+from splitinfer import allocator
+from splitinfer.model.rows import pack, packed_linear
+if sys.argv[1] == 'cap': assert allocator.cap_kernel_caches(16) == list(allocator._CACHE_ENVS)
+torch.set_num_threads(1)
+w = pack(torch.randn(1536, 576))
+packed_linear(torch.randn(4, 576), w, None)
+before = allocator.heap()['in_use_bytes']
+for rows in range(5, 125):
+    packed_linear(torch.randn(rows, 576), w, None)
+print((allocator.heap()['in_use_bytes'] - before) / 2**20)
+"""
+    grown = {}
+    for mode in ("cap", "default"):
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True,
+                             env={"PATH": "/usr/bin:/bin"}).stdout.split()
+        grown[mode] = float(out[-1])
+    assert grown["default"] > 20 and grown["cap"] < 10, grown
+
+
+def test_a_users_own_cache_capacity_is_kept(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert allocator.cap_kernel_caches() == ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert os.environ["LRU_CACHE_CAPACITY"] == "8"

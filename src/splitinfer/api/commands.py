@@ -10,7 +10,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from ..allocator import fix_mmap_threshold
+from ..allocator import settle_long_running
 from ..errors import ConfigError
 from ..tokens import read_token_file
 from ..clients import load_client
@@ -72,7 +72,7 @@ def register(subparsers) -> None:
 
 
 def cmd_api(args) -> int:
-    fix_mmap_threshold()  # a long-running process: freed memory goes back to the OS (allocator.py)
+    settle_long_running()  # memory flat over days: mmap threshold, kernel caches capped (allocator.py)
     from ..extras import API, require_extra
 
     require_extra("api", API, "splitinfer api")

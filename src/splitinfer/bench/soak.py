@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..allocator import fix_mmap_threshold, heap
+from ..allocator import heap, settle_long_running
 from ..errors import ConfigError
 from ..metrics import HEAP_GAUGES
 from ..options import MIB, Opt, Shared, add_options
@@ -385,7 +385,7 @@ def cmd_soak(args) -> int:
         raise ConfigError("--restart-every replaces one server at a time while the others serve; give --servers 2 or more.")
     if not Path("/proc/self/status").exists():
         raise ConfigError("bench soak reads /proc for every process's memory, fds and threads; run it on Linux.")
-    fix_mmap_threshold()  # the API server runs in this process, as `splitinfer api` runs it (allocator.py)
+    settle_long_running()  # memory flat over days: mmap threshold, kernel caches capped (allocator.py)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = run_soak(Path(args.shards), options, logs=out)

@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import logging
 
-from ..allocator import fix_mmap_threshold
+from ..allocator import settle_long_running
 from ..errors import ConfigError
 from ..options import MIB, Opt, Shared, add_options, config_from_args, defer
 from ..wire.dtypes import DTYPE_NAMES
@@ -185,7 +185,7 @@ def _run_server(server, args) -> None:
 
 
 def cmd_serve(args) -> int:
-    fix_mmap_threshold()  # a long-running process: freed KV buffers go back to the OS (allocator.py)
+    settle_long_running()  # memory flat over days: mmap threshold, kernel caches capped (allocator.py)
     if args.tp != 1 and (args.ray or args.devices):
         raise ConfigError("--tp splits each layer over the ranks of one group; leave out --ray and --devices.")
     if args.tp != 1:
