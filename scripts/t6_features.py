@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/t6_features.py " + " ".join(sys.argv[1:])
     (out / "features.json").write_text(json.dumps({"command": command, "k": k, "groups": GROUPS, "rows": rows}, indent=1) + "\n")
-    body = [[r["pad_rows"] or "none", r["features"], f"{100 * r['recovered']:.1f}", f"{100 * r['chance']:.1f}", r["n"]]
+    body = [["none" if r["pad_rows"] == "0" else r["pad_rows"], r["features"], f"{100 * r['recovered']:.1f}", f"{100 * r['chance']:.1f}", r["n"]]
             for r in rows]
     lines = ["# T6: the prompt category from each group of traffic features", "", f"`{command}`", "",
              f"The audit's category attacker (kNN, k = {k}, its two folds pooled) on the recorded traffic, given one "
              "group of per-generation features, or all groups but one.", "",
-             *table(["padding (rows)", "features", "category recovered %", "chance %", "test generations"], body)]
+             *table(["padding (rows, +steps)", "features", "category recovered %", "chance %", "test generations"], body)]
     (out / "features.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

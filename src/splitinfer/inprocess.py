@@ -55,6 +55,9 @@ class InProcessMiddle:
     def collect(self) -> tuple[Result, StepIO]:
         return self._posted.popleft()
 
+    def cover(self, request_bytes: int, reply_bytes: int, hold_ms: float) -> None:
+        """No network between the halves, so nothing for an observer to count."""
+
     def close(self, end_session: bool = True) -> None:
         if self._session is not None:
             self.table.close(self._session.id)

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class StepRecord:
-    kind: str  # "prefill" or "decode"; with blocks in flight "dropped" (its assumption failed) or "unused"
+    kind: str  # "prefill" or "decode"; with blocks in flight "dropped" (its assumption failed) or "unused";
+    # "cover" for a cover exchange (ClientConfig.pad_steps: a probe shaped like a step, no rows)
     rows: int  # block rows sent
     accepted: int  # tokens this step committed to the output (0 for prefill chunks)
     local_ms: float = 0.0
@@ -59,6 +60,7 @@ def summarize(records: list[StepRecord], generated: int, decode_s: float, prefil
         "prefill_ms": round(prefill_s * 1e3, 3),
         "decode_s": round(decode_s, 4),
         "prefill_messages": sum(1 for r in records if r.kind == "prefill"),
+        "cover_exchanges": sum(1 for r in records if r.kind == "cover"),
         "bytes_up": sum(r.bytes_up for r in records),
         "bytes_down": sum(r.bytes_down for r in records),
         "bytes_per_decode_step": median([r.bytes_up + r.bytes_down for r in decode]),

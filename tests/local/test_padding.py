@@ -119,3 +119,26 @@ def test_prompt_padding_gives_prompts_of_any_length_under_it_one_size_and_change
         prompt_sizes.add((ups[1], downs[1]))  # the prompt's message (after the hello) and its reply
         assert ups[1] > ups[2]  # the prompt's ladder is above the steps' ladder
     assert generation.token_ids == expected[:4] and len(prompt_sizes) == 1
+
+
+@pytest.mark.parametrize("steps", [4, 8])
+def test_step_padding_makes_every_reply_a_multiple_of_exchanges_of_one_size(served, steps):
+    """Replies of different lengths take different numbers of decode steps; with pad_steps the client adds
+    cover exchanges the size of a padded step until the count is a multiple, and no token changes."""
+    shards, server, expected = served
+    config = ClientConfig(wire_dtype="float32", prefill_chunk=8, pad_rows=PAD, pad_steps=steps)
+    client, tap = tapped_client(shards, server.url, config)
+    counts = set()
+    for n in (3, 9, N):
+        tap.clear()
+        generation = client.generate(PROMPT, max_new_tokens=n, strategy=Varying(PROMPT + expected), stop_ids=set())
+        assert generation.token_ids == expected[:n]
+        first = 1 + sum(s["kind"] == "prefill" for s in generation.steps)  # the hello, then the prompt's chunks
+        downs = [b for d, _, b in tap if d == "down"][first:]
+        ups = [b for d, _, b in tap if d == "up"][first : first + len(downs)]
+        decoded = sum(s["kind"] == "decode" for s in generation.steps)
+        assert len(downs) % steps == 0 and len(downs) >= decoded, (len(downs), decoded)
+        assert generation.stats["cover_exchanges"] == len(downs) - decoded
+        assert len(set(ups)) == 1 and set(downs) == set(ups), (set(ups), set(downs))
+        counts.add(decoded)
+    assert len(counts) > 1  # the replies took different numbers of steps, which the padding hid

@@ -69,6 +69,7 @@ def markdown(report: dict) -> str:
         f"Setup: {report['setup']}. {len(report['prompts'])} prompts, {report['max_new_tokens']} new tokens, "
         f"{report['repeats']} repetitions after one warm-up per configuration. torch {report['torch']}.",
         "",
+        *_padding_lines(report),
         *results_table(report),
         "",
         "Bound: 1000 a / (added RTT + local + cloud + drafting), a the pooled emitted tokens per step and the "
@@ -85,6 +86,17 @@ def markdown(report: dict) -> str:
     lines += _divergence_lines(report)
     lines += _anchor_lines(summary)
     return "\n".join(lines) + "\n"
+
+
+def _padding_lines(report: dict) -> list[str]:
+    if not any(report.get("pad_rows") or ()):
+        return []
+    extra = [f"prompt messages to {report['pad_prompt_rows']} rows" if report.get("pad_prompt_rows") else "",
+             f"each reply's exchanges to a multiple of {report['pad_steps']} (cover exchanges)" if report.get("pad_steps")
+             else ""]
+    also = " and ".join(e for e in extra if e)
+    return [f"Padded configurations ('+padN': steps and replies to multiples of N rows){' also pad ' + also if also else ''}; "
+            "their tok/s counts the padding's time.", ""]
 
 
 def _anchor_lines(summary: dict) -> list[str]:

@@ -147,6 +147,8 @@ def run_speculative_bench(args) -> dict:
         "prompt_lookup": reference,
         "in_flight": depths,
         "pad_rows": parse_pads(str(getattr(args, "pad_rows", "0"))),
+        "pad_prompt_rows": getattr(args, "pad_prompt_rows", 0),  # with every padded configuration
+        "pad_steps": getattr(args, "pad_steps", 0),
         "summary": summarize(runs, reference, local_runs),
         "divergences": divergences,
         "runs": runs,
@@ -194,6 +196,12 @@ def parse_pads(text: str) -> list[int]:
     return list(dict.fromkeys(int(x) for x in items))
 
 
+def _client_config(args, depth: int, pad: int) -> ClientConfig:
+    """A configuration's client settings: a padded one also pads prompts and step counts where asked."""
+    extra = {"pad_prompt_rows": getattr(args, "pad_prompt_rows", 0), "pad_steps": getattr(args, "pad_steps", 0)} if pad else {}
+    return ClientConfig(wire_dtype=args.wire_dtype, in_flight=depth, pad_rows=pad, **extra)
+
+
 def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient,
              depths: list[int] = (1,)):
     """(split runs, local-only runs): every configuration once per prompt and repetition, interleaved prompt
@@ -210,7 +218,7 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
         pads = sorted(set(parse_pads(str(getattr(args, "pad_rows", "0")))) | {0})  # sequential runs unpadded
         clients = {(rtt, d, pad): open_client(shard=shards / "local", server=target, allow_public_weights=True,
-                                              config=ClientConfig(wire_dtype=args.wire_dtype, in_flight=d, pad_rows=pad))
+                                              config=_client_config(args, d, pad))
                    for rtt, target in targets.items() for d in sorted(set(depths) | {1}) for pad in pads}
         args.wire_dtype = next(iter(clients.values())).config.wire_dtype  # the shard's unless --wire-dtype
         # sequential sends one row a step whatever the text, so it has nothing to pad and no blocks ahead

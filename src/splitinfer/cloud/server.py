@@ -159,7 +159,10 @@ class CloudServer:
                     self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
                 await ws.send(reply)
             elif isinstance(message, Probe):
-                await ws.send(self._probe_reply(message))
+                reply = self._probe_reply(message)
+                if message.hold_ms:  # a cover exchange stands in for a step's pass (wire/cover.py); others keep being served
+                    await asyncio.sleep(message.hold_ms / 1e3)
+                await ws.send(reply)
             elif isinstance(message, Close):
                 if link.session_id is not None:
                     self.table.close(link.session_id)

@@ -47,6 +47,8 @@ CLIENT_OPTIONS = (
                          "block sizes or accepted drafts (docs/privacy.md, T6); 0: off"),
     Opt("pad_prompt_rows", help="pad every prompt message and its reply to multiples of this many rows instead, so "
                                 "prompts shorter than it look alike on the wire (docs/privacy.md, T6); 0: as --pad-rows"),
+    Opt("pad_steps", help="pad every reply's exchanges to a multiple of this many with cover exchanges, so the number "
+                          "of steps a reply took does not show (docs/privacy.md, T6); 0: off"),
 )
 
 

@@ -147,6 +147,7 @@ class Conversation:
             logits = self._prefill(to_prefill, strategy.prompt_logits_rows)
             t1 = time.perf_counter()
             decoded = self._decode(logits, max_new_tokens, stops, text, strategy, sampling)
+            self.session.pad_exchanges(first_record)  # counted in the decode time: it is what the padding costs
             t2 = time.perf_counter()
             reply = text.finish()
             # Every token but the last emitted one stays cached; that one is prefilled by the next turn.

@@ -208,5 +208,8 @@ class FailoverMiddle:
     def collect(self) -> tuple[Result, StepIO]:
         return self._current.collect()
 
+    def cover(self, request_bytes: int, reply_bytes: int, hold_ms: float) -> None:
+        self._current.cover(request_bytes, reply_bytes, hold_ms)  # on the session's server, as its steps go
+
     def close(self, end_session: bool = True) -> None:
         self._current.close(end_session)

@@ -1,7 +1,7 @@
 """The WebSocket transport to a `splitinfer serve` process: it moves the link's messages and times them.
 
 `RemoteMiddle` implements wire/transport.py's `Middle` (`open(resume_id) -> Welcome`,
-`step(Step) -> (Result, StepIO)`, `close()`) and `probe` for path measurement. For blocks in flight it
+`step(Step) -> (Result, StepIO)`, `close()`, `cover`) and `probe` for path measurement. For blocks in flight it
 also sends a step without waiting for its reply (`post`) and takes replies in the order the steps went
 (`collect`): the server answers one connection's steps in order. It decodes everything
 the server returns as strictly as the server decodes requests (an untrusted server must not be able to
@@ -26,6 +26,7 @@ from ..errors import AuthError, Draining, ProtocolError, TransportError, error_f
 from ..wire.messages import (
     Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_server_message,
 )
+from ..wire.cover import cover_probe
 from ..wire.link import DRAINING_CLOSE
 from ..wire.transport import StepIO
 from .auth import ClientAuth
@@ -181,19 +182,28 @@ class RemoteMiddle:
 
     def probe(self, up: int, down: int) -> float:
         """Send `up` bytes, get `down` back, no session and no compute; returns the round trip in ms."""
+        self._probe_seq += 1
+        return self._probe(Probe(self._probe_seq, down, bytes(up)))
+
+    def cover(self, request_bytes: int, reply_bytes: int, hold_ms: float) -> None:
+        """A cover exchange: a probe whose request and reply frames have exactly these sizes (a padded step's),
+        answered after `hold_ms` (wire/cover.py)."""
+        self._probe_seq += 1
+        self._probe(cover_probe(self._probe_seq, request_bytes, reply_bytes, hold_ms))
+
+    def _probe(self, probe: Probe) -> float:
         if self._ws is None:
             self.connect()
-        self._probe_seq += 1
-        payload = Probe(self._probe_seq, down, bytes(up)).encode()
         t0 = time.perf_counter()
-        reply = self._exchange_raw(payload)
+        reply = self._exchange_raw(probe.encode())
         elapsed_ms = (time.perf_counter() - t0) * 1e3
         message = decode_server_message(reply, self.limits)
         if isinstance(message, Error):
             hint = " (this server predates probe messages)" if "unknown client message type" in message.message else ""
             raise error_from_code(message.code, f"server: {message.message}{hint}")
-        if not isinstance(message, ProbeReply) or message.seq != self._probe_seq:
+        if not isinstance(message, ProbeReply) or message.seq != probe.seq:
             raise ProtocolError("the server's reply does not answer the probe that was sent.")
+        up, down = len(probe.payload), probe.reply_bytes
         if message.received != up or len(message.payload) != down:
             raise ProtocolError(f"probe sent {up} and asked for {down} bytes; the server got {message.received} "
                                 f"and sent {len(message.payload)}.")

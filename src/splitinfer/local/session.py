@@ -88,6 +88,10 @@ class ClientConfig:
     # prompts shorter than it look alike on the wire (their length carried the category best, docs/privacy.md
     # T6); 0: prompts are padded as steps are.
     pad_prompt_rows: int = 0
+    # Pad every reply's decode exchanges to a multiple of this many with cover exchanges (wire/cover.py), so
+    # an observer cannot count the steps a reply took, which follows how predictable its text was (T6); 0: off.
+    # Costs up to this many extra round trips a reply; output is unchanged.
+    pad_steps: int = 0
 
     def __post_init__(self):
         if self.drafter not in DRAFTER_MODES:
@@ -97,6 +101,8 @@ class ClientConfig:
         if self.pad_rows < 0 or self.pad_prompt_rows < 0:
             raise ConfigError(f"--pad-rows and --pad-prompt-rows must be 0 (off) or positive row counts, not "
                               f"{self.pad_rows} and {self.pad_prompt_rows}.")
+        if self.pad_steps < 0:
+            raise ConfigError(f"--pad-steps must be 0 (off) or a positive count of exchanges, not {self.pad_steps}.")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -396,6 +402,30 @@ class SplitSession:
                 self.link.lost()  # the next step reconnects and rebuilds the cloud session
                 return
 
+    def pad_exchanges(self, first_record: int) -> int:
+        """Send cover exchanges (wire/cover.py) until the exchanges since record `first_record`, prompt chunks
+        aside, are a multiple of `config.pad_steps`; returns how many were sent. Each has the sizes most of
+        those steps had, is held by the server for their median pass and follows their median local time, so
+        on the wire it looks like one more step. Best effort: a lost link ends the padding (logged)."""
+        steps = [r for r in self.records[first_record:] if r.kind != "prefill"]
+        missing = -len(steps) % self.config.pad_steps if self.config.pad_steps and steps else 0
+        if not missing:
+            return 0
+        up, down = _most_common([(r.bytes_up, r.bytes_down) for r in steps])
+        hold = float(np.median([r.server_ms for r in steps]))
+        think = float(np.median([r.local_ms for r in steps]))
+        for sent in range(missing):
+            time.sleep(think / 1e3)
+            t0 = time.perf_counter()
+            try:
+                self.middle.cover(up, down, hold)
+            except TransportError as exc:
+                log.warning("cover exchanges stopped after %d of %d: %s", sent, missing, exc)
+                return sent
+            self.records.append(StepRecord("cover", 0, 0, local_ms=think, round_trip_ms=(time.perf_counter() - t0) * 1e3,
+                                           server_ms=hold, bytes_up=up, bytes_down=down))
+        return missing
+
     # -- the link's messages over the middle, with reconnects ------------------------------------------
     def _through_link(self, block: Block, record: StepRecord) -> torch.Tensor:
         """The cloud's [q, d] answer to `block`, reconnecting (with backoff) as often as the link allows."""
@@ -445,6 +475,11 @@ class SplitSession:
         """End the cloud session (best effort) and the link; safe to call more than once."""
         self.middle.close(end_session=True)
         self.link.close()
+
+
+def _most_common(values: list):
+    """The value seen most often (the first seen among ties)."""
+    return max(dict.fromkeys(values), key=values.count)
 
 
 def _positions(base: int, structure: BlockStructure, q: int, depths: list[int] | None) -> list[int]:

@@ -43,6 +43,14 @@ def _keys(text: str) -> tuple[str, ...]:
     return keys
 
 
+def _counts(text: str, option: str, example: str) -> tuple[int, ...]:
+    """Comma-separated counts of 0 or more for `option`; ConfigError otherwise."""
+    items = [v.strip() for v in text.split(",") if v.strip()]
+    if not items or not all(v.isdigit() for v in items):
+        raise ConfigError(f"{option} takes comma-separated {example} (0: none), not {text!r}.")
+    return tuple(dict.fromkeys(int(v) for v in items))
+
+
 def _metadata_changes(args, config) -> dict:
     """T6 (metadata.py): on in the full audit unless --no-metadata, off with --quick unless --metadata;
     --metadata-only runs it alone (no model in this process, no other threat)."""
@@ -52,17 +60,13 @@ def _metadata_changes(args, config) -> dict:
 
     metadata = MetadataConfig()
     if args.pad_rows is not None:
-        try:
-            pads = tuple(int(v) for v in args.pad_rows.split(",") if v.strip())
-        except ValueError as exc:
-            raise ConfigError(f"--pad-rows takes comma-separated row counts like 0,33, not {args.pad_rows!r}.") from exc
-        if not pads or min(pads) < 0:
-            raise ConfigError(f"--pad-rows takes row counts of 0 (no padding) or more, like 0,33, not {args.pad_rows!r}.")
-        metadata = replace(metadata, pad_rows=pads)
+        metadata = replace(metadata, pad_rows=_counts(args.pad_rows, "--pad-rows", "row counts like 0,33"))
     if args.pad_prompt_rows:
         if args.pad_prompt_rows < 0:
             raise ConfigError(f"--pad-prompt-rows takes a row count of 0 (off) or more, not {args.pad_prompt_rows}.")
         metadata = replace(metadata, pad_prompt_rows=args.pad_prompt_rows)
+    if args.pad_steps is not None:
+        metadata = replace(metadata, pad_steps=_counts(args.pad_steps, "--pad-steps", "step counts like 0,64"))
     if args.metadata_only:
         return {"metadata": metadata, "t0": False, "basis": None, "privatize": None, "noise_sigmas": ()}
     wanted = args.metadata if args.metadata is not None else config.t0
@@ -270,6 +274,8 @@ def register(subparsers) -> None:
     s.add_argument("--pad-rows", help="T6's padding settings in rows, e.g. 0,33 (0: none; the default)")
     s.add_argument("--pad-prompt-rows", type=int, help="T6: every padded setting also pads prompt messages to this "
                    "many rows (ClientConfig.pad_prompt_rows; default: prompts padded as steps are)")
+    s.add_argument("--pad-steps", help="T6: step paddings measured with every padded setting, e.g. 0,64 (0: none, "
+                   "the default; ClientConfig.pad_steps)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
 

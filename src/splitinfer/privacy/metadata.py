@@ -43,6 +43,8 @@ class MetadataConfig:
     pad_rows: tuple[int, ...] = (0, 33)
     # every padded setting also pads prompt messages to this many rows (ClientConfig.pad_prompt_rows); 0: not
     pad_prompt_rows: int = 0
+    # every padded setting is also measured with each of these step paddings (ClientConfig.pad_steps); 0: not
+    pad_steps: tuple[int, ...] = (0,)
     max_new_tokens: int = 64  # per generation
     step_neighbours: int = 5  # k of the per-step attacker
     generation_neighbours: int = 3  # k of the category attacker
@@ -65,47 +67,69 @@ def record(client, tap: list, prompt: dict, max_new_tokens: int) -> Trace:
     result = client.generate(prompt["prompt"], max_new_tokens=max_new_tokens, chat=prompt.get("chat", True),
                              strategy="tree")
     kinds = [s["kind"] for s in result.steps]
-    if set(kinds) - {"prefill", "decode"} or kinds != sorted(kinds, key=lambda k: k == "decode"):
-        raise RuntimeError(f"expected prefill steps then decode steps (one block in flight), got {kinds}.")
+    order = {"prefill": 0, "decode": 1, "cover": 2}
+    if set(kinds) - set(order) or kinds != sorted(kinds, key=order.get):
+        raise RuntimeError(f"expected prefill steps, decode steps, then cover exchanges (one block in flight), got {kinds}.")
     return Trace(prompt["id"], prompt["category"], tuple(tap), tuple(s["accepted"] for s in result.steps
                                                                      if s["kind"] == "decode"),
                  kinds.count("prefill"))
 
 
-def collect_traffic(shards: Path, config: MetadataConfig) -> dict[int, dict[str, list[Trace]]]:
-    """{pad_rows: {"own", "known", "victim": traces}} from real generations over a loopback server."""
-    from ..clients import open_client
+def settings(config: MetadataConfig) -> list[tuple[int, int]]:
+    """The (pad_rows, pad_steps) settings measured: unpadded once, each padding with each step padding."""
+    return list(dict.fromkeys((pad, steps if pad else 0) for pad in config.pad_rows for steps in config.pad_steps))
+
+
+def setting_key(pad: int, steps: int) -> str:
+    """A setting's key in the recorded traffic: "33", or "33+steps64" with step padding."""
+    return f"{pad}+steps{steps}" if steps else str(pad)
+
+
+def parse_key(key: str) -> tuple[int, int]:
+    pad, _, steps = str(key).partition("+steps")
+    return int(pad), int(steps or 0)
+
+
+def collect_traffic(shards: Path, config: MetadataConfig) -> dict[str, dict[str, list[Trace]]]:
+    """{setting key: {"own", "known", "victim": traces}} from real generations over a loopback server."""
     from ..launch import cloud_server, wan_proxy
-    from ..local.middle import RemoteMiddle
-    from ..local.session import ClientConfig
 
     sets = prompt_sets()
-    traffic: dict[int, dict[str, list[Trace]]] = {}
+    traffic: dict[str, dict[str, list[Trace]]] = {}
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
         if config.rtt_ms:
             url = stack.enter_context(wan_proxy(url, config.rtt_ms, cpu=1))
-        for pad in config.pad_rows:
-            client = open_client(shard=shards / "local", server=url, allow_public_weights=True,
-                                 config=ClientConfig(pad_rows=pad, pad_prompt_rows=config.pad_prompt_rows if pad else 0,
-                                                     in_flight=1))
-            tap: list = []
-            inner = client.make_middle
-
-            def tapped(inner=inner, tap=tap):
-                middle = inner()
-                if not isinstance(middle, RemoteMiddle):
-                    raise RuntimeError("the metadata audit records one server's WebSocket; pass one server URL.")
-                middle.tap = tap
-                return middle
-
-            client.make_middle = tapped
+        for pad, steps in settings(config):
+            client, tap = _tapped_client(shards, url, pad, config.pad_prompt_rows if pad else 0, steps)
             client.generate(sets["own"][0]["prompt"], max_new_tokens=8, strategy="tree")  # warm up, not recorded
             runs = (("own", sets["own"]), ("known", sets["benchmark"]), ("victim", sets["benchmark"]))
-            traffic[pad] = {name: [record(client, tap, p, config.max_new_tokens) for p in prompts]
-                            for name, prompts in runs}
-            log.info("T6 traffic recorded with pad_rows=%d", pad)
+            traffic[setting_key(pad, steps)] = {name: [record(client, tap, p, config.max_new_tokens) for p in prompts]
+                                                for name, prompts in runs}
+            log.info("T6 traffic recorded with pad_rows=%d, pad_steps=%d", pad, steps)
     return traffic
+
+
+def _tapped_client(shards: Path, url: str, pad: int, prompt_rows: int, steps: int):
+    """(a client of `url` with this padding, the list its WebSocket's messages are recorded in)."""
+    from ..clients import open_client
+    from ..local.middle import RemoteMiddle
+    from ..local.session import ClientConfig
+
+    client = open_client(shard=shards / "local", server=url, allow_public_weights=True,
+                         config=ClientConfig(pad_rows=pad, pad_prompt_rows=prompt_rows, pad_steps=steps, in_flight=1))
+    tap: list = []
+    inner = client.make_middle
+
+    def tapped():
+        middle = inner()
+        if not isinstance(middle, RemoteMiddle):
+            raise RuntimeError("the metadata audit records one server's WebSocket; pass one server URL.")
+        middle.tap = tap
+        return middle
+
+    client.make_middle = tapped
+    return client, tap
 
 
 def _row(what: str, attacker: str, pad: int, scored: list[Scored], depth: int, n_boot: int, extra: dict) -> dict:
@@ -118,7 +142,8 @@ def _row(what: str, attacker: str, pad: int, scored: list[Scored], depth: int, n
     return {
         "side": what, "depth": depth, "threat": "T6", "attacker": attacker,
         "defence": (f"padding {pad} rows" + (f", prompts {extra['pad_prompt_rows']}" if extra.get("pad_prompt_rows")
-                                               else "")) if pad else "none",
+                                               else "") + (f", steps {extra['pad_steps']}" if extra.get("pad_steps")
+                                                           else "")) if pad else "none",
         "top1": float(hits.mean()), "top1_ci": stats.bootstrap_ci(hits, docs, n_boot),
         "top5": None, "top5_ci": None,
         "baseline_top1": baseline, "baseline_top1_ci": stats.bootstrap_ci(chance_hits, docs, n_boot),
@@ -144,16 +169,18 @@ def traffic_summary(traces: list[Trace]) -> dict:
     return {"bytes_per_decode_step": round(float(np.mean([e[0] + e[1] for e in decode])), 1),
             "distinct_request_sizes": len(sizes), "distinct_reply_sizes": len({e[1] for e in decode}),
             "decode_steps": len(decode), "generations": len(traces),
+            "cover_exchanges": len(decode) - sum(len(t.accepted) for t in traces),  # among "decode_steps"
             "mean_accepted": round(float(np.mean([a for t in traces for a in t.accepted])), 3)}
 
 
-def score(traffic: dict[int, dict[str, list[Trace]]], row_bytes: int, config: MetadataConfig, depth: int,
+def score(traffic: dict[str, dict[str, list[Trace]]], row_bytes: int, config: MetadataConfig, depth: int,
           n_boot: int) -> list[dict]:
     """Every T6 row: per padding, per attack, sizes alone and sizes with timing."""
     rows = []
-    for pad, sets in traffic.items():
+    for key, sets in traffic.items():
+        pad, steps = parse_key(key)
         prompt_rows = config.pad_prompt_rows if pad else 0
-        extra = traffic_summary(sets["victim"]) | {"pad_prompt_rows": prompt_rows}
+        extra = traffic_summary(sets["victim"]) | {"pad_prompt_rows": prompt_rows, "pad_steps": steps}
         folds = ((sets["own"], sets["victim"]), (sets["known"], sets["own"]))
         lookup = [attack_steps_lookup(a, b, row_bytes) for a, b in folds]
         rows.append(_row("accepted", "size lookup", pad, lookup, depth, n_boot, extra))
@@ -191,12 +218,12 @@ def metadata_threat(shards: str | Path, config: MetadataConfig, n_boot: int = 10
     return rows, record
 
 
-def load_traffic(path: str | Path) -> dict[int, dict[str, list[Trace]]]:
+def load_traffic(path: str | Path) -> dict[str, dict[str, list[Trace]]]:
     """The traffic a metadata audit recorded (its traffic.json), to attack again without recording."""
     data = json.loads(Path(path).read_text())
-    return {int(pad): {name: [Trace(t["prompt_id"], t["category"], tuple(map(tuple, t["messages"])),
+    return {str(key): {name: [Trace(t["prompt_id"], t["category"], tuple(map(tuple, t["messages"])),
                                     tuple(t["accepted"]), t["prefill_exchanges"]) for t in ts]
-                       for name, ts in sets.items()} for pad, sets in data.items()}
+                       for name, ts in sets.items()} for key, sets in data.items()}
 
 
 def metadata_section(result: dict) -> list[str]:

@@ -53,10 +53,12 @@ def exchanges(trace: Trace) -> list[tuple[int, int, float, float]]:
 def step_features(trace: Trace, row_bytes: int) -> np.ndarray:
     """[decode steps, 7]: per decode step i, what the observer has: its request and reply sizes, the size of
     the next request (which carries step i's keep list) split into whole rows and the rest, the round trip
-    and the think time before the next request."""
+    and the think time before the next request. Cover exchanges (ClientConfig.pad_steps) follow the decode
+    steps; they have no accepted count to recover, so only the steps are scored."""
     ex = exchanges(trace)
     decode = ex[1 + trace.prefill_exchanges :]
-    assert len(decode) == len(trace.accepted), (len(decode), len(trace.accepted))
+    assert len(decode) >= len(trace.accepted), (len(decode), len(trace.accepted))
+    decode = decode[: len(trace.accepted)]
     ups = [m for m in trace.messages if m[0] == "up"]
     first = 1 + trace.prefill_exchanges  # index of the first decode request among the requests
     rows = []

@@ -6,7 +6,8 @@
                                rows of the previous block to keep (lazy KV commit); from v3, the earlier
                                blocks still in flight it assumes accepted, with the rows it assumes kept
                        Close   end the session and free its cache
-                       Probe   N payload bytes, asking for M reply bytes (path measurement; no session)
+                       Probe   N payload bytes, asking for M reply bytes (path measurement; no session),
+                               optionally held H ms before the reply (cover exchanges, wire/cover.py)
     server -> client   Welcome the session id and the limits the client must respect
                        Result  hidden states [q, d] for the block, with the server's timings; from v3, no
                                rows (`skipped`) for a block a later step had dropped before it ran
@@ -54,6 +55,7 @@ MAX_ASSUMED = 8  # earlier blocks one step may assume; the server's own limit (w
 MAX_POSITION = 1 << 24
 MAX_ERROR_CHARS = 1000  # error sentences are cut here; peers' values are quoted shorter still
 MAX_PROBE_BYTES = 1 << 30  # decoder bound on a probe's reply size; the server applies its message limit
+MAX_PROBE_HOLD_MS = 10_000  # a probe may ask its reply held this long at most (cover exchanges)
 MAX_PAD_QUANTUM = 1 << 24  # bytes: a step may ask for its reply padded to multiples of at most this
 
 
@@ -213,14 +215,19 @@ class Close:
 
 @dataclass(frozen=True)
 class Probe:
-    """Measures the path (round trip, bandwidth): answered at once, without a session or any compute."""
+    """Measures the path (round trip, bandwidth), or stands in for a step (cover traffic): answered without a
+    session or any compute, after `hold_ms`."""
 
     seq: int
     reply_bytes: int  # size of the body the reply must carry
     payload: bytes = b""  # sent as the body; its content is ignored
+    hold_ms: int = 0  # the server waits this long before replying, as a step's pass would take
 
     def encode(self) -> bytes:
-        return encode_frame({"type": "probe", "seq": self.seq, "reply_bytes": self.reply_bytes}, self.payload)
+        header = {"type": "probe", "seq": self.seq, "reply_bytes": self.reply_bytes}
+        if self.hold_ms:  # absent otherwise: a plain probe is byte for byte the one older servers know
+            header["hold_ms"] = self.hold_ms
+        return encode_frame(header, self.payload)
 
 
 @dataclass(frozen=True)
@@ -366,7 +373,8 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         return Close()
     if kind == "probe":
         reply_bytes = check_int(header.get("reply_bytes"), "reply_bytes", 0, MAX_PROBE_BYTES)
-        return Probe(check_int(header.get("seq"), "seq", 0), reply_bytes, bytes(body))
+        hold_ms = check_int(header.get("hold_ms", 0), "hold_ms", 0, MAX_PROBE_HOLD_MS)
+        return Probe(check_int(header.get("seq"), "seq", 0), reply_bytes, bytes(body), hold_ms)
     raise ProtocolError(f"unknown client message type {show(kind)}; expected hello, step or close (or probe).")
 
 

@@ -4,7 +4,8 @@ A `Middle` carries one session's messages: `open` sends the hello and returns th
 one step and returns its result with the bytes and times it cost, `close` ends the session. A middle that
 `sends_ahead` also carries blocks in flight (protocol v3): `post` sends a step without waiting and
 `collect` takes the replies in order, and `open` names the protocol version the hello asks for; the session
-calls none of the three on a middle that does not. It moves and times messages only; which message goes
+calls none of the three on a middle that does not. `cover` sends a cover exchange (padding a reply's step
+count, wire/cover.py). It moves and times messages only; which message goes
 next is decided by the link (wire/clientlink.py). A WebSocket (local/middle.py), a set of servers with failover
 (local/failover.py) and the in-process middle (inprocess.py) are the implementations.
 
@@ -50,6 +51,11 @@ class Middle(Protocol):
 
     def collect(self) -> tuple[Result, StepIO]:
         """The reply to the oldest posted step."""
+        ...
+
+    def cover(self, request_bytes: int, reply_bytes: int, hold_ms: float) -> None:
+        """Send a cover exchange (wire/cover.py: a probe whose request and reply have the given sizes, answered
+        after `hold_ms`) and wait for its reply; a middle with no network between the halves does nothing."""
         ...
 
     def close(self, end_session: bool = True) -> None:
