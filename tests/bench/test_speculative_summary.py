@@ -6,6 +6,7 @@ import pytest
 
 from splitinfer.bench.spec_report import markdown
 from splitinfer.bench.spec_summary import summarize
+from splitinfer.errors import ConfigError
 
 
 def _run(strategy, prompt, category, accepted, decode_s, generated=None):
@@ -171,3 +172,19 @@ def test_the_heads_share_is_pooled_over_steps_and_shown_by_category():
     report = {"model": "m", "command": "c", "setup": "s", "prompts": ["a", "b"], "max_new_tokens": 30, "repeats": 1,
               "torch": "t", "summary": summary, "divergences": []}
     assert "| tree | 80 | 0.375 | 2.0 | 0.4 | 10.0 | 0.15 | 0.5 | 0.033 |" in markdown(report)
+
+
+def test_padding_settings_are_parsed_named_and_refused_when_malformed():
+    from types import SimpleNamespace
+
+    from splitinfer.bench.speculative import label, pad_settings
+    from splitinfer.wire.padding import PadSetting
+
+    settings = pad_settings(SimpleNamespace(pad_rows="33,33+s64,33+s64+h110+t50"))
+    assert [s.key for s in settings] == ["0", "33", "33+s64", "33+s64+h110+t50"]
+    assert settings[3] == PadSetting(33, 64, 110, 50)
+    assert [label("tree", 1, s) for s in settings] == ["tree", "tree+pad33", "tree+pad33+s64", "tree+pad33+s64+h110+t50"]
+    assert label("tree", 2, settings[2]) == "tree+pad33+s64@D2"
+    for bad in ("x", "33+q4", "0+s64", "33+s"):
+        with pytest.raises(ConfigError, match="--pad-rows"):
+            pad_settings(SimpleNamespace(pad_rows=bad))

@@ -9,6 +9,7 @@ import pytest
 from splitinfer.cloud.server import ServerThread
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.strategies import Strategy
+from splitinfer.errors import ConfigError
 from splitinfer.local.client import SplitClient
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import ClientConfig
@@ -142,3 +143,27 @@ def test_step_padding_makes_every_reply_a_multiple_of_exchanges_of_one_size(serv
         assert len(set(ups)) == 1 and set(downs) == set(ups), (set(ups), set(downs))
         counts.add(decoded)
     assert len(counts) > 1  # the replies took different numbers of steps, which the padding hid
+
+
+def test_timing_padding_holds_every_reply_and_paces_every_send_without_changing_a_token(served):
+    """--pad-hold-ms: no reply sooner than H ms after its step left; --pad-think-ms: no step sooner than T ms
+    after the previous reply; cover exchanges keep both."""
+    shards, server, expected = served
+    hold, think = 60, 40
+    config = ClientConfig(wire_dtype="float32", pad_rows=PAD, pad_steps=4, pad_hold_ms=hold, pad_think_ms=think)
+    client, tap = tapped_client(shards, server.url, config)
+    tap.clear()
+    generation = client.generate(PROMPT, max_new_tokens=9, strategy=Varying(PROMPT + expected), stop_ids=set())
+    assert generation.token_ids == expected[:9] and generation.stats["cover_exchanges"] > 0
+    messages = tap[2:-1]  # after the hello and its welcome; the close is not answered
+    ups, downs = messages[0::2], messages[1::2]
+    assert all(d == "up" for d, _, _ in ups) and all(d == "down" for d, _, _ in downs)
+    assert min(down[1] - up[1] for up, down in zip(ups, downs)) * 1e3 >= hold
+    assert min(up[1] - down[1] for down, up in zip(downs, ups[1:])) * 1e3 >= think
+
+
+def test_pacing_sends_needs_one_block_at_a_time():
+    with pytest.raises(ConfigError, match="--in-flight 1"):
+        ClientConfig(pad_think_ms=40, in_flight=2)
+    with pytest.raises(ConfigError, match="--pad-hold-ms"):
+        ClientConfig(pad_hold_ms=-1)

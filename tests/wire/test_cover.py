@@ -9,7 +9,7 @@ import pytest
 
 from splitinfer.errors import ProtocolError
 from splitinfer.wire.cover import cover_probe, expected_reply
-from splitinfer.wire.messages import MAX_PROBE_HOLD_MS, Limits, Probe, decode_client_message
+from splitinfer.wire.messages import MAX_HOLD_MS, Limits, Probe, decode_client_message
 
 
 @pytest.mark.parametrize("seq", [1, 9, 10, 99_999, 1 << 40])
@@ -18,7 +18,7 @@ from splitinfer.wire.messages import MAX_PROBE_HOLD_MS, Limits, Probe, decode_cl
 def test_a_cover_probe_has_exactly_the_sizes_asked_for(seq, request_bytes, reply_bytes, hold_ms):
     probe = cover_probe(seq, request_bytes, reply_bytes, hold_ms)
     assert len(probe.encode()) == request_bytes and len(expected_reply(probe)) == reply_bytes
-    assert probe.hold_ms == min(round(hold_ms), MAX_PROBE_HOLD_MS)
+    assert probe.hold_ms == min(round(hold_ms), MAX_HOLD_MS)
     assert decode_client_message(probe.encode(), Limits(hidden_size=8)) == probe
 
 
@@ -29,7 +29,7 @@ def test_sizes_too_small_for_a_probe_are_refused():
 
 def test_a_plain_probe_is_encoded_as_before_and_a_hold_beyond_the_bound_is_refused():
     assert b"hold_ms" not in Probe(1, 5, b"xy").encode()
-    too_long = Probe(1, 5, b"", MAX_PROBE_HOLD_MS + 1).encode()
+    too_long = Probe(1, 5, b"", MAX_HOLD_MS + 1).encode()
     with pytest.raises(ProtocolError, match="hold_ms"):
         decode_client_message(too_long, Limits(hidden_size=8))
 

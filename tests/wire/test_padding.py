@@ -110,3 +110,16 @@ def test_a_step_may_not_ask_for_a_reply_padded_past_its_own_size():
         decode_client_message(encode_frame(header, raw[4 + length :]), LIMITS)
     padded = _step(1, (), 5, 33 * ROW).encode()
     assert decode_client_message(padded, LIMITS).pad_quantum == 33 * ROW
+
+
+def test_a_padding_setting_is_parsed_from_its_name_and_gives_it_back():
+    from splitinfer.wire.padding import PadSetting
+
+    for name, setting in [("0", PadSetting()), ("33", PadSetting(33)), ("33+s64", PadSetting(33, 64)),
+                          ("33+s64+h110+t50", PadSetting(33, 64, 110, 50)), ("8+t5", PadSetting(8, think_ms=5))]:
+        assert PadSetting.parse(name) == setting and setting.key == name
+    assert PadSetting(33, 64, 110, 50).client_fields() == {"pad_rows": 33, "pad_steps": 64, "pad_hold_ms": 110,
+                                                          "pad_think_ms": 50}
+    for bad in ("", "x", "33+", "33+z1", "0+s64", "-1"):
+        with pytest.raises(ValueError):
+            PadSetting.parse(bad)

@@ -70,9 +70,8 @@ class SpecBenchOptions:
     in_flight: str = "1"  # comma-separated blocks in flight (1-3, or auto)
     cloud_pass_ms: float = 0.0  # the fast-cloud scenario's least pass time (serve --min-pass-ms); 0: off
     turns: int = 1  # 2: prompts with a second turn (MT-Bench) also run it in the same conversation
-    pad_rows: str = "0"  # comma-separated padding settings (ClientConfig.pad_rows; 0: none) to run each strategy with
+    pad_rows: str = "0"  # comma-separated padding settings (wire/padding.py's PadSetting; 0: none) to run each strategy with
     pad_prompt_rows: int = 0  # padded configurations also pad prompts to this many rows (ClientConfig.pad_prompt_rows)
-    pad_steps: int = 0  # padded configurations also pad each reply's exchanges to a multiple of this (ClientConfig.pad_steps)
 
 
 @dataclass(frozen=True)
@@ -342,11 +341,11 @@ def register(sub) -> None:
                               "speculative strategy with, e.g. 1,2,3,auto; D > 1 rows are reported against their bound"),
         Opt("cloud_pass_ms", help="the fast-cloud scenario: every cloud pass lasts at least this long (serve "
                                   "--min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud"),
-        Opt("pad_rows", help="comma-separated padding settings, e.g. 0,33: each speculative strategy also runs with "
-                             "every step and reply padded to multiples of N rows (T6, docs/privacy.md), as '<name>+padN'"),
+        Opt("pad_rows", help="comma-separated padding settings ROWS[+sSTEPS][+hHOLD_MS][+tTHINK_MS], e.g. 0,33,33+s64: "
+                             "each speculative strategy also runs with steps and replies padded to multiples of ROWS "
+                             "rows, replies to multiples of STEPS exchanges, and timing padded (T6, docs/privacy.md; "
+                             "--pad-rows and friends of generate), as '<name>+pad<setting>'"),
         Opt("pad_prompt_rows", help="padded configurations also pad prompt messages to multiples of this many rows"),
-        Opt("pad_steps", help="padded configurations also pad each reply's exchanges to a multiple of this many "
-                              "with cover exchanges"),
     ))
     s.add_argument("--readme", help="also put the results table between the `bench spec` markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)

@@ -91,12 +91,10 @@ def markdown(report: dict) -> str:
 def _padding_lines(report: dict) -> list[str]:
     if not any(report.get("pad_rows") or ()):
         return []
-    extra = [f"prompt messages to {report['pad_prompt_rows']} rows" if report.get("pad_prompt_rows") else "",
-             f"each reply's exchanges to a multiple of {report['pad_steps']} (cover exchanges)" if report.get("pad_steps")
-             else ""]
-    also = " and ".join(e for e in extra if e)
-    return [f"Padded configurations ('+padN': steps and replies to multiples of N rows){' also pad ' + also if also else ''}; "
-            "their tok/s counts the padding's time.", ""]
+    prompts = f" also pad prompt messages to {report['pad_prompt_rows']} rows;" if report.get("pad_prompt_rows") else ""
+    return [f"Padded configurations ('+padN': steps and replies to multiples of N rows;{prompts} '+sS': each reply's "
+            "exchanges padded to a multiple of S with cover exchanges; '+hH': every reply held H ms after its step "
+            "arrived; '+tT': every step sent T ms after the previous reply); their tok/s counts the padding's time.", ""]
 
 
 def _anchor_lines(summary: dict) -> list[str]:

@@ -48,6 +48,7 @@ from ..local.session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT, ClientConfig, SplitSe
 from ..decoding.strategies import STRATEGIES
 from ..errors import ConfigError
 from ..model.shards import load_whole_hf
+from ..wire.padding import PadSetting
 from .runtime import load_prompts
 from .spec_readme import replace_results
 from .spec_report import markdown
@@ -146,9 +147,8 @@ def run_speculative_bench(args) -> dict:
         "prompts": [p["id"] for p in prompts],
         "prompt_lookup": reference,
         "in_flight": depths,
-        "pad_rows": parse_pads(str(getattr(args, "pad_rows", "0"))),
+        "pad_rows": [s.key for s in pad_settings(args)],  # wire/padding.py's PadSetting names
         "pad_prompt_rows": getattr(args, "pad_prompt_rows", 0),  # with every padded configuration
-        "pad_steps": getattr(args, "pad_steps", 0),
         "summary": summarize(runs, reference, local_runs),
         "divergences": divergences,
         "runs": runs,
@@ -179,27 +179,29 @@ def parse_depths(text: str) -> list[int]:
     return depths
 
 
-def label(strategy: str, depth: int, pad: int = 0) -> str:
-    """A configuration's name in the tables: the strategy, its padding (`+padN`) and its blocks in flight when
-    more than one (`@Dauto` when the controller chose them)."""
-    name = f"{strategy}+pad{pad}" if pad else strategy
+def label(strategy: str, depth: int, pad: PadSetting = PadSetting()) -> str:
+    """A configuration's name in the tables: the strategy, its padding (`+padN`, then PadSetting's `+sS+hH+tT`)
+    and its blocks in flight when more than one (`@Dauto` when the controller chose them)."""
+    name = f"{strategy}+pad{pad.key}" if pad.rows else strategy
     if depth == AUTO_IN_FLIGHT:
         return f"{name}@Dauto"
     return name if depth == 1 else f"{name}@D{depth}"
 
 
-def parse_pads(text: str) -> list[int]:
-    """--pad-rows: comma-separated row counts, 0 for no padding."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items or not all(x.isdigit() for x in items):
-        raise ConfigError(f"--pad-rows takes comma-separated row counts (0: no padding), e.g. 0,33, not {text!r}.")
-    return list(dict.fromkeys(int(x) for x in items))
+def pad_settings(args) -> list[PadSetting]:
+    """--pad-rows: comma-separated PadSetting names (0 for none, which always runs), e.g. 0,33,33+s64."""
+    text = str(getattr(args, "pad_rows", "0"))
+    try:
+        settings = [PadSetting.parse(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--pad-rows: {exc}.") from exc
+    return list(dict.fromkeys([PadSetting(), *settings]))
 
 
-def _client_config(args, depth: int, pad: int) -> ClientConfig:
-    """A configuration's client settings: a padded one also pads prompts and step counts where asked."""
-    extra = {"pad_prompt_rows": getattr(args, "pad_prompt_rows", 0), "pad_steps": getattr(args, "pad_steps", 0)} if pad else {}
-    return ClientConfig(wire_dtype=args.wire_dtype, in_flight=depth, pad_rows=pad, **extra)
+def _client_config(args, depth: int, pad: PadSetting) -> ClientConfig:
+    """A configuration's client settings: a padded one also pads prompts where asked."""
+    prompts = getattr(args, "pad_prompt_rows", 0) if pad.rows else 0
+    return ClientConfig(wire_dtype=args.wire_dtype, in_flight=depth, pad_prompt_rows=prompts, **pad.client_fields())
 
 
 def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient,
@@ -216,14 +218,14 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
     with ExitStack() as stack:
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
-        pads = sorted(set(parse_pads(str(getattr(args, "pad_rows", "0")))) | {0})  # sequential runs unpadded
+        pads = pad_settings(args)  # sequential runs unpadded
         clients = {(rtt, d, pad): open_client(shard=shards / "local", server=target, allow_public_weights=True,
                                               config=_client_config(args, d, pad))
                    for rtt, target in targets.items() for d in sorted(set(depths) | {1}) for pad in pads}
         args.wire_dtype = next(iter(clients.values())).config.wire_dtype  # the shard's unless --wire-dtype
         # sequential sends one row a step whatever the text, so it has nothing to pad and no blocks ahead
         configs = [(s, rtt, d, pad) for rtt in rtts for d in sorted(set(depths) | {1}) for pad in pads for s in strategies
-                   if s != "sequential" or (d == 1 and pad == 0)]
+                   if s != "sequential" or (d == 1 and not pad.rows)]
         local.generate(prompts[0]["prompt"], max_new_tokens=16, strategy="sequential")
         whole = load_whole_hf(shards)  # plain transformers on the same core and thread: the anchor
         greedy_transformers(whole, local.encode_prompt(prompts[0]["prompt"]), 16)
@@ -305,6 +307,7 @@ def _record(strategy: str, rtt: float, rep: int, p: dict, result, depth: int = 1
         "accepted": [s["accepted"] for s in decode],
         "rows": [s["rows"] for s in decode],
         "bytes": [s["bytes_up"] + s["bytes_down"] for s in decode],
+        "cover_exchanges": sum(s["kind"] == "cover" for s in result.steps),  # ClientConfig.pad_steps
         "step_ms": [round(s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"], 2) for s in decode],
         # sums over decode steps, ms: what the bound 1000 a / (RTT + local + cloud + drafting) is made of
         "time_ms": {

@@ -155,6 +155,8 @@ class CloudServer:
                 session = self.table.get(link.session_id, owner)  # raises if it expired meanwhile
                 skip = dropped(message, inbox.later_steps())
                 reply = await self.scheduler.run(session, message, received_at, skip)
+                if message.hold_ms:  # the client pads its steps' timing (T6): no reply before the hold is over
+                    await asyncio.sleep(max(received_at + message.hold_ms / 1e3 - time.perf_counter(), 0.0))
                 if self.metrics is not None:
                     self.metrics.observe_step(len(message.positions), len(data), len(reply), time.perf_counter() - received_at)
                 await ws.send(reply)

@@ -49,6 +49,10 @@ CLIENT_OPTIONS = (
                                 "prompts shorter than it look alike on the wire (docs/privacy.md, T6); 0: as --pad-rows"),
     Opt("pad_steps", help="pad every reply's exchanges to a multiple of this many with cover exchanges, so the number "
                           "of steps a reply took does not show (docs/privacy.md, T6); 0: off"),
+    Opt("pad_hold_ms", help="the server holds every step's reply until this many ms after it arrived, so pass times "
+                            "do not show (docs/privacy.md, T6); 0: off"),
+    Opt("pad_think_ms", help="send every step no sooner than this many ms after the previous reply, so the client's "
+                             "compute does not show (with --in-flight 1; docs/privacy.md, T6); 0: off"),
 )
 
 

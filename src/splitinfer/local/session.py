@@ -44,7 +44,7 @@ from ..wire.inflight import Prefix, prefix_mask
 from ..wire.clientlink import Answered, Block, ClientLink, Open
 from ..wire.frame import wire_dtype_of
 from ..wire.link import Client
-from ..wire.messages import PIPELINE_VERSION, Close
+from ..wire.messages import MAX_HOLD_MS, PIPELINE_VERSION, Close
 from ..wire.transport import Middle
 
 log = logging.getLogger("splitinfer.local")
@@ -92,6 +92,12 @@ class ClientConfig:
     # an observer cannot count the steps a reply took, which follows how predictable its text was (T6); 0: off.
     # Costs up to this many extra round trips a reply; output is unchanged.
     pad_steps: int = 0
+    # Timing padding (T6): the server holds every step's reply until this many ms after the step arrived, so its
+    # pass time does not show (a pass that takes longer still does); 0: off.
+    pad_hold_ms: int = 0
+    # ... and the client sends every step no sooner than this many ms after the previous reply, so its own
+    # compute does not show; one block at a time only; 0: off.
+    pad_think_ms: int = 0
 
     def __post_init__(self):
         if self.drafter not in DRAFTER_MODES:
@@ -101,8 +107,11 @@ class ClientConfig:
         if self.pad_rows < 0 or self.pad_prompt_rows < 0:
             raise ConfigError(f"--pad-rows and --pad-prompt-rows must be 0 (off) or positive row counts, not "
                               f"{self.pad_rows} and {self.pad_prompt_rows}.")
-        if self.pad_steps < 0:
-            raise ConfigError(f"--pad-steps must be 0 (off) or a positive count of exchanges, not {self.pad_steps}.")
+        if min(self.pad_steps, self.pad_hold_ms, self.pad_think_ms) < 0 or self.pad_hold_ms > MAX_HOLD_MS:
+            raise ConfigError(f"--pad-steps, --pad-hold-ms and --pad-think-ms must be 0 (off) or positive (a hold at "
+                              f"most {MAX_HOLD_MS} ms), not {self.pad_steps}, {self.pad_hold_ms} and {self.pad_think_ms}.")
+        if self.pad_think_ms and self.in_flight != 1:
+            raise ConfigError("--pad-think-ms paces one block at a time; use it with --in-flight 1.")
 
     def backoff_s(self, attempt: int) -> float:
         """Delay before reconnect `attempt` (0-based): exponential, capped, with jitter in [1/2, 1] of it so
@@ -128,7 +137,8 @@ class SplitSession:
         self.head_cache = self.head.new_cache()
         self.tail_cache = local.tail.new_cache()
         self.link = ClientLink(config.wire_dtype, config.max_retries, config.prefill_chunk, config.pad_rows,
-                               config.pad_prompt_rows)
+                               config.pad_prompt_rows, config.pad_hold_ms)
+        self._replied_at = 0.0  # perf_counter time of the last reply: --pad-think-ms paces the next send from it
         self.records: list[StepRecord] = []
         self._device = next(local.embed.parameters()).device
         self._pending_q = 0
@@ -405,26 +415,36 @@ class SplitSession:
     def pad_exchanges(self, first_record: int) -> int:
         """Send cover exchanges (wire/cover.py) until the exchanges since record `first_record`, prompt chunks
         aside, are a multiple of `config.pad_steps`; returns how many were sent. Each has the sizes most of
-        those steps had, is held by the server for their median pass and follows their median local time, so
-        on the wire it looks like one more step. Best effort: a lost link ends the padding (logged)."""
+        those steps had and is held by the server for `pad_hold_ms` (else their median pass); it follows the
+        last reply by `pad_think_ms` (else their median local time), so on the wire it looks like one more
+        step. Best effort: a lost link ends the padding (logged)."""
         steps = [r for r in self.records[first_record:] if r.kind != "prefill"]
         missing = -len(steps) % self.config.pad_steps if self.config.pad_steps and steps else 0
         if not missing:
             return 0
         up, down = _most_common([(r.bytes_up, r.bytes_down) for r in steps])
-        hold = float(np.median([r.server_ms for r in steps]))
-        think = float(np.median([r.local_ms for r in steps]))
+        hold = self.config.pad_hold_ms or float(np.median([r.server_ms for r in steps]))
+        think = 0.0 if self.config.pad_think_ms else float(np.median([r.local_ms for r in steps]))
         for sent in range(missing):
             time.sleep(think / 1e3)
+            self._pace()
             t0 = time.perf_counter()
             try:
                 self.middle.cover(up, down, hold)
             except TransportError as exc:
                 log.warning("cover exchanges stopped after %d of %d: %s", sent, missing, exc)
                 return sent
-            self.records.append(StepRecord("cover", 0, 0, local_ms=think, round_trip_ms=(time.perf_counter() - t0) * 1e3,
+            self._replied_at = time.perf_counter()
+            self.records.append(StepRecord("cover", 0, 0, local_ms=think, round_trip_ms=(self._replied_at - t0) * 1e3,
                                            server_ms=hold, bytes_up=up, bytes_down=down))
         return missing
+
+    def _pace(self) -> None:
+        """--pad-think-ms: wait until that long after the last reply, so the next send does not show the
+        client's compute."""
+        wait = self._replied_at + self.config.pad_think_ms / 1e3 - time.perf_counter()
+        if self.config.pad_think_ms and wait > 0:
+            time.sleep(wait)
 
     # -- the link's messages over the middle, with reconnects ------------------------------------------
     def _through_link(self, block: Block, record: StepRecord) -> torch.Tensor:
@@ -447,7 +467,9 @@ class SplitSession:
         if isinstance(message, Close):
             self.middle.close(end_session=True)
             return None
+        self._pace()
         result, io = self.middle.step(message)
+        self._replied_at = time.perf_counter()
         reply = self.link.on_result(result)
         record.bytes_up += io.bytes_up
         record.bytes_down += io.bytes_down
@@ -462,6 +484,11 @@ class SplitSession:
         return reply
 
     def _open(self, resume_id: str | None):
+        welcome = self._hello(resume_id)
+        self._replied_at = time.perf_counter()  # the welcome is a reply too: the prompt's send is paced from it
+        return welcome
+
+    def _hello(self, resume_id: str | None):
         if self.link.version is None:
             return self.middle.open(resume_id=resume_id)
         try:

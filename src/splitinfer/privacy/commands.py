@@ -43,12 +43,17 @@ def _keys(text: str) -> tuple[str, ...]:
     return keys
 
 
-def _counts(text: str, option: str, example: str) -> tuple[int, ...]:
-    """Comma-separated counts of 0 or more for `option`; ConfigError otherwise."""
-    items = [v.strip() for v in text.split(",") if v.strip()]
-    if not items or not all(v.isdigit() for v in items):
-        raise ConfigError(f"{option} takes comma-separated {example} (0: none), not {text!r}.")
-    return tuple(dict.fromkeys(int(v) for v in items))
+def _pad_settings(text: str) -> tuple[str, ...]:
+    """--pad-rows: comma-separated padding settings (wire/padding.py's PadSetting), e.g. 0,33,33+s64+h110+t50."""
+    from ..wire.padding import PadSetting
+
+    try:
+        settings = [PadSetting.parse(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--pad-rows: {exc}.") from exc
+    if not settings:
+        raise ConfigError("--pad-rows takes padding settings like 0,33,33+s64 (0: none).")
+    return tuple(dict.fromkeys(s.key for s in settings))
 
 
 def _metadata_changes(args, config) -> dict:
@@ -60,13 +65,11 @@ def _metadata_changes(args, config) -> dict:
 
     metadata = MetadataConfig()
     if args.pad_rows is not None:
-        metadata = replace(metadata, pad_rows=_counts(args.pad_rows, "--pad-rows", "row counts like 0,33"))
+        metadata = replace(metadata, pad_rows=_pad_settings(args.pad_rows))
     if args.pad_prompt_rows:
         if args.pad_prompt_rows < 0:
             raise ConfigError(f"--pad-prompt-rows takes a row count of 0 (off) or more, not {args.pad_prompt_rows}.")
         metadata = replace(metadata, pad_prompt_rows=args.pad_prompt_rows)
-    if args.pad_steps is not None:
-        metadata = replace(metadata, pad_steps=_counts(args.pad_steps, "--pad-steps", "step counts like 0,64"))
     if args.metadata_only:
         return {"metadata": metadata, "t0": False, "basis": None, "privatize": None, "noise_sigmas": ()}
     wanted = args.metadata if args.metadata is not None else config.t0
@@ -271,11 +274,10 @@ def register(subparsers) -> None:
                    help="T6, a network observer's recovery from message sizes and times, with and without padding "
                         "(default: on, off with --quick)")
     s.add_argument("--metadata-only", action="store_true", help="run T6 alone (a loopback server, real generations)")
-    s.add_argument("--pad-rows", help="T6's padding settings in rows, e.g. 0,33 (0: none; the default)")
+    s.add_argument("--pad-rows", help="T6's padding settings ROWS[+sSTEPS][+hHOLD_MS][+tTHINK_MS], e.g. 0,33,33+s64+h110+t50 "
+                   "(0: none; default 0,33; generate's --pad-rows, --pad-steps, --pad-hold-ms, --pad-think-ms)")
     s.add_argument("--pad-prompt-rows", type=int, help="T6: every padded setting also pads prompt messages to this "
                    "many rows (ClientConfig.pad_prompt_rows; default: prompts padded as steps are)")
-    s.add_argument("--pad-steps", help="T6: step paddings measured with every padded setting, e.g. 0,64 (0: none, "
-                   "the default; ClientConfig.pad_steps)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     s.set_defaults(func=cmd_audit)
 

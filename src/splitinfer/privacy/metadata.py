@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from . import stats
+from ..wire.padding import PadSetting
 from .traffic import (
     SIZES, TIMING, Scored, Trace, attack_category, attack_document, attack_steps, attack_steps_lookup,
 )
@@ -38,13 +39,12 @@ WHAT = {"accepted": "the accepted count of each decode step", "category": "the p
 
 @dataclass(frozen=True)
 class MetadataConfig:
-    # padding settings measured (ClientConfig.pad_rows); 0 is none. 33 rows is the largest tree block
-    # (ControllerConfig.max_nodes 32 drafts + the root), so every decode step pads to the same size.
-    pad_rows: tuple[int, ...] = (0, 33)
+    # padding settings measured (wire/padding.py's PadSetting names: rows, then steps and timing); "0" is none.
+    # 33 rows is the largest tree block (ControllerConfig.max_nodes 32 drafts + the root), so every decode
+    # step pads to the same size.
+    pad_rows: tuple[str, ...] = ("0", "33")
     # every padded setting also pads prompt messages to this many rows (ClientConfig.pad_prompt_rows); 0: not
     pad_prompt_rows: int = 0
-    # every padded setting is also measured with each of these step paddings (ClientConfig.pad_steps); 0: not
-    pad_steps: tuple[int, ...] = (0,)
     max_new_tokens: int = 64  # per generation
     step_neighbours: int = 5  # k of the per-step attacker
     generation_neighbours: int = 3  # k of the category attacker
@@ -75,21 +75,6 @@ def record(client, tap: list, prompt: dict, max_new_tokens: int) -> Trace:
                  kinds.count("prefill"))
 
 
-def settings(config: MetadataConfig) -> list[tuple[int, int]]:
-    """The (pad_rows, pad_steps) settings measured: unpadded once, each padding with each step padding."""
-    return list(dict.fromkeys((pad, steps if pad else 0) for pad in config.pad_rows for steps in config.pad_steps))
-
-
-def setting_key(pad: int, steps: int) -> str:
-    """A setting's key in the recorded traffic: "33", or "33+steps64" with step padding."""
-    return f"{pad}+steps{steps}" if steps else str(pad)
-
-
-def parse_key(key: str) -> tuple[int, int]:
-    pad, _, steps = str(key).partition("+steps")
-    return int(pad), int(steps or 0)
-
-
 def collect_traffic(shards: Path, config: MetadataConfig) -> dict[str, dict[str, list[Trace]]]:
     """{setting key: {"own", "known", "victim": traces}} from real generations over a loopback server."""
     from ..launch import cloud_server, wan_proxy
@@ -100,24 +85,24 @@ def collect_traffic(shards: Path, config: MetadataConfig) -> dict[str, dict[str,
         url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1))
         if config.rtt_ms:
             url = stack.enter_context(wan_proxy(url, config.rtt_ms, cpu=1))
-        for pad, steps in settings(config):
-            client, tap = _tapped_client(shards, url, pad, config.pad_prompt_rows if pad else 0, steps)
+        for setting in dict.fromkeys(PadSetting.parse(p) for p in config.pad_rows):
+            client, tap = _tapped_client(shards, url, setting, config.pad_prompt_rows if setting.rows else 0)
             client.generate(sets["own"][0]["prompt"], max_new_tokens=8, strategy="tree")  # warm up, not recorded
             runs = (("own", sets["own"]), ("known", sets["benchmark"]), ("victim", sets["benchmark"]))
-            traffic[setting_key(pad, steps)] = {name: [record(client, tap, p, config.max_new_tokens) for p in prompts]
-                                                for name, prompts in runs}
-            log.info("T6 traffic recorded with pad_rows=%d, pad_steps=%d", pad, steps)
+            traffic[setting.key] = {name: [record(client, tap, p, config.max_new_tokens) for p in prompts]
+                                    for name, prompts in runs}
+            log.info("T6 traffic recorded with padding %s", setting.key)
     return traffic
 
 
-def _tapped_client(shards: Path, url: str, pad: int, prompt_rows: int, steps: int):
+def _tapped_client(shards: Path, url: str, setting: PadSetting, prompt_rows: int):
     """(a client of `url` with this padding, the list its WebSocket's messages are recorded in)."""
     from ..clients import open_client
     from ..local.middle import RemoteMiddle
     from ..local.session import ClientConfig
 
     client = open_client(shard=shards / "local", server=url, allow_public_weights=True,
-                         config=ClientConfig(pad_rows=pad, pad_prompt_rows=prompt_rows, pad_steps=steps, in_flight=1))
+                         config=ClientConfig(pad_prompt_rows=prompt_rows, in_flight=1, **setting.client_fields()))
     tap: list = []
     inner = client.make_middle
 
@@ -132,7 +117,7 @@ def _tapped_client(shards: Path, url: str, pad: int, prompt_rows: int, steps: in
     return client, tap
 
 
-def _row(what: str, attacker: str, pad: int, scored: list[Scored], depth: int, n_boot: int, extra: dict) -> dict:
+def _row(what: str, attacker: str, pad: PadSetting, scored: list[Scored], depth: int, n_boot: int, extra: dict) -> dict:
     """An audit row (audit.py's fields) pooled over the folds in `scored`."""
     hits = np.concatenate([s.hits for s in scored])
     chance_hits = np.concatenate([s.chance_hits for s in scored])
@@ -141,9 +126,7 @@ def _row(what: str, attacker: str, pad: int, scored: list[Scored], depth: int, n
     baseline = chance if what == "document" else float(chance_hits.mean())
     return {
         "side": what, "depth": depth, "threat": "T6", "attacker": attacker,
-        "defence": (f"padding {pad} rows" + (f", prompts {extra['pad_prompt_rows']}" if extra.get("pad_prompt_rows")
-                                               else "") + (f", steps {extra['pad_steps']}" if extra.get("pad_steps")
-                                                           else "")) if pad else "none",
+        "defence": _defence(pad, extra.get("pad_prompt_rows", 0)),
         "top1": float(hits.mean()), "top1_ci": stats.bootstrap_ci(hits, docs, n_boot),
         "top5": None, "top5_ci": None,
         "baseline_top1": baseline, "baseline_top1_ci": stats.bootstrap_ci(chance_hits, docs, n_boot),
@@ -152,8 +135,19 @@ def _row(what: str, attacker: str, pad: int, scored: list[Scored], depth: int, n
         "n_tokens": int(len(hits)), "n_documents": int(len(np.unique(docs))),
         "exact_sequence": None, "canary_top1": None, "canary_tokens": 0, "by_frequency": {},
         "eval_set": "test", "outcomes_top1_hex": stats.pack(hits),
-        "recovers": WHAT[what], "pad_rows": pad, "n_train": sum(s.n_train for s in scored), **extra,
+        "recovers": WHAT[what], "pad_rows": pad.rows, "pad_steps": pad.steps, "pad_hold_ms": pad.hold_ms,
+        "pad_think_ms": pad.think_ms, "n_train": sum(s.n_train for s in scored), **extra,
     }
+
+
+def _defence(pad: PadSetting, prompt_rows: int) -> str:
+    """A setting in words: "none", or "padding 33 rows, prompts 256, steps 64, hold 110 ms, think 50 ms"."""
+    if not pad.rows:
+        return "none"
+    parts = [f"padding {pad.rows} rows", f"prompts {prompt_rows}" if prompt_rows else "",
+             f"steps {pad.steps}" if pad.steps else "", f"hold {pad.hold_ms} ms" if pad.hold_ms else "",
+             f"think {pad.think_ms} ms" if pad.think_ms else ""]
+    return ", ".join(p for p in parts if p)
 
 
 def _plain(value):
@@ -178,9 +172,8 @@ def score(traffic: dict[str, dict[str, list[Trace]]], row_bytes: int, config: Me
     """Every T6 row: per padding, per attack, sizes alone and sizes with timing."""
     rows = []
     for key, sets in traffic.items():
-        pad, steps = parse_key(key)
-        prompt_rows = config.pad_prompt_rows if pad else 0
-        extra = traffic_summary(sets["victim"]) | {"pad_prompt_rows": prompt_rows, "pad_steps": steps}
+        pad = PadSetting.parse(key)
+        extra = traffic_summary(sets["victim"]) | {"pad_prompt_rows": config.pad_prompt_rows if pad.rows else 0}
         folds = ((sets["own"], sets["victim"]), (sets["known"], sets["own"]))
         lookup = [attack_steps_lookup(a, b, row_bytes) for a, b in folds]
         rows.append(_row("accepted", "size lookup", pad, lookup, depth, n_boot, extra))

@@ -119,13 +119,17 @@ def metadata_table(sources: list[tuple[str, dict]]) -> list[str]:
         best = [max((r for r in mine if r["side"] == side), key=lambda r: r["top1"], default=None) for side in T6_SIDES]
         cells = [f"**{100 * r['top1']:.1f}%** ({r['attacker']}; chance {100 * r['baseline_top1']:.1f}%)"
                  if r is not None else "not measured" for r in best]
-        prompts, steps = mine[0].get("pad_prompt_rows"), mine[0].get("pad_steps")
-        padding = "none" if defence == "none" else (f"`--pad-rows {mine[0]['pad_rows']}`"
-                                                    + (f" `--pad-prompt-rows {prompts}`" if prompts else "")
-                                                    + (f" `--pad-steps {steps}`" if steps else ""))
+        padding = "none" if defence == "none" else _padding_options(mine[0])
         lines.append(f"| a network observer, TLS intact | {padding} | {mine[0]['bytes_per_decode_step']:.0f} | "
                      f"{' | '.join(cells)} | {label} (T6) |")
     return lines
+
+
+def _padding_options(row: dict) -> str:
+    """The client options that made a T6 row's padding, e.g. `--pad-rows 33` `--pad-steps 64`."""
+    options = [("pad_rows", "--pad-rows"), ("pad_prompt_rows", "--pad-prompt-rows"), ("pad_steps", "--pad-steps"),
+               ("pad_hold_ms", "--pad-hold-ms"), ("pad_think_ms", "--pad-think-ms")]
+    return " ".join(f"`{flag} {row[key]}`" for key, flag in options if row.get(key))
 
 
 def replace_marked(path: Path, text: str) -> None:

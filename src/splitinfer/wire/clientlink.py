@@ -75,10 +75,11 @@ class ClientLink:
     """The client's side of one cloud session. See the module docstring for what it decides."""
 
     def __init__(self, wire_dtype: str = "float16", max_retries: int = 5, replay_rows: int = 512, pad_rows: int = 0,
-                 pad_prompt_rows: int = 0):
+                 pad_prompt_rows: int = 0, hold_ms: int = 0):
         self.wire_dtype = wire_dtype
         self.pad_rows = pad_rows  # every step and its reply padded to multiples of this many rows (padding.py); 0: off
         self.pad_prompt_rows = pad_prompt_rows  # the same for prompt chunks and replayed history; 0: as pad_rows
+        self.hold_ms = hold_ms  # every step asks its reply held this long after it arrives (T6 timing); 0: off
         self.max_retries = max_retries  # reconnects per block before the loss is raised
         self.replay_rows = replay_rows  # rows per re-sent history chunk, bounded by the welcome's limits
         self.state = Client.IDLE
@@ -146,7 +147,7 @@ class ClientLink:
               prefill: bool = False) -> Step:
         also = tuple(self._also)  # left by blocks in flight: committed by this step too
         self._sent = Step(self.seq, self.keep, positions, structure, hidden, self.wire_dtype, also, len(also),
-                          self._quantum(hidden, prefill))
+                          self._quantum(hidden, prefill), self.hold_ms)
         return self._sent
 
     def _quantum(self, hidden: torch.Tensor, prefill: bool = False) -> int:
@@ -293,7 +294,7 @@ class ClientLink:
         keep = self.keep if self._to_resolve else ()  # else the step assumes the oldest pending block
         assumed = tuple(self._also) + tuple(Assumed(f.seq, rows) for f, rows in zip(self._live, assume))
         step = Step(self.seq, keep, block.positions, block.structure, block.hidden, self.wire_dtype, assumed,
-                    len(self._also), self._quantum(block.hidden))
+                    len(self._also), self._quantum(block.hidden), self.hold_ms)
         flight = _Flight(self.seq, block.hidden, self.committed)
         self.seq += 1
         self.keep, self._to_resolve, self._also = (), False, []

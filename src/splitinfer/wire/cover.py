@@ -11,14 +11,14 @@ the message.
 
 from __future__ import annotations
 
-from .messages import MAX_PROBE_HOLD_MS, Probe, ProbeReply
+from .messages import MAX_HOLD_MS, Probe, ProbeReply
 
 
 def cover_probe(seq: int, request_bytes: int, reply_bytes: int, hold_ms: float) -> Probe:
     """A probe whose encoded frame is `request_bytes` long and whose reply's is `reply_bytes`, held
     `hold_ms` (rounded, clipped to the protocol's bound). ValueError when either size is too small to hold
     a probe's header (a padded step is thousands of bytes, so this means the sizes were not a step's)."""
-    hold = min(max(round(hold_ms), 0), MAX_PROBE_HOLD_MS)
+    hold = min(max(round(hold_ms), 0), MAX_HOLD_MS)
     ask = reply_bytes  # the body asked for; its digits change the request's header, so settle both
     for _ in range(4):
         body = request_bytes - len(Probe(seq, ask, b"", hold).encode())

@@ -55,7 +55,7 @@ MAX_ASSUMED = 8  # earlier blocks one step may assume; the server's own limit (w
 MAX_POSITION = 1 << 24
 MAX_ERROR_CHARS = 1000  # error sentences are cut here; peers' values are quoted shorter still
 MAX_PROBE_BYTES = 1 << 30  # decoder bound on a probe's reply size; the server applies its message limit
-MAX_PROBE_HOLD_MS = 10_000  # a probe may ask its reply held this long at most (cover exchanges)
+MAX_HOLD_MS = 10_000  # a step or probe may ask its reply held this long at most (T6 timing padding, cover exchanges)
 MAX_PAD_QUANTUM = 1 << 24  # bytes: a step may ask for its reply padded to multiples of at most this
 
 
@@ -143,6 +143,7 @@ class Step:
     resolved: int = 0  # v3: the first `resolved` of `assume` are already resolved: commit them after `keep`
     # bytes: pad this frame, and ask for the reply padded, to wire/padding.py's ladder (threat T6); 0: unpadded
     pad_quantum: int = 0
+    hold_ms: int = 0  # the server sends the reply no sooner than this many ms after the step arrived (T6); 0: at once
 
     def encode(self) -> bytes:
         spec, raw = encode_tensor(self.hidden, self.wire_dtype)
@@ -160,6 +161,8 @@ class Step:
             header["resolved"] = self.resolved
         if self.pad_quantum:
             header["reply_pad"] = self.pad_quantum
+        if self.hold_ms:
+            header["hold_ms"] = self.hold_ms
         return pad_frame(encode_frame(header, raw), self.pad_quantum)
 
 
@@ -367,13 +370,14 @@ def decode_client_message(data: bytes, limits: Limits) -> ClientMessage:
         resolved = check_int(header.get("resolved", 0), "resolved", 0, len(assume))
         # no larger than the step's own (padded) message: a padded reply never amplifies what the peer sent
         pad = check_int(header.get("reply_pad", 0), "reply_pad", 0, min(MAX_PAD_QUANTUM, len(data)))
+        hold = check_int(header.get("hold_ms", 0), "hold_ms", 0, MAX_HOLD_MS)
         return Step(seq, tuple(keep), tuple(positions), structure, hidden, header["tensor"]["dtype"], assume, resolved,
-                    pad)
+                    pad, hold)
     if kind == "close":
         return Close()
     if kind == "probe":
         reply_bytes = check_int(header.get("reply_bytes"), "reply_bytes", 0, MAX_PROBE_BYTES)
-        hold_ms = check_int(header.get("hold_ms", 0), "hold_ms", 0, MAX_PROBE_HOLD_MS)
+        hold_ms = check_int(header.get("hold_ms", 0), "hold_ms", 0, MAX_HOLD_MS)
         return Probe(check_int(header.get("seq"), "seq", 0), reply_bytes, bytes(body), hold_ms)
     raise ProtocolError(f"unknown client message type {show(kind)}; expected hello, step or close (or probe).")
 

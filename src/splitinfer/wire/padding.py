@@ -6,13 +6,16 @@ them before anything reads the body, so padding is never a row and the cloud com
 Sizes come from one ladder, HEADER_ALLOWANCE + k * quantum bytes (k >= 1), the smallest that holds the
 frame; quantum is `pad_rows` rows of hidden state in the wire dtype. With `pad_rows` at least the largest
 decode block, every decode step and every reply has the same size; a prompt's chunks round up to a
-multiple of it. Timing is not hidden: the cloud's pass still takes as long as the real rows take.
+multiple of it. Timing is padded separately (a step's `hold_ms`, the client's pacing) and a reply's number of
+steps by cover exchanges (cover.py); `PadSetting` names a combination of all of them.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
+from dataclasses import dataclass
 
 # Room for the JSON header of a block up to a few hundred rows (positions, parents, keep runs), so that a
 # block of exactly k * pad_rows rows stays in its bucket. A larger header only moves the frame one bucket up.
@@ -48,3 +51,40 @@ def pad_frame(frame: bytes, quantum: int) -> bytes:
 
 def _dump(header: dict) -> bytes:
     return json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+
+
+_SETTING = re.compile(r"(\d+)((?:\+[sht]\d+)*)")
+_PARTS = {"s": "steps", "h": "hold_ms", "t": "think_ms"}
+
+
+@dataclass(frozen=True)
+class PadSetting:
+    """One padding configuration, named as benchmarks and the audit take it: ROWS[+sSTEPS][+hHOLD][+tTHINK],
+    e.g. 33+s64+h110+t50 (ClientConfig's pad_rows, pad_steps, pad_hold_ms, pad_think_ms); "0" is none."""
+
+    rows: int = 0
+    steps: int = 0
+    hold_ms: int = 0
+    think_ms: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> PadSetting:
+        match = _SETTING.fullmatch(str(text).strip())
+        if match is None:
+            raise ValueError(f"a padding setting is ROWS[+sSTEPS][+hHOLD_MS][+tTHINK_MS], e.g. 33+s64+h110+t50, "
+                             f"not {text!r}")
+        parts = {_PARTS[p[0]]: int(p[1:]) for p in match.group(2).split("+") if p}
+        setting = cls(int(match.group(1)), **parts)
+        if not setting.rows and setting != cls():
+            raise ValueError(f"steps and timing pad only with rows padded (ROWS > 0), not {text!r}")
+        return setting
+
+    @property
+    def key(self) -> str:
+        parts = zip("sht", (self.steps, self.hold_ms, self.think_ms))
+        return f"{self.rows}" + "".join(f"+{c}{value}" for c, value in parts if value)
+
+    def client_fields(self) -> dict:
+        """The ClientConfig fields this setting sets."""
+        return {"pad_rows": self.rows, "pad_steps": self.steps, "pad_hold_ms": self.hold_ms,
+                "pad_think_ms": self.think_ms}
