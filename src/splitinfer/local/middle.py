@@ -66,8 +66,9 @@ class RemoteMiddle:
         self._ws: ClientConnection | None = None
         self._probe_seq = 0
         self._posted: deque[tuple[float, float, int]] = deque()  # (sent at, encode ms, bytes) of posted steps
-        # A list to record (direction "up"/"down", perf_counter time, bytes) of every message in: what a network
-        # observer with TLS intact sees, for the metadata audit (privacy/metadata.py, threat T6). None: off.
+        # A list to record (direction "up"/"down", perf_counter time, bytes) of every message (a request as it
+        # starts to leave, a reply once in): what a network observer with TLS intact sees, for the metadata
+        # audit (privacy/metadata.py, threat T6). None: off.
         self.tap: list[tuple[str, float, int]] | None = None
 
     def _exchange(self, payload: bytes):
@@ -217,9 +218,10 @@ class RemoteMiddle:
             return self._recv()
 
     def _send(self, payload: bytes) -> None:
+        sent_at = time.perf_counter()  # as it starts to leave: a large message may arrive before send returns
         self._ws.send(payload)
         if self.tap is not None:
-            self.tap.append(("up", time.perf_counter(), len(payload)))
+            self.tap.append(("up", sent_at, len(payload)))
 
     def _recv(self) -> bytes:
         reply = self._ws.recv(timeout=self.reply_timeout_s)
