@@ -48,7 +48,7 @@ from ..local.session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT, ClientConfig, SplitSe
 from ..decoding.strategies import STRATEGIES
 from ..errors import ConfigError
 from ..model.shards import load_whole_hf
-from ..wire.padding import PadSetting
+from ..wire.padding import PadSetting, parse_pad_settings
 from .runtime import load_prompts
 from .spec_readme import replace_results
 from .spec_report import markdown
@@ -190,12 +190,7 @@ def label(strategy: str, depth: int, pad: PadSetting = PadSetting()) -> str:
 
 def pad_settings(args) -> list[PadSetting]:
     """--pad-rows: comma-separated PadSetting names (0 for none, which always runs), e.g. 0,33,33+s64."""
-    text = str(getattr(args, "pad_rows", "0"))
-    try:
-        settings = [PadSetting.parse(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise ConfigError(f"--pad-rows: {exc}.") from exc
-    return list(dict.fromkeys([PadSetting(), *settings]))
+    return list(dict.fromkeys([PadSetting(), *parse_pad_settings(getattr(args, "pad_rows", "0"))]))
 
 
 def _client_config(args, depth: int, pad: PadSetting) -> ClientConfig:

@@ -45,15 +45,9 @@ def _keys(text: str) -> tuple[str, ...]:
 
 def _pad_settings(text: str) -> tuple[str, ...]:
     """--pad-rows: comma-separated padding settings (wire/padding.py's PadSetting), e.g. 0,33,33+s64+h110+t50."""
-    from ..wire.padding import PadSetting
+    from ..wire.padding import parse_pad_settings
 
-    try:
-        settings = [PadSetting.parse(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise ConfigError(f"--pad-rows: {exc}.") from exc
-    if not settings:
-        raise ConfigError("--pad-rows takes padding settings like 0,33,33+s64 (0: none).")
-    return tuple(dict.fromkeys(s.key for s in settings))
+    return tuple(s.key for s in parse_pad_settings(text))
 
 
 def _metadata_changes(args, config) -> dict:

@@ -17,6 +17,8 @@ import re
 import struct
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+
 # Room for the JSON header of a block up to a few hundred rows (positions, parents, keep runs), so that a
 # block of exactly k * pad_rows rows stays in its bucket. A larger header only moves the frame one bucket up.
 HEADER_ALLOWANCE = 4096
@@ -88,3 +90,15 @@ class PadSetting:
         """The ClientConfig fields this setting sets."""
         return {"pad_rows": self.rows, "pad_steps": self.steps, "pad_hold_ms": self.hold_ms,
                 "pad_think_ms": self.think_ms}
+
+
+def parse_pad_settings(text: str) -> list[PadSetting]:
+    """`--pad-rows`: comma-separated PadSetting names, e.g. 0,33,33+s64, without repeats; ConfigError when one is
+    malformed or none is given."""
+    try:
+        settings = [PadSetting.parse(v) for v in str(text).split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--pad-rows: {exc}.") from exc
+    if not settings:
+        raise ConfigError("--pad-rows takes padding settings like 0,33,33+s64 (0: none).")
+    return list(dict.fromkeys(settings))
