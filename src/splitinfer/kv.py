@@ -44,7 +44,7 @@ class KVCache:
         end = start + q
         keys, values = self._keys[layer_idx], self._values[layer_idx]
         if keys is None or keys.shape[2] < end:
-            keys, values = self._grow(layer_idx, key, value, end)
+            keys, values = self._grow(layer_idx, key, end)
         keys[:, :, start:end] = key
         values[:, :, start:end] = value
         self.pending = q
@@ -66,12 +66,21 @@ class KVCache:
             return 0
         return self.capacity_for(rows) * bytes_per_row
 
-    def _grow(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, needed: int):
+    def reserve(self, rows: int, like: list[torch.Tensor]) -> None:
+        """Make every layer's buffers hold `rows` rows before a pass writes them, so `update` never grows
+        them inside the pass (a compiled pass then keeps one graph). like[i]: a [1, kv_heads, 0, head_dim]
+        tensor of layer i's dtype and device."""
+        for layer_idx, key in enumerate(like):
+            keys = self._keys[layer_idx]
+            if keys is None or keys.shape[2] < rows:
+                self._grow(layer_idx, key, rows)
+
+    def _grow(self, layer_idx: int, key: torch.Tensor, needed: int):
         capacity = self.capacity_for(needed)
         self._capacity = capacity
         shape = (key.shape[0], key.shape[1], capacity, key.shape[3])
         keys = key.new_empty(shape)
-        values = value.new_empty(shape)
+        values = key.new_empty(shape)
         old_k, old_v = self._keys[layer_idx], self._values[layer_idx]
         if old_k is not None:
             kept = self.length + self._held_rows

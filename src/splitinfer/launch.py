@@ -87,9 +87,11 @@ def cloud_server(
     tls_key: str | Path | None = None,
     port: int | None = None,
     log: Path | None = None,
+    ready_timeout_s: float = 120.0,
 ):
     """Yields (URL, process) of a server child on a loopback port: wss:// with tls_cert/tls_key, else ws://.
-    `log`: a file its stdout and stderr are appended to (else they are dropped when quiet).
+    `log`: a file its stdout and stderr are appended to (else they are dropped when quiet);
+    `ready_timeout_s`: how long it may take to listen (a server compiling its passes takes minutes).
 
     Tokens go by file (never on the command line, where `ps` shows them); `port` reuses a port, e.g. to
     restart a server where its clients expect it.
@@ -102,7 +104,7 @@ def cloud_server(
         args += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key or tls_cert)]
     proc = _spawn(args, cpu, threads, quiet, log)
     try:
-        wait_for_port(port, proc)
+        wait_for_port(port, proc, ready_timeout_s)
         yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc
     finally:
         _stop(proc)

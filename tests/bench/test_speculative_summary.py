@@ -188,3 +188,10 @@ def test_padding_settings_are_parsed_named_and_refused_when_malformed():
     for bad in ("x", "33+q4", "0+s64", "33+s"):
         with pytest.raises(ConfigError, match="--pad-rows"):
             pad_settings(SimpleNamespace(pad_rows=bad))
+
+
+def test_the_padding_legend_shows_only_when_a_configuration_is_padded():
+    from splitinfer.bench.spec_report import _padding_lines
+
+    assert _padding_lines({"pad_rows": ["0"]}) == [] and _padding_lines({}) == []
+    assert _padding_lines({"pad_rows": ["0", "33+s64"]})[0].startswith("Padded configurations")

@@ -69,6 +69,7 @@ class SpecBenchOptions:
     per_category: int = 3  # prompts taken from each category
     in_flight: str = "1"  # comma-separated blocks in flight (1-3, or auto)
     cloud_pass_ms: float = 0.0  # the fast-cloud scenario's least pass time (serve --min-pass-ms); 0: off
+    cloud_compile_rows: int = 0  # the cloud compiles blocks of this many rows and more (serve --compile-rows); 0: off
     turns: int = 1  # 2: prompts with a second turn (MT-Bench) also run it in the same conversation
     pad_rows: str = "0"  # comma-separated padding settings (wire/padding.py's PadSetting; 0: none) to run each strategy with
     pad_prompt_rows: int = 0  # padded configurations also pad prompts to this many rows (ClientConfig.pad_prompt_rows)
@@ -341,6 +342,8 @@ def register(sub) -> None:
                               "speculative strategy with, e.g. 1,2,3,auto; D > 1 rows are reported against their bound"),
         Opt("cloud_pass_ms", help="the fast-cloud scenario: every cloud pass lasts at least this long (serve "
                                   "--min-pass-ms); with a shard whose cloud holds a layer or two, a GPU cloud"),
+        Opt("cloud_compile_rows", help="the cloud server runs blocks of this many rows and more through "
+                                       "torch.compile (serve --compile-rows; it compiles for minutes first)"),
         Opt("pad_rows", help="comma-separated padding settings ROWS[+sSTEPS][+hHOLD_MS][+tTHINK_MS], e.g. 0,33,33+s64: "
                              "each speculative strategy also runs with steps and replies padded to multiples of ROWS "
                              "rows, replies to multiples of STEPS exchanges, and timing padded (T6, docs/privacy.md; "

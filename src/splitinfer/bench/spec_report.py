@@ -89,7 +89,7 @@ def markdown(report: dict) -> str:
 
 
 def _padding_lines(report: dict) -> list[str]:
-    if not any(report.get("pad_rows") or ()):
+    if all(str(setting) == "0" for setting in report.get("pad_rows") or ()):  # names of PadSetting; 0: none
         return []
     prompts = f" also pad prompt messages to {report['pad_prompt_rows']} rows;" if report.get("pad_prompt_rows") else ""
     return [f"Padded configurations ('+padN': steps and replies to multiples of N rows;{prompts} '+sS': each reply's "

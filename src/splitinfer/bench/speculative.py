@@ -118,6 +118,8 @@ def run_speculative_bench(args) -> dict:
     pass_ms = getattr(args, "cloud_pass_ms", 0) or 0
     if pass_ms:
         device += f", every pass padded to at least {pass_ms:g} ms (the fast-cloud scenario)"
+    if getattr(args, "cloud_compile_rows", 0):
+        device += f", blocks of {args.cloud_compile_rows}+ rows through torch.compile (serve --compile-rows)"
     manifest = json.loads((shards / "local" / "manifest.json").read_text())
     dtype = manifest["dtype"]
     table = local.recycling_table
@@ -210,8 +212,12 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
     extra = ("--device", args.cloud_device) if args.cloud_device else ()
     if getattr(args, "cloud_pass_ms", 0):
         extra += ("--min-pass-ms", str(args.cloud_pass_ms))
+    compile_rows = getattr(args, "cloud_compile_rows", 0)
+    if compile_rows:
+        extra += ("--compile-rows", str(compile_rows))
     with ExitStack() as stack:
-        url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra))
+        url, _ = stack.enter_context(cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra,
+                                                  ready_timeout_s=3600.0 if compile_rows else 120.0))
         targets = {rtt: (url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))) for rtt in rtts}
         pads = pad_settings(args)  # sequential runs unpadded
         clients = {(rtt, d, pad): open_client(shard=shards / "local", server=target, allow_public_weights=True,

@@ -102,12 +102,16 @@ def batch_mask(
     return mask
 
 
-@torch.inference_mode()
 def forward_blocks(stack: LayerStack, blocks: Sequence[Block]) -> list[torch.Tensor]:
     """Run every block through `stack` in one pass; returns each block's output rows [q_b, d] in order.
 
     A single block takes the lone path (`stack.forward`), so a session alone computes exactly as before.
     """
+    with stack.grad_mode():
+        return _forward_blocks(stack, blocks)
+
+
+def _forward_blocks(stack: LayerStack, blocks: Sequence[Block]) -> list[torch.Tensor]:
     if not blocks:
         return []
     if len(blocks) == 1 and blocks[0].prefix is None:

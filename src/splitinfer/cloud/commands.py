@@ -53,6 +53,9 @@ class ServeOptions:
     tp: int = 1  # ranks every middle layer is split over (tensor parallel; > 1 starts torchrun)
     # Benchmarks only: every pass lasts at least this long (cloud/passtime.py; bench spec --cloud-pass-ms)
     min_pass_ms: float = 0.0
+    # Blocks of at least this many rows run through torch.compile (CPU; 0: every pass eager). Measured
+    # in notes/bench/compile: faster from four rows, slower for one row at long context; minutes to compile.
+    compile_rows: int = 0
 
 
 def _serve_options(s: argparse.ArgumentParser) -> None:
@@ -81,7 +84,10 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
     add_options(s, ServeOptions, (Opt("tp", metavar="N", help="split every middle layer over N ranks (tensor "
                                                                 "parallel; starts torchrun with N processes)"),
                                   Opt("min_pass_ms", help="benchmarks only: every forward pass lasts at least this "
-                                                          "many ms (a GPU's flat pass time)")))
+                                                          "many ms (a GPU's flat pass time)"),
+                                  Opt("compile_rows", metavar="N",
+                                      help="run blocks of N or more rows through torch.compile (CPU only; compiles "
+                                           "for minutes before serving; 0: off; 4 measured fastest)")))
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
 
@@ -184,8 +190,25 @@ def _run_server(server, args) -> None:
     asyncio.run(server.serve_forever())
 
 
+def compile_cloud(stack, min_rows: int) -> None:
+    """Switch the stack to compiled passes for blocks of `min_rows` rows or more and compile them before
+    any client connects (a first client would otherwise wait minutes on a CPU)."""
+    import time
+
+    stack.compile_passes(min_rows)
+    started = time.perf_counter()
+    log.info("compiling the passes of %d+ rows (torch.compile; minutes on a CPU)...", min_rows)
+    for rows in sorted({min_rows, max(min_rows, 2)}):  # one row is its own graph; two and more share one
+        stack.warm_up(rows)
+    log.info("compiled in %.0f s", time.perf_counter() - started)
+
+
 def cmd_serve(args) -> int:
     settle_long_running()  # memory flat over days: mmap threshold, kernel caches capped (allocator.py)
+    if args.compile_rows < 0:
+        raise ConfigError(f"--compile-rows must be 0 (off) or a row count, not {args.compile_rows}.")
+    if args.compile_rows and (args.tp != 1 or args.ray or args.devices):
+        raise ConfigError("--compile-rows is measured for one CPU process only; leave out --tp, --ray and --devices.")
     if args.tp != 1 and (args.ray or args.devices):
         raise ConfigError("--tp splits each layer over the ranks of one group; leave out --ray and --devices.")
     if args.tp != 1:
@@ -218,5 +241,7 @@ def cmd_serve(args) -> int:
         from .passtime import MinPassTime
 
         passes = MinPassTime(LocalPasses(half), args.min_pass_ms)
+    if args.compile_rows:
+        compile_cloud(half.stack, args.compile_rows)
     _run_server(CloudServer(half, config, passes), args)
     return 0

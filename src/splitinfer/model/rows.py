@@ -80,7 +80,8 @@ class RowsLinear(nn.Linear):
     _packed_of: tuple | None = None  # (storage pointer, version, dtype, shape) the copy was made from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not packs(x, self.weight):
+        # Under torch.compile (LayerStack.compile_passes) inductor packs the weights itself.
+        if torch.compiler.is_compiling() or not packs(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         return packed_linear(x, self.packed_weight(), self.bias)
 

@@ -50,6 +50,7 @@ class StackView(LayerStack):
         assert 0 <= first <= last <= len(full.layers), (first, last, len(full.layers))
         nn.Module.__init__(self)  # not LayerStack.__init__: it would renumber the shared modules
         self.config, self.rotary, self._cache_kw = full.config, full.rotary, full._cache_kw
+        self.grad_mode = full.grad_mode  # its sessions' caches are made in the full stack's mode; never compiled
         self.layers = nn.ModuleList(list(full.layers)[first:last])
         self.start, self.end = full.start + first, full.start + last
         self.windows = full.windows[first:last]

@@ -142,15 +142,50 @@ class LayerStack(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
 
-    def kv_bytes_per_token(self) -> int:
-        """Key + value bytes one token occupies over all layers of this stack (the KV budget's unit)."""
+    def kv_heads_and_dim(self) -> tuple[int, int]:
         config = self.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim
+
+    def kv_bytes_per_token(self) -> int:
+        """Key + value bytes one token occupies over all layers of this stack (the KV budget's unit)."""
+        kv_heads, head_dim = self.kv_heads_and_dim()
         item = next(self.parameters()).element_size() if len(self.layers) else 0
         return len(self.layers) * 2 * kv_heads * head_dim * item
 
-    @torch.inference_mode()
+    # The autograd mode every pass runs under: inference mode, or no_grad once `compile_passes` is on
+    # (inductor's freezing cannot take inference tensors, and a cache's buffers are made in this mode).
+    grad_mode = staticmethod(torch.inference_mode)
+    compile_rows = 0  # blocks of at least this many rows take the compiled pass (0: none does)
+    _compiled = None
+
+    def compile_passes(self, min_rows: int) -> None:
+        """Run blocks of `min_rows` rows or more through `torch.compile` (inductor, dynamic shapes, weights
+        frozen and prepacked: the CPU recipe); smaller blocks, batches of several sessions and views of the
+        stack stay eager. Two graphs: a block on an empty cache, and every other block. CPU only: the compiled pass is measured on this project's CPU (notes/bench/compile),
+        never on a GPU. The first compiled block compiles (minutes on a small CPU): call `warm_up` first."""
+        if min_rows < 1:
+            raise ModelError(f"compile_passes needs a row count of at least 1, not {min_rows}.")
+        if any(device.type != "cpu" for device in self.devices):
+            raise ModelError("compiled passes are measured on the CPU only; leave out --compile-rows on a GPU.")
+        self.grad_mode = staticmethod(torch.no_grad)
+        self.compile_rows = min_rows
+        kv_heads, head_dim = self.kv_heads_and_dim()
+        dtype = next(self.parameters()).dtype
+        self._empty_keys = [torch.empty((1, kv_heads, 0, head_dim), dtype=dtype) for _ in self.layers]
+        self._compiled = torch.compile(self._pass, dynamic=True, options={"freezing": True})
+
+    def warm_up(self, rows: int) -> None:
+        """Two blocks of `rows` rows on a scratch cache, the first on the empty cache (as many keys as rows),
+        the second after it: a compiled stack compiles its two graphs here, ahead of its users."""
+        param = next(self.parameters())
+        hidden = torch.zeros((1, rows, self.config.hidden_size), dtype=param.dtype, device=param.device)
+        allowed = np.tril(np.ones((rows, rows), dtype=bool))
+        cache = self.new_cache()
+        for start in (0, rows):
+            self(hidden, torch.arange(start, start + rows), allowed, cache)
+            cache.commit_all()
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, allowed: np.ndarray, cache: KVCache) -> torch.Tensor:
         """hidden: [1, q, d]; positions: [q] long; allowed: [q, q] bool. Leaves the block pending in `cache`."""
         q = hidden.shape[1]
@@ -163,13 +198,22 @@ class LayerStack(nn.Module):
         }
         return self.run_layers(hidden, positions[None, :], masks, cache)
 
-    @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, cache) -> torch.Tensor:
         """hidden: [B, Q, d]; position_ids: [B, Q]; masks: {window: [B, 1, Q, K]} -> [B, Q, d].
 
         Inputs live on the first layer's device; the output is on the last one's. Layers placed on several
         devices get the activations, masks and rotary tables moved to them once per device, not per layer.
         """
+        compiled = (self._compiled is not None and type(cache) is KVCache and hidden.shape[0] == 1
+                    and hidden.shape[1] >= self.compile_rows)
+        with self.grad_mode():
+            if not compiled:
+                return self._pass(hidden, position_ids, masks, cache)
+            # Buffers grown here, outside the compiled pass: inside, a growth is another graph to compile.
+            cache.reserve(cache.length + cache.held_rows + hidden.shape[1], self._empty_keys)
+            return self._compiled(*dynamic_rows(hidden, position_ids, masks), cache)
+
+    def _pass(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, cache) -> torch.Tensor:
         tables = rotary_tables(self.rotary, set(self.rope_keys), hidden, position_ids)
         on_device: dict[torch.device, tuple] = {}
         for layer, window, rope_key, device in zip(self.layers, self.windows, self.rope_keys, self.devices):
@@ -189,6 +233,19 @@ class LayerStack(nn.Module):
             )
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+
+def dynamic_rows(hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict) -> tuple:
+    """A compiled pass's inputs with their row and key counts marked dynamic (one graph for every size, not
+    one per size seen first), as ordinary tensors (an inference tensor's other dispatch keys would be a
+    second graph)."""
+    hidden = hidden.clone() if hidden.is_inference() else hidden
+    torch._dynamo.maybe_mark_dynamic(hidden, 1)
+    torch._dynamo.maybe_mark_dynamic(position_ids, 1)
+    for mask in masks.values():
+        torch._dynamo.maybe_mark_dynamic(mask, 2)
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+    return hidden, position_ids, masks
 
 
 def build_stack(
