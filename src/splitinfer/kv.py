@@ -66,14 +66,13 @@ class KVCache:
             return 0
         return self.capacity_for(rows) * bytes_per_row
 
-    def reserve(self, rows: int, like: list[torch.Tensor]) -> None:
+    def reserve(self, rows: int, like: torch.Tensor) -> None:
         """Make every layer's buffers hold `rows` rows before a pass writes them, so `update` never grows
-        them inside the pass (a compiled pass then keeps one graph). like[i]: a [1, kv_heads, 0, head_dim]
-        tensor of layer i's dtype and device."""
-        for layer_idx, key in enumerate(like):
-            keys = self._keys[layer_idx]
+        them inside the pass (a compiled pass then keeps one graph). like: a [1, kv_heads, 0, head_dim]
+        tensor of the buffers' dtype and device."""
+        for layer_idx, keys in enumerate(self._keys):
             if keys is None or keys.shape[2] < rows:
-                self._grow(layer_idx, key, rows)
+                self._grow(layer_idx, like, rows)
 
     def _grow(self, layer_idx: int, key: torch.Tensor, needed: int):
         capacity = self.capacity_for(needed)

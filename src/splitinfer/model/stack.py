@@ -168,11 +168,11 @@ class LayerStack(nn.Module):
             raise ModelError(f"compile_passes needs a row count of at least 1, not {min_rows}.")
         if any(device.type != "cpu" for device in self.devices):
             raise ModelError("compiled passes are measured on the CPU only; leave out --compile-rows on a GPU.")
-        self.grad_mode = staticmethod(torch.no_grad)
+        self.grad_mode = torch.no_grad
         self.compile_rows = min_rows
         kv_heads, head_dim = self.kv_heads_and_dim()
         dtype = next(self.parameters()).dtype
-        self._empty_keys = [torch.empty((1, kv_heads, 0, head_dim), dtype=dtype) for _ in self.layers]
+        self._empty_keys = torch.empty((1, kv_heads, 0, head_dim), dtype=dtype)
         self._compiled = torch.compile(self._pass, dynamic=True, options={"freezing": True})
 
     def warm_up(self, rows: int) -> None:
