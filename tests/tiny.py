@@ -110,15 +110,18 @@ def assert_local_only_matches_hf(model, shards: Path, prompt: list[int], n: int)
     assert got.token_ids == expected
 
 
-def random_head(local, seed: int = 0, vocab: int | None = None):
+def random_head(local, seed: int = 0, vocab: int | None = None, fused_layers: tuple[int, ...] = ()):
     """A randomly initialised draft head over a LocalHalf's own embedding, final norm and LM head; its draft
-    vocabulary is the first `vocab` ids (all by default)."""
+    vocabulary is the first `vocab` ids (all by default). With `fused_layers`, its fuse projection is random
+    too (not the zeros training starts from)."""
     from splitinfer.model.drafthead import DraftHead, DraftHeadConfig
 
     torch.manual_seed(seed)
     size = vocab or local.config.vocab_size
-    config = DraftHeadConfig.for_model(local.config, size, intermediate_size=32)
+    config = DraftHeadConfig.for_model(local.config, size, intermediate_size=32, fused_layers=fused_layers)
     head = DraftHead(config, local.embed, local.norm, local.lm_head, torch.arange(size))
+    if fused_layers:
+        torch.nn.init.normal_(head.fuse.weight, std=0.05)
     return head.eval().requires_grad_(False)
 
 

@@ -204,3 +204,12 @@ def test_what_the_head_is_worth_carries_over_to_the_next_generation_of_the_same_
     second = Tree(TreeConfig(head_explore_every=4), costs=costs, head=head)
     assert [second._head_pays() for _ in range(4)] == [False, False, False, True]  # only exploration
     assert Tree(TreeConfig(), head=head)._head_pays()  # another client starts from the priors
+
+
+def test_a_fused_head_is_refused_by_the_drafter(tmp_path):
+    """The decoding loop does not feed a fused head its hidden states, so it refuses one instead of drafting
+    from half its input."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    head = random_head(local_only_client(shards).local, fused_layers=(1, 2))
+    with pytest.raises(Exception, match="fuses hidden states"):
+        HeadDrafter(head)

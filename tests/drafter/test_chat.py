@@ -86,9 +86,10 @@ def test_a_conversation_renders_with_its_assistant_text_marked():
     assert teacher.conversation_ids(tok, CONVERSATIONS[1]["messages"], 10) is None  # no reply before the cut
 
 
-def _collect(tmp_path, name, tokens, fail_after=None, monkeypatch=None):
+def _collect(tmp_path, name, tokens, fail_after=None, monkeypatch=None, fused_layers=()):
     model = tiny_model("llama", seed=5)
-    config = teacher.TeacherConfig(tokens=tokens, shard_tokens=120, batch_tokens=256, chunk_tokens=100)
+    config = teacher.TeacherConfig(tokens=tokens, shard_tokens=120, batch_tokens=256, chunk_tokens=100,
+                                   fused_layers=fused_layers)
     if fail_after is not None:
         real, calls = teacher.label, {"n": 0}
 
@@ -144,3 +145,22 @@ def test_griffin_mask_trains_a_row_only_where_the_model_would_have_taken_its_pat
     assert path_valid(draft, ok, 1, 5)[0].tolist() == [True] * 5
     draft, ok = path_tokens([{k: v for k, v in s.items() if k in ("tokens", "features")}], [(0, 0)], 5, 2, top_k=4)
     assert bool(draft.all() and ok.all())  # the model's own continuations: every row
+
+
+def test_fused_states_lie_beside_the_same_shards(tmp_path):
+    """With fused layers the shards (and the data hash) are the same bytes; the states sit in files of their
+    own, row for row with the features; shards without them say so, and the options cannot be mixed."""
+    _, plain = _collect(tmp_path, "plain", 10_000)
+    model, fused = _collect(tmp_path, "fused", 10_000, fused_layers=(2, 5))
+    assert [s["sha256"] for s in fused["shards"]] == [s["sha256"] for s in plain["shards"]]
+    assert teacher.fused_hash(plain) is None and len(teacher.fused_hash(fused)) == 64
+    for s in teacher.load_sequences(tmp_path / "fused", fused=True):
+        with torch.no_grad():
+            states = model(s["tokens"].long()[None], output_hidden_states=True).hidden_states
+        expected = torch.cat([states[2][0, :-1], states[5][0, :-1]], dim=-1)
+        torch.testing.assert_close(s["fused"].float(), expected, atol=2e-2, rtol=1e-2)  # float16 storage
+    with pytest.raises(Exception, match="without fused hidden states"):
+        teacher.load_sequences(tmp_path / "plain", fused=True)
+    with pytest.raises(Exception, match="other options"):
+        teacher.ShardWriter(tmp_path / "plain", teacher.TeacherConfig(shard_tokens=120, batch_tokens=256, chunk_tokens=100,
+                                                                      fused_layers=(2, 5)), {})

@@ -60,3 +60,16 @@ def test_sampling_is_seeded_and_draws_within_the_nucleus():
     kept = probs[[0, 1, 4]] / probs[[0, 1, 4]].sum()
     for token, p in zip((0, 1, 4), kept.tolist()):
         assert abs(float((draws == token).float().mean()) - p) < 0.03
+
+
+def test_fused_rows_carry_the_requested_hidden_states():
+    model = tiny_model("llama")
+    plain = generate_rows(model, PROMPTS, 8, pad_id=0, eos_ids=set())
+    rows = generate_rows(model, PROMPTS, 8, pad_id=0, eos_ids=set(), fused_layers=(1, 4))
+    for (tokens, features), (same_tokens, same_features, fused) in zip(plain, rows):
+        assert tokens == same_tokens and torch.equal(features, same_features)
+        with torch.no_grad():
+            states = model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        expected = torch.cat([states[1][0], states[4][0]], dim=-1)  # outputs of layers 0 and 3
+        assert fused.shape == expected.shape == (len(tokens) - 1, 2 * model.config.hidden_size)
+        torch.testing.assert_close(fused.float(), expected, atol=2e-2, rtol=1e-2)  # float16 storage

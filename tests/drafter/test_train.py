@@ -148,3 +148,16 @@ def test_a_run_extended_with_more_steps_ends_with_the_head_of_the_longer_run(smo
     assert all(torch.equal(a[k], b[k]) for k in a) and manifest["steps"] == 8
     with pytest.raises(ConfigError, match="resume with the --steps it was made with"):
         train.run_training(smollm2_shards, extended, replace(long, steps=9, schedule="cosine"))
+
+
+def test_a_fused_head_trains_on_the_states_that_cross_the_wire(smollm2_shards, tmp_path):
+    """--fuse keeps the head layers' and the cloud layers' outputs with the data and trains the head's fuse
+    projection on them (it starts at zero, so a step that moved it read them)."""
+    torch.set_num_threads(1)
+    manifest = train.run_training(smollm2_shards, tmp_path, replace(TOY, fuse=True))
+    assert list(manifest["head"]["fused_layers"]) == [2, 28] and manifest["config"]["fuse"]
+    data = torch.load(tmp_path / train.DATA, weights_only=False)
+    assert all(s["fused"].shape == (s["features"].shape[0], 2 * 576) for s in data["sequences"])
+    assert load_file(str(tmp_path / HEAD_WEIGHTS))["fuse.weight"].abs().max() > 0
+    with pytest.raises(ConfigError, match="other options"):
+        train.run_training(smollm2_shards, tmp_path, TOY)  # data without the states cannot be reused

@@ -45,7 +45,7 @@ def test_pass_mask_and_valid_rows():
     assert mask.shape == (3, 9)
     assert mask[1].tolist() == [True, True, False, False, True, False, False, True, False]
     sequences = [{"tokens": list(range(10)), "prompt_len": 2, "features": torch.zeros(9, 4)}]
-    feats, tokens, rows = window_tensors(sequences, [(0, 4)], 4, 2)
+    feats, tokens, rows, _ = window_tensors(sequences, [(0, 4)], 4, 2)
     assert feats.shape == (1, 6, 4) and tokens[0].tolist() == [4, 5, 6, 7, 8, 9, 0] and rows.tolist() == [5]
 
 
@@ -58,3 +58,29 @@ def test_accuracy_counts_each_depth_on_generated_rows(tmp_path):
     # 19 feature rows: depth e drafts tokens 2+e-1 .. 19, the generated ones from index 5.
     assert [r["rows"] for r in result["depth"]] == [15, 15, 15]
     assert all(0 <= r["top1"] <= r["topk"] <= 1 for r in result["depth"])
+
+
+def test_a_fused_head_reads_its_fused_states_at_depth_one_only(tmp_path):
+    """Fusion adds fuse(states) to the true features of pass 0 and nothing else: deeper passes read the head's
+    own predictions, as at run time. A fused head with its zero initial projection drafts as the plain head."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = local_only_client(shards).local
+    head = random_head(local, fused_layers=(1, 2))
+    torch.manual_seed(3)
+    n, depth, d = 6, 3, head.config.hidden_size
+    feats, fused = torch.randn(1, n + depth, d), torch.randn(1, n + depth, 2 * d)
+    tokens = torch.randint(0, head.config.draft_vocab_size, (1, n + depth + 1))
+    rows = torch.tensor([n + depth])
+    moved = feats.clone()
+    moved[:, :n] += head.fuse(fused[:, :n])
+    with_fused, by_hand = unroll(head, feats, tokens, rows, depth, fused=fused), unroll(head, moved, tokens, rows, depth)
+    plain = unroll(head, feats, tokens, rows, depth)
+    for a, b, c in zip(with_fused, by_hand, plain):
+        torch.testing.assert_close(a.predicted, b.predicted)
+        assert (a.predicted - c.predicted).abs().max() > 1e-3  # the states really moved the drafts
+    torch.nn.init.zeros_(head.fuse.weight)
+    for a, c in zip(unroll(head, feats, tokens, rows, depth, fused=fused), plain):
+        torch.testing.assert_close(a.predicted, c.predicted)
+    sequences = [{"tokens": list(range(10)), "prompt_len": 2, "features": torch.zeros(9, d), "fused": torch.arange(9.0)[:, None].repeat(1, 2 * d)}]
+    window = window_tensors(sequences, [(0, 4)], 3, 2)[3]
+    assert window[0, :, 0].tolist() == [4.0, 5.0, 6.0, 7.0, 8.0]  # the states at the features' rows

@@ -138,3 +138,28 @@ def test_basis_identity_names_public_keyed_and_unnamed_shards():
     assert basis_identity({"residual_basis": {"method": "x", "basis_id": "abc"}}) == "abc"
     unnamed = basis_identity({"residual_basis": {"method": "x"}})
     assert unnamed.startswith("unnamed-") and unnamed != basis_identity({"residual_basis": {"method": "y"}})
+
+
+def test_a_fused_heads_projection_is_rebased_with_the_rest(tmp_path):
+    """A fused head (model/drafthead.py fused_layers) reads hidden states of the keyed stream too: under the
+    key, fed the keyed model's own states, it predicts what the public head predicts from the public ones."""
+    _, shards = prepare_tiny(tmp_path, "llama", 2, 2)
+    local = local_only_client(shards).local
+    random_head(local, vocab=64, fused_layers=(2, 4)).save(
+        shards / "local" / DRAFTER_DIR, extra={"model_fingerprint": model_identity(local.manifest)})
+    out = tmp_path / "keyed"
+    assert main(["privacy", "privatize", "--shards", str(shards), "--out", str(out), "--basis", "--seed", "9",
+                 "--key", "linear", "--metric-block", "16"]) == 0
+    logits = []
+    for directory in (shards, out):
+        model, seen = load_whole_hf(directory), []
+        model.model.norm.register_forward_pre_hook(lambda _m, inputs: seen.append(inputs[0]))
+        with torch.no_grad():
+            states = model(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
+        head = load_head(directory / "local" / DRAFTER_DIR, model.model.embed_tokens, model.model.norm, model.lm_head)
+        n = len(PROMPT) - 1
+        fused = torch.cat([states[2][:, :n], states[4][:, :n]], dim=-1)
+        predicted, _, _ = head(seen[0][:, :n], torch.tensor([PROMPT[1:]]), torch.arange(n),
+                               torch.ones(n, n, dtype=torch.bool).tril(), fused=fused)
+        logits.append(head.logits(predicted[0]))
+    assert (logits[0] - logits[1]).abs().max() < 1e-3 * logits[0].abs().max()

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
 from ..model.drafthead import DraftHead, HeadCache
 from .calibration import Ratio
 from .draft import TokenTrie
@@ -56,6 +57,11 @@ class _Node:
 
 class HeadDrafter:
     def __init__(self, head: DraftHead, config: HeadDraftConfig = HeadDraftConfig()):
+        if head.config.fused_layers:
+            raise ConfigError(
+                f"this draft head fuses hidden states {list(head.config.fused_layers)} into its input, which the "
+                "decoding loop does not hand it yet (fused heads are measured offline: notes/bench/drafter); "
+                "install a head trained without --fuse.")
         self.head = head
         self.config = config
         self.draft_ms = 0.0  # wall time of the last `propose`

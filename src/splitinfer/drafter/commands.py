@@ -37,6 +37,10 @@ TRAIN_OPTIONS = (
     Opt("path_top_k", help="GRIFFIN's loss mask on teacher-forced text: rows whose path holds a token outside the "
         "model's top k are not trained (0: off)"),
     Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),
+    Opt("intermediate_size", help="width of the head's MLP"),
+    Opt("fuse", help="EAGLE-3's feature fusion, measured offline: keep the hidden states that cross the wire at every "
+        "row and add them to the head's depth-1 input (the decoding loop does not feed them yet, so such a head "
+        "cannot be installed)"),
 )
 
 

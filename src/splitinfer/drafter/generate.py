@@ -43,11 +43,29 @@ def _capture_features(model) -> tuple[list, object]:
     return seen, handle
 
 
+def capture_states(model, layers: tuple[int, ...]) -> tuple[list[list[torch.Tensor]], list]:
+    """Collect hidden states `layers` (HF numbering: i = the output of decoder layer i - 1) on every
+    forward call: (one list per layer, the hooks to remove)."""
+    seen: list[list[torch.Tensor]] = [[] for _ in layers]
+
+    def hook(k):
+        return lambda mod, args, out: seen[k].append((out[0] if isinstance(out, tuple) else out).detach().float())
+
+    return seen, [model.model.layers[i - 1].register_forward_hook(hook(k)) for k, i in enumerate(layers)]
+
+
+def fused_rows(seen: list[list[torch.Tensor]]) -> torch.Tensor | None:
+    """The captured states laid side by side, [B, rows, len(layers) * d] (None when nothing is fused)."""
+    return torch.cat([torch.cat(calls, dim=1) for calls in seen], dim=-1) if seen else None
+
+
 @torch.inference_mode()
 def generate_rows(model, prompts: list[list[int]], max_new_tokens: int, pad_id: int, eos_ids: set[int],
-                  sampling: Sampling | None = None, seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+                  sampling: Sampling | None = None, seed: int = 0, fused_layers: tuple[int, ...] = ()) -> list[tuple]:
     """Continue every prompt -> [(prompt + continuation up to and with its end token, features
-    [len(tokens) - 1, d] float16 on the CPU)] in the prompts' order; row i's feature predicts token i + 1."""
+    [len(tokens) - 1, d] float16 on the CPU)] in the prompts' order; row i's feature predicts token i + 1.
+    With `fused_layers`, each tuple also holds those hidden states at the same rows, [len(tokens) - 1,
+    len(fused_layers) * d] float16."""
     from transformers import StaticCache
 
     device = model.device
@@ -61,6 +79,7 @@ def generate_rows(model, prompts: list[list[int]], max_new_tokens: int, pad_id: 
     gen = torch.Generator().manual_seed(seed)
     cached = {cache_keyword(model): cache}
     seen, handle = _capture_features(model)
+    states, hooks = capture_states(model, fused_layers)
     generated, ended = [], torch.zeros(len(prompts), dtype=torch.bool, device=device)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     try:
@@ -78,15 +97,20 @@ def generate_rows(model, prompts: list[list[int]], max_new_tokens: int, pad_id: 
                            **cached, cache_position=torch.tensor([width + step], device=device),
                            use_cache=True).logits
     finally:
-        handle.remove()
-    return _rows(prompts, torch.stack(generated, dim=1).tolist(), torch.cat(seen, dim=1), width, eos_ids)
+        for hook in [handle, *hooks]:
+            hook.remove()
+    return _rows(prompts, torch.stack(generated, dim=1).tolist(), torch.cat(seen, dim=1), width, eos_ids,
+                 fused_rows(states))
 
 
 def _rows(prompts: list[list[int]], generated: list[list[int]], features: torch.Tensor, width: int,
-          eos_ids: set[int]) -> list[tuple[list[int], torch.Tensor]]:
-    """Cut each row at its first end token; features [B, W + steps - 1, d] -> each row's own rows."""
+          eos_ids: set[int], fused: torch.Tensor | None = None) -> list[tuple]:
+    """Cut each row at its first end token; features [B, W + steps - 1, d] (and the fused states alike) ->
+    each row's own rows."""
     rows = []
     for b, prompt in enumerate(prompts):
         end = next((i + 1 for i, t in enumerate(generated[b]) if t in eos_ids), len(generated[b]))
-        rows.append((prompt + generated[b][:end], features[b, width - len(prompt) : width - 1 + end].half().cpu()))
+        own = slice(width - len(prompt), width - 1 + end)
+        row = (prompt + generated[b][:end], features[b, own].half().cpu())
+        rows.append(row if fused is None else (*row, fused[b, own].half().cpu()))
     return rows

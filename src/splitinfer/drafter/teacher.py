@@ -12,6 +12,10 @@ shard (`shard-NNNNN.pt`, about `shard_tokens` rows) holds, for its sequences lai
   would not have taken (GRIFFIN's loss mask);
 - starts [S + 1] int64 and heldout [S] bool: where each sequence begins, and whether it is held out.
 
+With `fused_layers` (a fused head's extra inputs), `shard-NNNNN.fused.pt` beside each shard holds those
+hidden states at the same rows ([N, len(fused_layers) * d] float16), with its own sha256 in the index:
+the shards themselves, and so the data hash, are the same bytes with or without it.
+
 `index.json` lists the finished shards with their sha256 and the next conversation to read, so a rerun
 appends after the last shard and nothing is rewritten. `load_sequences` maps the shards (torch's mmap
 load) and returns per-sequence views, so training never reads every shard into memory at once.
@@ -30,6 +34,7 @@ import torch
 
 from ..errors import ConfigError
 from ..progress import progress
+from .generate import capture_states, fused_rows
 
 INDEX = "index.json"
 MAX_RANK = 255
@@ -46,6 +51,10 @@ class TeacherConfig:
     # were no faster in an ad-hoc check (notes/bench/drafter/README.md section 17).
     dtype: str = "float32"
     seed: int = 0  # order of the conversations
+    fused_layers: tuple[int, ...] = ()  # hidden states also stored (HF numbering), beside each shard
+
+    def __post_init__(self):
+        object.__setattr__(self, "fused_layers", tuple(int(i) for i in self.fused_layers))
 
 
 def conversation_ids(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[bool]] | None:
@@ -78,17 +87,21 @@ def _capture(model) -> tuple[list, object]:
 
 
 @torch.inference_mode()
-def label(model, sequences: list[list[int]], drafts: list[list[bool]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def label(model, sequences: list[list[int]], drafts: list[list[bool]], fused_layers: tuple[int, ...] = ()) -> list[tuple]:
     """One padded forward pass over `sequences` -> per sequence (features [L, d] float16, rank [L] uint8,
-    MAX_RANK where the token is not a drafted one). Right padding and the causal mask leave every real row
-    as it would be alone; the LM head reads only the rows before drafted tokens."""
+    MAX_RANK where the token is not a drafted one, the hidden states `fused_layers` [L, F d] float16 or
+    None). Right padding and the causal mask leave every real row as it would be alone; the LM head reads
+    only the rows before drafted tokens."""
     width = max(map(len, sequences))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=model.device)
     seen, handle = _capture(model)
+    states, hooks = capture_states(model, fused_layers)
     try:
         normed = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [B, W, d]
     finally:
-        handle.remove()
+        for hook in [handle, *hooks]:
+            hook.remove()
+    fused = fused_rows(states)
     out = []
     for b, (s, draft) in enumerate(zip(sequences, drafts)):
         n = len(s)
@@ -97,7 +110,8 @@ def label(model, sequences: list[list[int]], drafts: list[list[bool]]) -> list[t
         chosen = logits.gather(-1, ids[b, targets][:, None])
         rank = torch.full((n,), MAX_RANK, dtype=torch.long, device=ids.device)
         rank[targets] = (logits > chosen).sum(-1).clamp(max=MAX_RANK)
-        out.append((seen[0][b, :n].to(torch.float16).cpu(), rank.to(torch.uint8).cpu()))
+        extra = None if fused is None else fused[b, :n].to(torch.float16).cpu()
+        out.append((seen[0][b, :n].to(torch.float16).cpu(), rank.to(torch.uint8).cpu(), extra))
     return out
 
 
@@ -119,7 +133,7 @@ class ShardWriter:
     def __init__(self, out: Path, config: TeacherConfig, source: dict):
         self.out, self.config = out, config
         self.index = read_index(out) or {"config": asdict(config), "source": source, "shards": [], "next": 0}
-        if {k: v for k, v in self.index["config"].items() if k != "tokens"} != {k: v for k, v in asdict(config).items() if k != "tokens"}:
+        if _options(self.index["config"]) != _options(asdict(config)):
             raise ConfigError(f"{out} holds shards made with other options ({self.index['config']}); use another directory.")
         self.pending: list[dict] = []
 
@@ -147,14 +161,31 @@ class ShardWriter:
                  "starts": torch.tensor([0] + lengths).cumsum(0),
                  "heldout": torch.tensor([p["heldout"] for p in self.pending], dtype=torch.bool),
                  "ids": [p["id"] for p in self.pending]}
-        tmp = self.out / (name + ".tmp")
-        torch.save(shard, tmp)
-        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
-        tmp.replace(self.out / name)
-        self.index["shards"].append({"file": name, "sequences": len(lengths), "tokens": sum(lengths), "sha256": digest})
+        entry = {"file": name, "sequences": len(lengths), "tokens": sum(lengths), "sha256": self._save(name, shard)}
+        if self.config.fused_layers:
+            entry["fused_sha256"] = self._save(fused_name(name), {"fused": torch.cat([p["fused"] for p in self.pending])})
+        self.index["shards"].append(entry)
         self.index["next"] = next_conversation
         _write_json(self.out / INDEX, self.index)
         self.pending = []
+
+    def _save(self, name: str, tensors: dict) -> str:
+        tmp = self.out / (name + ".tmp")
+        torch.save(tensors, tmp)
+        digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+        tmp.replace(self.out / name)
+        return digest
+
+
+def _options(config: dict) -> dict:
+    """A shard directory's options as compared on a rerun: all but the row target, an option added since
+    read at its default."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in (asdict(TeacherConfig()) | config).items() if k != "tokens"}
+
+
+def fused_name(shard: str) -> str:
+    return shard.removesuffix(".pt") + ".fused.pt"
 
 
 def read_index(out: Path) -> dict | None:
@@ -187,9 +218,10 @@ def collect(model, tokenizer, conversations: list[dict], out: Path, config: Teac
                     chunk.append((conversation, *rendered))
             chunk.sort(key=lambda c: len(c[1]))
             for group in _batches(chunk, config.batch_tokens):
-                for (conversation, ids, draft), (features, rank) in zip(group, label(model, [g[1] for g in group], [g[2] for g in group])):
+                labels = label(model, [g[1] for g in group], [g[2] for g in group], config.fused_layers)
+                for (conversation, ids, draft), (features, rank, fused) in zip(group, labels):
                     writer.add({"id": conversation["id"], "heldout": conversation["heldout"], "tokens": ids,
-                                "draft": draft, "features": features, "rank": rank})
+                                "draft": draft, "features": features, "rank": rank, "fused": fused})
                     bar.update(len(ids))
             writer.chunk_done(at)
         writer.flush(at)
@@ -203,15 +235,25 @@ def data_hash(index: dict) -> str:
     return hashlib.sha256("".join(s["sha256"] for s in index["shards"]).encode()).hexdigest()
 
 
-def load_sequences(out: Path, tokens: int | None = None) -> list[dict]:
+def fused_hash(index: dict) -> str | None:
+    """The hash of the fused states' files (None where the shards have none)."""
+    if not index["config"].get("fused_layers"):
+        return None
+    return hashlib.sha256("".join(s["fused_sha256"] for s in index["shards"]).encode()).hexdigest()
+
+
+def load_sequences(out: Path, tokens: int | None = None, fused: bool = False) -> list[dict]:
     """The shards' sequences as training records (views of memory-mapped shards), up to `tokens` rows:
-    {"tokens", "features", "prompt_len", "draft", "rank", "heldout"}."""
+    {"tokens", "features", "prompt_len", "draft", "rank", "heldout"}, and "fused" where asked for."""
     index = read_index(out)
     if index is None:
         raise ConfigError(f"{out} holds no teacher-forced shards ({INDEX} is missing).")
+    if fused and not index["config"].get("fused_layers"):
+        raise ConfigError(f"{out} holds shards without fused hidden states; label into another directory with them.")
     sequences, rows = [], 0
     for entry in index["shards"]:
         shard = torch.load(out / entry["file"], mmap=True, weights_only=True)
+        extra = torch.load(out / fused_name(entry["file"]), mmap=True, weights_only=True)["fused"] if fused else None
         starts = shard["starts"].tolist()
         for k in range(len(starts) - 1):
             a, b = starts[k], starts[k + 1]
@@ -219,6 +261,8 @@ def load_sequences(out: Path, tokens: int | None = None) -> list[dict]:
             sequences.append({"tokens": shard["tokens"][a:b], "features": shard["features"][a : b - 1],
                               "prompt_len": int(draft.nonzero()[0, 0]) if bool(draft.any()) else b - a,
                               "draft": draft, "rank": shard["rank"][a:b], "heldout": bool(shard["heldout"][k])})
+            if extra is not None:
+                sequences[-1]["fused"] = extra[a : b - 1]
             rows += b - a
             if tokens is not None and rows >= tokens:
                 return sequences

@@ -17,6 +17,10 @@ to data/heldout.jsonl. Training windows cover each reply and the end of its prom
 `depth` passes on its own predictions (drafter/unroll.py); each pass's loss is SmoothL1 to the true next
 feature (scaled by the data's feature spread) + `ce_weight` x cross-entropy against the model's own
 distribution over the draft vocabulary at that feature. Pass 0's input features get a little uniform noise.
+
+`fuse` (EAGLE-3's feature fusion, a measured option): the data also keep the two hidden states that cross
+the wire at every row (the head layers' output, sent to the cloud, and the cloud layers' output, received
+back), and the head adds them to its depth-1 input through a zero-initialised projection.
 """
 
 from __future__ import annotations
@@ -46,14 +50,14 @@ DATA = "data.pt"
 PARTIAL = "data.partial.pt"  # the batches generated so far, while collecting
 # The options that shape the data (the rest only shape training, and may change on a resume).
 DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype",
-               "corpus", "source", "max_len")
+               "corpus", "source", "max_len", "fuse")
 GENERATE_DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("templates", "sharegpt")
 TEACHER = "teacher"  # the teacher-forced shards' directory under the output (source sharegpt)
 # path_top_k: any value trains the same on the model's own continuations, all that heads before it saw.
 # What data (and heads) made before an option existed were made with (cosine used no schedule option).
 DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024, "path_top_k": 4,
-               "schedule": "cosine", "warmup_steps": 240, "decay_share": 0.2}
+               "schedule": "cosine", "warmup_steps": 240, "decay_share": 0.2, "fuse": False}
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
@@ -101,6 +105,9 @@ class TrainConfig:
     ce_weight: float = 1.0  # weight of the cross-entropy against the model's readout, beside the feature loss
     heldout_every: int = 25  # every n-th generated sequence is held out of training and measures it
     checkpoint_every: int = 50
+    # EAGLE-3's feature fusion: the hidden states that cross the wire (after the head layers, after the cloud
+    # layers) added to the head's depth-1 input; measured offline, the decoding loop does not feed them yet
+    fuse: bool = False
 
     def __post_init__(self):
         if self.generate_dtype not in GENERATE_DTYPES:
@@ -112,11 +119,25 @@ class TrainConfig:
 
 
 # -- 1. data --------------------------------------------------------------------------------------
-def _generate_batch(model, tokenizer, prompts: list[list[int]], config: TrainConfig, sampled: bool, seed: int):
-    """Batched continuations (drafter/generate.py) -> [(token ids, features [len - 1, d] fp16)] per prompt."""
+def _generate_batch(model, tokenizer, prompts: list[list[int]], config: TrainConfig, sampled: bool, seed: int,
+                    fused_layers: tuple[int, ...] = ()) -> list[dict]:
+    """Batched continuations (drafter/generate.py) -> per prompt {"tokens", "prompt_len", "features" [len - 1,
+    d] fp16, and "fused" [len - 1, F d] fp16 with `fused_layers`}."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return generate_rows(model, prompts, config.max_new_tokens, pad, set(_eos_ids(model.config, tokenizer)),
-                         Sampling() if sampled else None, seed)
+    rows = generate_rows(model, prompts, config.max_new_tokens, pad, set(_eos_ids(model.config, tokenizer)),
+                         Sampling() if sampled else None, seed, fused_layers)
+    records = [{"tokens": row[0], "prompt_len": len(p), "features": row[1]} for p, row in zip(prompts, rows)]
+    for record, row in zip(records, rows):
+        if len(row) > 2:
+            record["fused"] = row[2]
+    return records
+
+
+def wire_states(shards: Path) -> tuple[int, int]:
+    """The hidden states (HF numbering) that cross the wire in `shards`' split: the head layers' output
+    and the cloud layers' output, both on the trusted side at run time."""
+    split = read_manifest(shards / "local", "local")["split"]
+    return int(split["head_layers"]), int(split["cloud_layers"][1])
 
 
 def _eos_ids(config, tokenizer) -> list[int]:
@@ -145,7 +166,7 @@ def generator_model(model, dtype: str):
     return model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
 
 
-def collect_data(model, tokenizer, config: TrainConfig, out: Path) -> dict:
+def collect_data(model, tokenizer, config: TrainConfig, out: Path, fused_layers: tuple[int, ...] = ()) -> dict:
     """Prompts -> continuations and features until `config.tokens` generated tokens are collected (or the
     prompts run out), by the model cast to `config.generate_dtype`. The
     batches so far are saved to out/data.partial.pt after each one, and a rerun goes on from there (each
@@ -171,9 +192,8 @@ def collect_data(model, tokenizer, config: TrainConfig, out: Path) -> dict:
                 continue
             # Spread the sampled batches evenly among the greedy ones.
             sampled = math.floor((index + 1) * config.sampled_share) > math.floor(index * config.sampled_share)
-            rows = _generate_batch(generator, tokenizer, batch, config, sampled, config.seed * 100_003 + index)
-            for prompt, (tokens, features) in zip(batch, rows):
-                sequences.append({"tokens": tokens, "prompt_len": len(prompt), "features": features})
+            sequences += _generate_batch(generator, tokenizer, batch, config, sampled, config.seed * 100_003 + index,
+                                         fused_layers)
             new = sum(len(s["tokens"]) for s in sequences[-len(batch):]) - sum(len(p) for p in batch)
             generated += new
             bar.update(new)
@@ -186,7 +206,7 @@ def collect_data(model, tokenizer, config: TrainConfig, out: Path) -> dict:
             "generate_wall_s": round(time.perf_counter() - started, 1)}
 
 
-def heldout_replies(model, tokenizer, config: TrainConfig) -> list[dict]:
+def heldout_replies(model, tokenizer, config: TrainConfig, fused_layers: tuple[int, ...] = ()) -> list[dict]:
     """The model's greedy replies (and features) to the packaged held-out prompts (data/heldout.jsonl):
     chat prompts through the chat template, the others as plain text to continue."""
     from importlib import resources
@@ -199,8 +219,7 @@ def heldout_replies(model, tokenizer, config: TrainConfig) -> list[dict]:
         chat = record.get("chat", True)
         prompts.append(chat_prompt_ids(tokenizer, [{"role": "user", "content": record["prompt"]}]) if chat
                        else tokenizer(record["prompt"])["input_ids"])
-    rows = _generate_batch(model, tokenizer, prompts, config, sampled=False, seed=config.seed)
-    return [{"tokens": tokens, "prompt_len": len(p), "features": f} for p, (tokens, f) in zip(prompts, rows)]
+    return _generate_batch(model, tokenizer, prompts, config, sampled=False, seed=config.seed, fused_layers=fused_layers)
 
 
 def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch.Tensor:
@@ -237,10 +256,10 @@ def _window_loss(head: DraftHead, batch, config: TrainConfig, scale: float, nois
     next feature (scaled by the data's spread) + `ce_weight` x cross-entropy against the model's own
     readout of that feature (its distribution over the draft vocabulary). -> (loss, feature, ce, top-1
     per pass) with the last three as floats."""
-    feats, tokens, rows, draft, ok = batch
+    feats, tokens, rows, fused, draft, ok = batch
     n = feats.shape[1] - config.depth
     loss, feature_sum, ce_sum, top1 = 0.0, 0.0, 0.0, []
-    for e, p in enumerate(unroll(head, feats, tokens, rows, config.depth, noise)):
+    for e, p in enumerate(unroll(head, feats, tokens, rows, config.depth, noise, fused)):
         valid = p.valid & path_valid(draft, ok, e, n).to(p.valid.device)
         target = feats[:, e + 1 : e + 1 + n][valid]
         logits = head.logits(p.predicted[valid])
@@ -278,7 +297,7 @@ def heldout_loss(head: DraftHead, sequences: list[dict], config: TrainConfig, sc
 
 
 def window_batch(sequences: list[dict], picks: list[tuple[int, int]], config: TrainConfig) -> tuple:
-    """(feats, tokens, rows, draft, ok) of the windows `picks` (drafter/unroll.py)."""
+    """(feats, tokens, rows, fused, draft, ok) of the windows `picks` (drafter/unroll.py)."""
     return (*window_tensors(sequences, picks, config.window, config.depth, config.device),
             *path_tokens(sequences, picks, config.window, config.depth, config.path_top_k))
 
@@ -344,20 +363,21 @@ def load_or_collect(shards: Path, config: TrainConfig, out: Path):
     model = load_whole_hf(shards).to(config.device).requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(shards / "local", local_files_only=True)
     tokenizer.padding_side = "left"
+    fused_layers = wire_states(shards) if config.fuse else ()
     if config.source == "sharegpt":
-        return model, tokenizer, collect_chat(model, tokenizer, config, out)
+        return model, tokenizer, collect_chat(model, tokenizer, config, out, fused_layers)
     if (out / DATA).exists():
         data = torch.load(out / DATA, weights_only=False)
         if made_with(data["config"]) != {k: getattr(config, k) for k in DATA_FIELDS}:
             raise ConfigError(f"{out} holds data made with other options; use another --out or the same options.")
     else:
-        data = collect_data(model, tokenizer, config, out) | {"config": asdict(config)}
+        data = collect_data(model, tokenizer, config, out, fused_layers) | {"config": asdict(config)}
         torch.save(data, out / DATA)
         (out / PARTIAL).unlink(missing_ok=True)
     return model, tokenizer, data
 
 
-def collect_chat(model, tokenizer, config: TrainConfig, out: Path) -> dict:
+def collect_chat(model, tokenizer, config: TrainConfig, out: Path, fused_layers: tuple[int, ...] = ()) -> dict:
     """ShareGPT conversations, teacher-forced into appendable shards under out/teacher (drafter/teacher.py),
     read back as memory-mapped sequences; a rerun appends after the last finished shard."""
     from . import chat, teacher
@@ -366,12 +386,13 @@ def collect_chat(model, tokenizer, config: TrainConfig, out: Path) -> dict:
     evaluated = chat.Evaluated.load([turn for q in chat.mtbench_questions() for turn in q["turns"]])
     kept, counts = chat.usable(conversations, evaluated)
     tconfig = teacher.TeacherConfig(tokens=config.tokens, max_len=config.max_len, dtype=config.generate_dtype,
-                                    seed=config.seed)
+                                    seed=config.seed, fused_layers=fused_layers)
     labeller = generator_model(model, config.generate_dtype)
     index = teacher.collect(labeller, tokenizer, kept, out / TEACHER, tconfig,
                             {"sharegpt": chat.SHAREGPT_SOURCE, "mtbench": chat.MTBENCH_SOURCE})
-    sequences = teacher.load_sequences(out / TEACHER, config.tokens)
-    return {"sequences": sequences, "sha256": teacher.data_hash(index), "prompts": len(sequences),
+    sequences = teacher.load_sequences(out / TEACHER, config.tokens, fused=bool(fused_layers))
+    return {"sequences": sequences, "sha256": teacher.data_hash(index), "fused_sha256": teacher.fused_hash(index),
+            "prompts": len(sequences),
             "generated_tokens": sum(len(s["tokens"]) for s in sequences), "generate_wall_s": index["wall_s"],
             "source": index["source"] | {"read": read, "conversations": counts}, "config": asdict(config)}
 
@@ -383,9 +404,8 @@ def reply_accuracy(model, tokenizer, head, config: TrainConfig, prompts: list[st
     ids = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     replies = []
     for i in range(0, len(ids), config.generate_batch):
-        batch = ids[i : i + config.generate_batch]
-        rows = _generate_batch(model, tokenizer, batch, config, sampled=False, seed=config.seed)
-        replies += [{"tokens": t, "prompt_len": len(p), "features": f} for p, (t, f) in zip(batch, rows)]
+        replies += _generate_batch(model, tokenizer, ids[i : i + config.generate_batch], config, sampled=False,
+                                   seed=config.seed, fused_layers=head.config.fused_layers)
     return accuracy(head, replies, REPORTED_DEPTH, config.window)
 
 
@@ -413,7 +433,8 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
     training, heldout = split_heldout(data["sequences"], config.heldout_every)
     draft_vocab = draft_vocabulary(training, config.draft_vocab_size, vocab)
     torch.manual_seed(config.seed)
-    head_config = DraftHeadConfig.for_model(model.config, config.draft_vocab_size, config.intermediate_size)
+    head_config = DraftHeadConfig.for_model(model.config, config.draft_vocab_size, config.intermediate_size,
+                                            wire_states(shards) if config.fuse else ())
     head = DraftHead(head_config, model.model.embed_tokens, model.model.norm, model.lm_head, draft_vocab.to(config.device),
                      getattr(model.config, "final_logit_softcapping", None)).to(config.device)
     state = train_head(head, data, config, out)
@@ -435,12 +456,15 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
         # Teacher-forced, the head on its own predictions: generated held-out sequences of the same data,
         # and the model's greedy replies to data/heldout.jsonl (prompts in no training or benchmark set).
         "heldout_accuracy": accuracy(head, heldout, REPORTED_DEPTH, config.window),
-        "heldout_prompts_accuracy": accuracy(head, heldout_replies(model, tokenizer, config), REPORTED_DEPTH, config.window),
+        "heldout_prompts_accuracy": accuracy(head, heldout_replies(model, tokenizer, config, head_config.fused_layers),
+                                             REPORTED_DEPTH, config.window),
         "mtbench_accuracy": mtbench_accuracy(model, tokenizer, head, config),
         "config": asdict(config),
         "head": asdict(head_config),
     }
     if "source" in data:
         manifest["source"] = data["source"]
+    if data.get("fused_sha256"):
+        manifest["fused_sha256"] = data["fused_sha256"]
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest

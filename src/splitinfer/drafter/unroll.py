@@ -9,8 +9,10 @@ features, and lets it attend to the true pairs' keys at rows <= i and to row i's
 by depth (`accuracy`) without running a tree.
 
 Window layout (what `window_tensors` builds): feats [B, n + depth, d] true features f_start...; tokens
-[B, n + depth + 1] the tokens x_start...; rows [B] how many feature rows of each window exist. Pass e's
-targets are the feature f[i+e+1] and the token x[i+e+2]; a row counts where f[i+e+1] exists.
+[B, n + depth + 1] the tokens x_start...; rows [B] how many feature rows of each window exist; fused
+[B, n + depth, F d] the fused head's true hidden states at the same rows (None without). Pass e's targets
+are the feature f[i+e+1] and the token x[i+e+2]; a row counts where f[i+e+1] exists. Only pass 0 reads
+`fused`: deeper nodes have no true states, as at run time.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ def pass_mask(n: int, e: int, device=None) -> torch.Tensor:
 
 
 def unroll(head: DraftHead, feats: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, depth: int,
-           noise: torch.Tensor | None = None) -> list[Pass]:
+           noise: torch.Tensor | None = None, fused: torch.Tensor | None = None) -> list[Pass]:
     """feats [B, n + depth, d], tokens [B, n + depth + 1], rows [B] -> `depth` passes over n rows each.
-    `noise` [B, n, d] is added to the true input features of pass 0 (training only)."""
+    `noise` [B, n, d] is added to the true input features of pass 0 (training only); `fused` [B, n + depth,
+    F d] (a fused head's) goes with them."""
     b, total, _ = feats.shape
     n = total - depth
     assert tokens.shape == (b, total + 1) and n > 0, (feats.shape, tokens.shape, depth)
@@ -50,7 +53,9 @@ def unroll(head: DraftHead, feats: torch.Tensor, tokens: torch.Tensor, rows: tor
     h = feats[:, :n] if noise is None else feats[:, :n] + noise
     cache, passes = HeadCache(), []
     for e in range(depth):
-        predicted, keys, values = head(h, tokens[:, e + 1 : e + 1 + n], index + e, pass_mask(n, e, feats.device), cache)
+        extra = fused[:, :n] if fused is not None and e == 0 else None
+        predicted, keys, values = head(h, tokens[:, e + 1 : e + 1 + n], index + e, pass_mask(n, e, feats.device), cache,
+                                       extra)
         cache.extend(keys, values)
         valid = index[None, :] + e + 1 < rows[:, None]
         passes.append(Pass(predicted, valid))
@@ -59,8 +64,11 @@ def unroll(head: DraftHead, feats: torch.Tensor, tokens: torch.Tensor, rows: tor
 
 
 def window_tensors(sequences: list[dict], picks: list[tuple[int, int]], n: int, depth: int, device: str = "cpu"):
-    """Padded (feats, tokens, rows) for windows (sequence index, start row) of n rows, `depth` passes."""
+    """Padded (feats, tokens, rows, fused) for windows (sequence index, start row) of n rows, `depth`
+    passes; fused is None unless the sequences hold "fused" states."""
     d = sequences[0]["features"].shape[1]
+    has_fused = "fused" in sequences[0]
+    fused = torch.zeros(len(picks), n + depth, sequences[0]["fused"].shape[1]) if has_fused else None
     feats = torch.zeros(len(picks), n + depth, d)
     tokens = torch.zeros(len(picks), n + depth + 1, dtype=torch.long)
     rows = torch.zeros(len(picks), dtype=torch.long)
@@ -68,10 +76,12 @@ def window_tensors(sequences: list[dict], picks: list[tuple[int, int]], n: int, 
         f, x = sequences[i]["features"], sequences[i]["tokens"]
         m = min(n + depth, f.shape[0] - start)
         feats[k, :m] = f[start : start + m].float()
+        if fused is not None:
+            fused[k, :m] = sequences[i]["fused"][start : start + m].float()
         piece = torch.as_tensor(x[start : start + n + depth + 1], dtype=torch.long)
         tokens[k, : len(piece)] = piece
         rows[k] = m
-    return feats.to(device), tokens.to(device), rows.to(device)
+    return feats.to(device), tokens.to(device), rows.to(device), None if fused is None else fused.to(device)
 
 
 def path_tokens(sequences: list[dict], picks: list[tuple[int, int]], n: int, depth: int, top_k: int) -> tuple:
@@ -118,9 +128,9 @@ def accuracy(head: DraftHead, sequences: list[dict], depth: int = 3, window: int
     lookup[head.draft_vocab] = torch.arange(len(head.draft_vocab))
     for i, s in enumerate(sequences):
         for start in range(0, max(1, s["features"].shape[0] - 1), window):
-            feats, tokens, rows = window_tensors(sequences, [(i, start)], window, depth)
+            feats, tokens, rows, fused = window_tensors(sequences, [(i, start)], window, depth)
             n = window
-            for e, p in enumerate(unroll(head, feats, tokens, rows, depth)):
+            for e, p in enumerate(unroll(head, feats, tokens, rows, depth, fused=fused)):
                 target = target_tokens(tokens, e, n)
                 keep = p.valid.clone()
                 if generated_only:

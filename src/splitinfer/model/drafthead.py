@@ -47,13 +47,20 @@ class DraftHeadConfig:
     intermediate_size: int = 768  # smaller than the model's MLP: the head runs once per drafted node
     rms_eps: float = 1e-5
     rope_theta: float = 10_000.0
+    # Hidden states (HF numbering: i = the output of layer i - 1) added to the depth-1 input through a
+    # zero-initialised projection (`fuse`), EAGLE-3's feature fusion; () = the final features alone.
+    fused_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "fused_layers", tuple(int(i) for i in self.fused_layers))
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def for_model(cls, config, draft_vocab_size: int, intermediate_size: int = 768) -> "DraftHeadConfig":
+    def for_model(cls, config, draft_vocab_size: int, intermediate_size: int = 768,
+                  fused_layers: tuple[int, ...] = ()) -> "DraftHeadConfig":
         """A head shaped like one layer of `config` (an HF PretrainedConfig), with a smaller MLP."""
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
@@ -65,6 +72,7 @@ class DraftHeadConfig:
             intermediate_size=intermediate_size,
             rms_eps=float(getattr(config, "rms_norm_eps", 1e-5)),
             rope_theta=float(theta or getattr(config, "rope_theta", None) or 10_000.0),
+            fused_layers=fused_layers,
         )
 
 
@@ -114,6 +122,9 @@ class DraftHead(nn.Module):
         d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
         self.config = config
         self.fc = nn.Linear(2 * d, d, bias=True)
+        if config.fused_layers:  # zero at first: a fused head starts as the head without fusion
+            self.fuse = nn.Linear(len(config.fused_layers) * d, d, bias=False)
+            nn.init.zeros_(self.fuse.weight)
         self.input_norm = RMSNorm(d, config.rms_eps)
         self.q_proj = nn.Linear(d, config.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, config.num_kv_heads * hd, bias=False)
@@ -144,13 +155,17 @@ class DraftHead(nn.Module):
         return angles.cos(), angles.sin()
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                allowed: torch.Tensor, cache: HeadCache | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                allowed: torch.Tensor, cache: HeadCache | None = None,
+                fused: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """features: [B, n, d] (f_t); tokens: [B, n] (x_{t+1}); positions: [n]; allowed: [n, P + n] bool
-        (row i may attend to key j; P = the cache's length). -> (predicted f_{t+1} [B, n, d], keys, values
-        of the n rows [B, kv_heads, n, head_dim]); the cache is read, not changed."""
+        (row i may attend to key j; P = the cache's length); fused: [B, n, len(fused_layers) * d], the true
+        hidden states of `config.fused_layers` at t (depth-1 rows of a fused head; None elsewhere). ->
+        (predicted f_{t+1} [B, n, d], keys, values of the n rows [B, kv_heads, n, head_dim]); the cache is
+        read, not changed."""
         cfg = self.config
         b, n, _ = features.shape
-        x = self.fc(torch.cat([features.float(), self.embed(tokens)], dim=-1))
+        features = features.float() if fused is None else features.float() + self.fuse(fused.float())
+        x = self.fc(torch.cat([features, self.embed(tokens)], dim=-1))
         h = self.input_norm(x)
         q = self.q_proj(h).view(b, n, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, n, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)

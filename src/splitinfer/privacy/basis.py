@@ -288,7 +288,8 @@ def rebase_head(tensors: dict[str, torch.Tensor], secret: Basis) -> dict[str, to
 
     The head reads features f and embeddings e, which the keyed shard hands it as f A and e A, and its
     prediction x is read out through the keyed final norm and LM head, which expect x A. So its own stream
-    is carried as x A: fc [W1 | W2] -> [A^T W1 A^-T | A^T W2 A^-T] and bias b A; every layer after one of
+    is carried as x A: fc [W1 | W2] -> [A^T W1 A^-T | A^T W2 A^-T] and bias b A (a fused head's `fuse`
+    blocks alike: it reads hidden states of the same stream); every layer after one of
     its norms takes W diag(g) R and the norm loses its gain (a keyed norm with the key's factor under a
     linear key); o_proj and down_proj take A^T W. Float64 arithmetic, so only rounding separates the two.
     """
@@ -301,6 +302,9 @@ def rebase_head(tensors: dict[str, torch.Tensor], secret: Basis) -> dict[str, to
     inv_t = torch.linalg.inv(a).T
     out = {"fc.weight": torch.cat([a.T @ fc[:, :d] @ inv_t, a.T @ fc[:, d:] @ inv_t], dim=1),
            "fc.bias": tensors["fc.bias"].double() @ a}
+    if "fuse.weight" in tensors:  # hidden states of the keyed stream (x A) in, a feature correction (y A) out
+        fuse = tensors["fuse.weight"].double()
+        out["fuse.weight"] = torch.cat([a.T @ block @ inv_t for block in fuse.split(d, dim=1)], dim=1)
     for norm, readers in HEAD_READS.items():
         gain = tensors[f"{norm}.weight"].double()
         for name in readers:
