@@ -164,3 +164,7 @@ def test_fused_states_lie_beside_the_same_shards(tmp_path):
     with pytest.raises(Exception, match="other options"):
         teacher.ShardWriter(tmp_path / "plain", teacher.TeacherConfig(shard_tokens=120, batch_tokens=256, chunk_tokens=100,
                                                                       fused_layers=(2, 5)), {})
+    # A run without fusion reads shards that have the states, and goes on writing them.
+    writer = teacher.ShardWriter(tmp_path / "fused", teacher.TeacherConfig(shard_tokens=120, batch_tokens=256, chunk_tokens=100), {})
+    assert writer.config.fused_layers == (2, 5)
+    assert "fused" not in teacher.load_sequences(tmp_path / "fused")[0]

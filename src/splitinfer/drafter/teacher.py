@@ -27,7 +27,7 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -133,6 +133,9 @@ class ShardWriter:
     def __init__(self, out: Path, config: TeacherConfig, source: dict):
         self.out, self.config = out, config
         self.index = read_index(out) or {"config": asdict(config), "source": source, "shards": [], "next": 0}
+        stored = tuple(self.index["config"].get("fused_layers") or ())
+        if stored and not config.fused_layers:  # a run without fusion reads these shards; more keep the states
+            self.config = config = replace(config, fused_layers=stored)
         if _options(self.index["config"]) != _options(asdict(config)):
             raise ConfigError(f"{out} holds shards made with other options ({self.index['config']}); use another directory.")
         self.pending: list[dict] = []
@@ -218,7 +221,7 @@ def collect(model, tokenizer, conversations: list[dict], out: Path, config: Teac
                     chunk.append((conversation, *rendered))
             chunk.sort(key=lambda c: len(c[1]))
             for group in _batches(chunk, config.batch_tokens):
-                labels = label(model, [g[1] for g in group], [g[2] for g in group], config.fused_layers)
+                labels = label(model, [g[1] for g in group], [g[2] for g in group], writer.config.fused_layers)
                 for (conversation, ids, draft), (features, rank, fused) in zip(group, labels):
                     writer.add({"id": conversation["id"], "heldout": conversation["heldout"], "tokens": ids,
                                 "draft": draft, "features": features, "rank": rank, "fused": fused})

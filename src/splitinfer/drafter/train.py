@@ -391,7 +391,7 @@ def collect_chat(model, tokenizer, config: TrainConfig, out: Path, fused_layers:
     index = teacher.collect(labeller, tokenizer, kept, out / TEACHER, tconfig,
                             {"sharegpt": chat.SHAREGPT_SOURCE, "mtbench": chat.MTBENCH_SOURCE})
     sequences = teacher.load_sequences(out / TEACHER, config.tokens, fused=bool(fused_layers))
-    return {"sequences": sequences, "sha256": teacher.data_hash(index), "fused_sha256": teacher.fused_hash(index),
+    return {"sequences": sequences, "sha256": teacher.data_hash(index), "fused_sha256": teacher.fused_hash(index) if fused_layers else None,
             "prompts": len(sequences),
             "generated_tokens": sum(len(s["tokens"]) for s in sequences), "generate_wall_s": index["wall_s"],
             "source": index["source"] | {"read": read, "conversations": counts}, "config": asdict(config)}
