@@ -126,11 +126,8 @@ def _generate_batch(model, tokenizer, prompts: list[list[int]], config: TrainCon
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = generate_rows(model, prompts, config.max_new_tokens, pad, set(_eos_ids(model.config, tokenizer)),
                          Sampling() if sampled else None, seed, fused_layers)
-    records = [{"tokens": row[0], "prompt_len": len(p), "features": row[1]} for p, row in zip(prompts, rows)]
-    for record, row in zip(records, rows):
-        if len(row) > 2:
-            record["fused"] = row[2]
-    return records
+    names = ("tokens", "features", "fused")  # a row holds the fused states only with `fused_layers`
+    return [{"prompt_len": len(p), **dict(zip(names, row))} for p, row in zip(prompts, rows)]
 
 
 def wire_states(shards: Path) -> tuple[int, int]:
