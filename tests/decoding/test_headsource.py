@@ -11,6 +11,7 @@ from splitinfer.decoding.headsource import HeadDraftConfig, HeadDrafter
 from splitinfer.decoding.strategies import Tree, TreeConfig
 from splitinfer.inprocess import local_only_client
 from splitinfer.local.client import load_draft_head
+from splitinfer.local.session import SplitSession
 from splitinfer.model.drafthead import DRAFTER_DIR, HeadCache, load_head
 from splitinfer.model.manifest import model_identity
 
@@ -206,10 +207,28 @@ def test_what_the_head_is_worth_carries_over_to_the_next_generation_of_the_same_
     assert Tree(TreeConfig(), head=head)._head_pays()  # another client starts from the priors
 
 
-def test_a_fused_head_is_refused_by_the_drafter(tmp_path):
-    """The decoding loop does not feed a fused head its hidden states, so it refuses one instead of drafting
-    from half its input."""
+def test_a_fused_head_drafts_from_the_states_of_the_committed_rows(tmp_path):
+    """A fused head (sent state 1, received state 5 of the tiny split) in the tree: greedy output stays
+    sequential's, and its cache equals one pass of the head over the committed rows with their true states
+    (what training feeds it); the same rows without the states give another cache."""
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    head = random_head(local_only_client(shards).local, fused_layers=(1, 2))
-    with pytest.raises(Exception, match="fuses hidden states"):
-        HeadDrafter(head)
+    client = local_only_client(shards)
+    expected = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
+    head = random_head(client.local, vocab=64, fused_layers=(1, 5))
+    tree = Tree(TreeConfig(fixed_nodes=12), head=head)
+    assert client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=tree).token_ids == expected
+    assert tree.drafter.drafted > 0
+    text = PROMPT + expected  # the last block may have accepted rows past the token limit: more pairs
+    pairs = len(text) - 1
+    assert tree.drafter.cache.length >= pairs
+    with SplitSession(client.local, client.make_middle(), client.config) as session:
+        session.prefill(text)
+        rows = session.features((1, 5))
+    assert rows.shape == (len(text), 3 * client.local.config.hidden_size)
+    whole = HeadDrafter(head)
+    whole.start(text, rows)
+    torch.testing.assert_close(tree.drafter.cache.keys[:, :, :pairs], whole.cache.keys, rtol=1e-4, atol=1e-4)
+    blind = HeadDrafter(head)
+    d = client.local.config.hidden_size
+    blind.start(text, torch.cat([rows[:, :d], torch.zeros_like(rows[:, d:])], dim=-1))
+    assert not torch.allclose(blind.cache.keys, whole.cache.keys, rtol=1e-3, atol=1e-3)

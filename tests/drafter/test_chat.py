@@ -168,3 +168,31 @@ def test_fused_states_lie_beside_the_same_shards(tmp_path):
     writer = teacher.ShardWriter(tmp_path / "fused", teacher.TeacherConfig(shard_tokens=120, batch_tokens=256, chunk_tokens=100), {})
     assert writer.config.fused_layers == (2, 5)
     assert "fused" not in teacher.load_sequences(tmp_path / "fused")[0]
+
+
+def test_the_replies_tier_continues_first_user_turns_of_conversations_outside_the_held_out_ids(tmp_path, monkeypatch):
+    """--source sharegpt-replies: the model's own continuations of ShareGPT's first user turns; held-out
+    conversations and prompts too long for a continuation are left out, the order is the seed's, and the
+    data record their provenance."""
+    from dataclasses import replace
+
+    from splitinfer.drafter import train
+
+    source = {"sharegpt": chat.SHAREGPT_SOURCE, "read": {"read": 8, "cut": False}}
+    monkeypatch.setattr(chat, "usable_sharegpt", lambda: (CONVERSATIONS, source))
+    tok = char_tokenizer()
+    config = train.TrainConfig(source="sharegpt-replies", prompts=5, max_len=30, max_new_tokens=8, tokens=40,
+                               generate_batch=2)
+    prompts, record = train.reply_prompts(tok, config)
+    texts = [tok.decode(p) for p in prompts]
+    assert len(prompts) == 5 and all(len(p) <= 22 for p in prompts)
+    assert set(texts) < {f"u:question {i}: why?<eos>\na:" for i in range(8) if i != 3}  # first turns, not held out
+    assert record == source | {"first_turns": 7, "short_enough": 7}
+    assert train.reply_prompts(tok, replace(config, seed=1))[0] != prompts  # the seed orders them
+    assert train.reply_prompts(tok, replace(config, max_len=28))[1]["short_enough"] == 0
+    model = tiny_model("llama", seed=5)
+    data = train.collect_data(model, tok, config, tmp_path, prompts)
+    assert data["generated_tokens"] >= config.tokens
+    assert data["sequences"]
+    for s in data["sequences"]:  # each is one of the prompts, continued
+        assert tuple(s["tokens"][: s["prompt_len"]]) in set(map(tuple, prompts)) and len(s["tokens"]) > s["prompt_len"]

@@ -8,9 +8,10 @@ import torch
 
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.strategies import Sequential
-from splitinfer.errors import TransportError
+from splitinfer.errors import ConfigError, TransportError
 from splitinfer.inprocess import InProcessMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
+from splitinfer.masks import BlockStructure
 from splitinfer.model.shards import load_cloud, load_local
 from splitinfer.wire.messages import Result, Step, Welcome
 from splitinfer.wire.transport import StepIO
@@ -93,3 +94,24 @@ def test_retries_run_out_and_the_loss_is_raised(tiny):
             session.prefill(PROMPT)
     assert middle.calls == 3 and sum(r.recoveries for r in session.records) == 0  # the failed block has no record
     assert len(middle.inner.table) == 0
+
+
+def test_features_hand_on_the_states_that_crossed_the_wire(tmp_path):
+    """features((k, N - m)): the final features, then HF's hidden states k and N - m of the same rows (a
+    fused draft head's inputs), over a prefill's chunks and a decode block; a state off the wire is refused."""
+    model, shards = prepare_tiny(tmp_path, "llama", 2, 2)  # 6 layers: state 2 is sent, state 4 received
+    local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
+    with torch.no_grad():
+        states = model(torch.tensor([PROMPT + [5]]), output_hidden_states=True).hidden_states
+    d, n = local.config.hidden_size, len(PROMPT)
+    with SplitSession(local, InProcessMiddle(cloud), F32) as session:
+        session.prefill(PROMPT)  # two chunks of 8 rows
+        rows = session.features((4, 2))
+        assert rows.shape == (n, 3 * d)
+        torch.testing.assert_close(rows[:, :d], session.features())
+        torch.testing.assert_close(rows[:, d : 2 * d], states[4][0, :n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rows[:, 2 * d :], states[2][0, :n], rtol=1e-4, atol=1e-4)
+        session.run_block([5], BlockStructure.chain())
+        torch.testing.assert_close(session.features((2,))[:, d:], states[2][0, n:], rtol=1e-4, atol=1e-4)
+        with pytest.raises(ConfigError, match="trained for another split"):
+            session.features((3,))

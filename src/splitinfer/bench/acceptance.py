@@ -94,6 +94,7 @@ class DepthRecorder:
         self.name = inner.name
         self.prompt_logits_rows = inner.prompt_logits_rows
         self.uses_features = inner.uses_features
+        self.feature_states = inner.feature_states
         self.steps: list[tuple[int, bool]] = []  # (accepted drafts, whether a child of the last accepted node was offered)
 
     def start(self, prompt, prompt_logits):

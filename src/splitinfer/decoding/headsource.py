@@ -16,6 +16,12 @@ probability is the head's times a `Ratio` (calibration.py) keyed by (depth, whet
 first choice), learned from every step: a proposed node whose path to it matches the emitted tokens was
 tested by them, whether or not the block carried it (predicted += head probability, accepted += hit).
 
+A fused head (EAGLE-3's feature fusion, `drafter train --fuse`) also reads, on the committed rows only,
+the hidden states its `fused_layers` name: the loop hands them after the final features of each row
+(Strategy.feature_states), and the runner refuses states that do not cross its wire (a split drawn at
+another depth than the head was trained on). Tree nodes read the head's own predictions, without them,
+as in training.
+
 Only the trusted side runs this: the head's input features come from its own tail layers.
 """
 
@@ -26,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
 from ..model.drafthead import DraftHead, HeadCache
 from .calibration import Ratio
 from .draft import TokenTrie
@@ -57,11 +62,6 @@ class _Node:
 
 class HeadDrafter:
     def __init__(self, head: DraftHead, config: HeadDraftConfig = HeadDraftConfig()):
-        if head.config.fused_layers:
-            raise ConfigError(
-                f"this draft head fuses hidden states {list(head.config.fused_layers)} into its input, which the "
-                "decoding loop does not hand it yet (fused heads are measured offline: notes/bench/drafter); "
-                "install a head trained without --fuse.")
         self.head = head
         self.config = config
         self.draft_ms = 0.0  # wall time of the last `propose`
@@ -96,7 +96,8 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def start(self, prompt: list[int], features: torch.Tensor) -> None:
-        """features: [m, d] of the prompt's last m rows (m <= len(prompt)); earlier rows stay unseen."""
+        """features: [m, d] of the prompt's last m rows (m <= len(prompt)); earlier rows stay unseen. A fused
+        head's rows carry its `fused_layers` states after the final features: [m, d (1 + F)]."""
         m = min(features.shape[0], len(prompt))
         self._reset(len(prompt) - m)
         self._extend(features[-m:-1], prompt[len(prompt) - m + 1 :])
@@ -105,21 +106,25 @@ class HeadDrafter:
     @torch.inference_mode()
     def observe(self, features: torch.Tensor, emitted: list[int]) -> None:
         """features: [k + 1, d] of the accepted path's rows (root first); emitted: the k accepted drafts and
-        the next root, the token that followed each of those rows."""
+        the next root, the token that followed each of those rows (a fused head's: [k + 1, d (1 + F)])."""
         self.pending = None
         self._calibrate(emitted)
         self._extend(features, emitted)
 
-    def _extend(self, features: torch.Tensor, next_tokens: list[int]) -> None:
+    def _extend(self, rows: torch.Tensor, next_tokens: list[int]) -> None:
+        """Add the pairs (row's features, next token) of committed rows to the cache; rows [n, d (1 + F)]."""
         n = len(next_tokens)
         if n == 0:
             return
+        d = self.head.config.hidden_size
+        features, fused = rows[:, :d], rows[:, d:] if self.head.config.fused_layers else None
         past = self.cache.length
         allowed = torch.ones(n, past + n, dtype=torch.bool)
         allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
         positions = torch.arange(self.position, self.position + n)
         tokens = torch.tensor([next_tokens])
-        predicted, keys, values = self.head(features[None].float(), tokens, positions, allowed, self.cache)
+        predicted, keys, values = self.head(features[None].float(), tokens, positions, allowed, self.cache,
+                                            fused=None if fused is None else fused[None])
         self.cache.extend(keys, values)
         self.position += n
         self.tip = predicted[0, -1]

@@ -71,7 +71,7 @@ def decode(
     """
     strategy.start(prompt, prompt_logits)
     if strategy.uses_features:
-        strategy.see_features(verifier.features())
+        strategy.see_features(verifier.features(strategy.feature_states))
     history = list(prompt)
     produced = 0
 
@@ -236,7 +236,7 @@ def _decode_blocks(
             path, root, (tokens, parents, own_logits, own_path) = _accept(current, logits, choose)
             _resolve(verifier, controller, current, path, root, flying)
             if strategy.uses_features:
-                strategy.see_features(verifier.features())
+                strategy.see_features(verifier.features(strategy.feature_states))
             emitted = [tokens[r] for r in own_path[1:]] + [root]
             # A token is predicted by its parent's row: path[i] by path[i-1], the next root by path[-1].
             finish = emit_all(emitted, [logits[r] for r in path])

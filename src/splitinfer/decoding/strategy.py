@@ -16,10 +16,14 @@ class Strategy:
     name = "base"
     prompt_logits_rows = 1  # logits rows of the prompt's end the strategy wants at start (the LM head costs)
     uses_features = False  # True: the loop hands it the final features of the prefill and of every block
+    # hidden states (HF numbering) handed with the final features, of those that cross the wire (a fused
+    # draft head's extra inputs); () for the final features alone
+    feature_states: tuple[int, ...] = ()
 
     def see_features(self, features: torch.Tensor) -> None:
-        """[q, d] final features (before the final norm) of the prefill, after `start`, and of each block,
-        before `observe`; only for strategies with `uses_features`."""
+        """[q, d (1 + len(feature_states))] final features (before the final norm) of the prefill, after
+        `start`, and of each block, before `observe`, then the `feature_states` of the same rows; only for
+        strategies with `uses_features`."""
 
     def start(self, prompt: list[int], prompt_logits: torch.Tensor) -> None:
         """Called once per generation with the prompt ids and the logits of its last rows [r, vocab]."""

@@ -82,6 +82,7 @@ class Tree(Strategy):
         self.config = config
         self.drafter = HeadDrafter(head, config.head) if head is not None else None
         self.uses_features = self.drafter is not None
+        self.feature_states = head.config.fused_layers if head is not None else ()
         self._features: torch.Tensor | None = None
         self.prompt_logits_rows = config.prompt_rows
         self.recycling = TokenRecycling(config.recycling_k)

@@ -38,10 +38,11 @@ class BlockRunner(Protocol):
         """Accept `rows` of the pending block (a contiguous path from its first row); drop the rest."""
         ...
 
-    def features(self) -> torch.Tensor:
-        """[q, d] final hidden states, before the final norm, of every row of the last block (of every
-        chunk of the last prefill): what a draft head on the trusted side reads. Strategies that set
-        `uses_features` get them from the loop; others never ask."""
+    def features(self, states: tuple[int, ...] = ()) -> torch.Tensor:
+        """[q, d (1 + len(states))] final hidden states, before the final norm, of every row of the last block
+        (of every chunk of the last prefill): what a draft head on the trusted side reads; then the hidden
+        states `states` (HF numbering) of the same rows, where the runner has them (ConfigError where not).
+        Strategies that set `uses_features` get them from the loop; others never ask."""
         ...
 
 
@@ -79,8 +80,8 @@ class Verifier(Protocol):
         """Forget what is still in flight once decoding ends."""
         ...
 
-    def features(self) -> torch.Tensor:
-        """[q, d] final features of the block `receive_block` returned last (BlockRunner.features)."""
+    def features(self, states: tuple[int, ...] = ()) -> torch.Tensor:
+        """Final features (and `states`) of the block `receive_block` returned last (BlockRunner.features)."""
         ...
 
 
@@ -115,5 +116,5 @@ class OneAtATime:
     def settle(self) -> None:
         self._logits = None
 
-    def features(self) -> torch.Tensor:
-        return self.runner.features()
+    def features(self, states: tuple[int, ...] = ()) -> torch.Tensor:
+        return self.runner.features(states)

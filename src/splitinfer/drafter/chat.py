@@ -161,3 +161,14 @@ def usable(conversations: list[dict], evaluated: Evaluated) -> tuple[list[dict],
             kept.append({"id": cid, "messages": chat, "heldout": is_heldout(cid)})
     counts["kept"] = len(kept)
     return kept, counts
+
+
+def usable_sharegpt() -> tuple[list[dict], dict]:
+    """The usable conversations of the installed ShareGPT wheel, filtered against every evaluated prompt
+    (MT-Bench's turns among them) -> (conversations as `usable` gives them, the data's source record:
+    provenance, licence and what was read and left out)."""
+    conversations, read = read_sharegpt()
+    evaluated = Evaluated.load([turn for q in mtbench_questions() for turn in q["turns"]])
+    kept, counts = usable(conversations, evaluated)
+    return kept, {"sharegpt": SHAREGPT_SOURCE, "mtbench": MTBENCH_SOURCE, "read": read, "conversations": counts}
+

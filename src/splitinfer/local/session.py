@@ -60,6 +60,7 @@ class _Ahead:
     positions: tuple[int, ...]
     allowed: np.ndarray  # [q, q] bool
     record: StepRecord
+    sent: torch.Tensor  # [q, d] the head layers' output, as it left for the wire (a fused draft head reads it)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class SplitSession:
         self._device = next(local.embed.parameters()).device
         self._pending_q = 0
         self._features: torch.Tensor | None = None  # [q, d] tail output of the last block, before the final norm
+        self._wire: dict[int, torch.Tensor] = {}  # the last block's states that crossed the wire, by HF index
         # Blocks in flight need a transport that sends without waiting; others go one block at a time.
         wanted = MAX_IN_FLIGHT if config.in_flight == AUTO_IN_FLIGHT else config.in_flight
         self._pipelining = wanted > 1 and middle.sends_ahead
@@ -192,28 +194,41 @@ class SplitSession:
         head_ms = (time.perf_counter() - t0) * 1e3
         block = Block(tuple(positions), structure, hidden[0], prefill=kind == "prefill")
         returned = self._through_link(block, record)  # [q, d]
-        logits, tail_ms = self._tail(returned, pos, allowed, hidden.dtype, logits_from)
+        logits, tail_ms = self._tail(returned, pos, allowed, hidden.dtype, logits_from, sent=hidden[0])
         record.local_ms = head_ms + tail_ms
         self._received = (record.cloud_compute_ms, tail_ms)
         self.records.append(record)
         self._pending_q = q
         return logits
 
-    def _tail(self, returned: torch.Tensor, pos: torch.Tensor, allowed, dtype: torch.dtype, logits_from: int = 0):
+    def _tail(self, returned: torch.Tensor, pos: torch.Tensor, allowed, dtype: torch.dtype, logits_from: int = 0, *,
+              sent: torch.Tensor):
         """The cloud's answer [q, d] through the tail: (logits [q - logits_from, vocab], the tail's ms); keeps the
-        block's final features for `features`."""
+        block's final features, and the states that crossed the wire (`sent`: the head layers' output), for
+        `features`."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.local.tail(returned.to(self._device, dtype)[None], pos, allowed, self.tail_cache)
+            received = returned.to(self._device, dtype)
+            out = self.local.tail(received[None], pos, allowed, self.tail_cache)
             logits = self.local.logits(out[:, logits_from:])
         self._features = out[0]
+        self._wire = {self.head_layers: sent, self.local.tail.start: received}
         return logits, (time.perf_counter() - t0) * 1e3
 
-    def features(self) -> torch.Tensor:
-        """[q, d] final features before the final norm of the last block's rows (all rows of the last
-        prefill): a draft head's input, kept on the trusted side."""
+    def features(self, states: tuple[int, ...] = ()) -> torch.Tensor:
+        """[q, d (1 + len(states))]: the final features before the final norm of the last block's rows (all
+        rows of the last prefill), then the hidden states `states` (HF numbering) of the same rows, of the two
+        that crossed the wire (state k, sent; state N - m, received): a draft head's input, kept on the
+        trusted side. ConfigError for a state this session's split does not send or receive."""
         assert self._features is not None, "no block has run yet"
-        return self._features
+        missing = [i for i in states if i not in self._wire]
+        if missing:
+            raise ConfigError(
+                f"the draft head reads hidden states {list(states)}, but this session sends state {self.head_layers} "
+                f"and receives state {self.local.tail.start}: it was trained for another split (shards prepared with "
+                "--split-range draw the head depth per session). Install a head trained without --fuse, or prepare "
+                "the shards with the fixed split the head was trained on.")
+        return torch.cat([self._features, *(self._wire[i].to(self._features.dtype) for i in states)], dim=-1)
 
     def commit(self, rows: list[int]) -> None:
         """Accept `rows` of the pending block (a contiguous path from its first row)."""
@@ -247,7 +262,7 @@ class SplitSession:
         """Run and commit `tokens` in chunks; returns logits [min(logits_rows, len), vocab] of the last rows."""
         first_wanted = len(tokens) - max(1, min(logits_rows, len(tokens)))
         chunk = self.link.max_rows(self.config.prefill_chunk, self.local.config.hidden_size * 4)  # worst case: float32
-        parts, features = [], []
+        parts, features, wire = [], [], []
         for start in range(0, len(tokens), chunk):
             part = tokens[start : start + chunk]
             logits_from = min(max(first_wanted - start, 0), len(part))
@@ -256,7 +271,9 @@ class SplitSession:
                 parts.append(logits)
             self.commit(list(range(len(part))))
             features.append(self._features)
+            wire.append(self._wire)
         self._features = torch.cat(features)
+        self._wire = {i: torch.cat([w[i] for w in wire]) for i in wire[0]}
         return torch.cat(parts)
 
     # -- blocks in flight ----------------------------------------------------------------------------
@@ -306,7 +323,7 @@ class SplitSession:
         self.head_cache.hold()
         record.local_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
-        self._ahead.append(_Ahead(tuple(positions), allowed, record))
+        self._ahead.append(_Ahead(tuple(positions), allowed, record, hidden[0]))
         self.link.submit_ahead(Block(tuple(positions), structure, hidden[0]), assume)
         while True:
             try:
@@ -366,7 +383,7 @@ class SplitSession:
         record.round_trip_ms, record.serialize_ms = io.round_trip_ms, io.serialize_ms
         record.cloud_compute_ms, record.server_ms = result.compute_ms, result.handle_ms
         pos = torch.tensor(ahead.positions, dtype=torch.long, device=self._device)
-        logits, tail_ms = self._tail(result.hidden, pos, ahead.allowed, self.local.embed.weight.dtype)
+        logits, tail_ms = self._tail(result.hidden, pos, ahead.allowed, self.local.embed.weight.dtype, sent=ahead.sent)
         record.local_ms += tail_ms
         self._received = (result.compute_ms, tail_ms)
         return logits
