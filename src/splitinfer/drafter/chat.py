@@ -171,4 +171,3 @@ def usable_sharegpt() -> tuple[list[dict], dict]:
     evaluated = Evaluated.load([turn for q in mtbench_questions() for turn in q["turns"]])
     kept, counts = usable(conversations, evaluated)
     return kept, {"sharegpt": SHAREGPT_SOURCE, "mtbench": MTBENCH_SOURCE, "read": read, "conversations": counts}
-

@@ -144,7 +144,8 @@ class SplitSession:
         self._device = next(local.embed.parameters()).device
         self._pending_q = 0
         self._features: torch.Tensor | None = None  # [q, d] tail output of the last block, before the final norm
-        self._wire: dict[int, torch.Tensor] = {}  # the last block's states that crossed the wire, by HF index
+        # the states that crossed the wire, by HF index, of the last block (one dict) or each prefill chunk
+        self._wire: list[dict[int, torch.Tensor]] = []
         # Blocks in flight need a transport that sends without waiting; others go one block at a time.
         wanted = MAX_IN_FLIGHT if config.in_flight == AUTO_IN_FLIGHT else config.in_flight
         self._pipelining = wanted > 1 and middle.sends_ahead
@@ -212,7 +213,7 @@ class SplitSession:
             out = self.local.tail(received[None], pos, allowed, self.tail_cache)
             logits = self.local.logits(out[:, logits_from:])
         self._features = out[0]
-        self._wire = {self.head_layers: sent, self.local.tail.start: received}
+        self._wire = [{self.head_layers: sent, self.local.tail.start: received}]
         return logits, (time.perf_counter() - t0) * 1e3
 
     def features(self, states: tuple[int, ...] = ()) -> torch.Tensor:
@@ -221,14 +222,15 @@ class SplitSession:
         that crossed the wire (state k, sent; state N - m, received): a draft head's input, kept on the
         trusted side. ConfigError for a state this session's split does not send or receive."""
         assert self._features is not None, "no block has run yet"
-        missing = [i for i in states if i not in self._wire]
+        missing = [i for i in states if i not in self._wire[0]]
         if missing:
             raise ConfigError(
                 f"the draft head reads hidden states {list(states)}, but this session sends state {self.head_layers} "
                 f"and receives state {self.local.tail.start}: it was trained for another split (shards prepared with "
                 "--split-range draw the head depth per session). Install a head trained without --fuse, or prepare "
                 "the shards with the fixed split the head was trained on.")
-        return torch.cat([self._features, *(self._wire[i].to(self._features.dtype) for i in states)], dim=-1)
+        wire = (torch.cat([chunk[i] for chunk in self._wire]).to(self._features.dtype) for i in states)
+        return torch.cat([self._features, *wire], dim=-1)
 
     def commit(self, rows: list[int]) -> None:
         """Accept `rows` of the pending block (a contiguous path from its first row)."""
@@ -271,9 +273,9 @@ class SplitSession:
                 parts.append(logits)
             self.commit(list(range(len(part))))
             features.append(self._features)
-            wire.append(self._wire)
+            wire += self._wire
         self._features = torch.cat(features)
-        self._wire = {i: torch.cat([w[i] for w in wire]) for i in wire[0]}
+        self._wire = wire  # joined only when a fused draft head asks (`features`)
         return torch.cat(parts)
 
     # -- blocks in flight ----------------------------------------------------------------------------
