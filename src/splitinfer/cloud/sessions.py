@@ -109,7 +109,8 @@ class SessionTable:
         self.skipped = 0  # steps whose block was dropped by the client before it ran (never computed)
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        with self._lock:  # `close` pops and frees under this lock: a session counted gone has its buffers gone
+            return len(self._sessions)
 
     def cached_tokens(self) -> int:
         with self._lock:
