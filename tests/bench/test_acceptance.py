@@ -56,3 +56,20 @@ def test_head_sources_measure_a_given_head_exactly_and_need_one(tmp_path):
     random_head(local, vocab=40).save(tmp_path / "other", extra={"model_fingerprint": "another model"})
     with pytest.raises(ConfigError, match="another model"):
         measure(shards, prompts, ["head"], 6, 20, head_dir=tmp_path / "other")
+
+
+def test_a_node_sweep_is_one_run_with_a_row_per_size(tmp_path):
+    from splitinfer.bench.acceptance import source_spec
+
+    assert source_spec("tree", 16) == ("tree", 16) and source_spec("tree@8", 16) == ("tree", 8)
+    for bad in ("tree@0", "tree@x", "tree@", "sequential@8"):
+        with pytest.raises(ConfigError):
+            source_spec(bad, 16)
+    _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
+    prompts = [{"id": "a", "category": "code", "prompt": [3, 17, 42, 5, 88, 21, 9, 60, 33, 7] * 3}]
+    sources = measure(shards, prompts, ["tree@1", "tree@8"], 6, 20)
+    assert [sources[s]["nodes"] for s in ("tree@1", "tree@8")] == [1, 8]
+    # One node a step can accept at most one draft token; eight can accept more on a copied prompt.
+    assert sources["tree@1"]["all"]["tokens_per_step"] <= 2.0
+    assert max(sources["tree@1"]["all"]["acceptance_by_depth"]) == 1
+    assert sources["tree@8"]["all"]["tokens_per_step"] > sources["tree@1"]["all"]["tokens_per_step"]

@@ -16,6 +16,8 @@ in neither the benchmark set nor the offline data that warm starts are built fro
 
 Sources: the named ones below, and any strategy registered in decoding.strategies by its name (a learned
 draft head joins that way; it then sizes its own trees, which the JSON records as `fixed_nodes: false`).
+A named source may carry its own tree size, `name@nodes` (tree-warm@8,tree-warm@64): a node sweep is then
+one run over one set of sequential references, each size a row of its own.
 """
 
 from __future__ import annotations
@@ -169,9 +171,23 @@ def _load_head(client, directory: Path | None):
     return load_shard_head(directory, client.local)
 
 
+def source_spec(spec: str, nodes: int) -> tuple[str, int]:
+    """'name' or 'name@N' -> (name, draft nodes per step); `nodes` is the run's size for a bare name."""
+    name, at, size = spec.partition("@")
+    if not at:
+        return name, nodes
+    if not size.isdigit() or int(size) < 1:
+        raise ConfigError(f"source {spec!r}: the size after @ is a number of draft nodes, at least 1 (tree-warm@32).")
+    if name not in SOURCES:
+        raise ConfigError(f"source {spec!r}: only the named sources ({', '.join(SOURCES)}) take a size; "
+                          "a registered strategy sizes its own trees.")
+    return name, int(size)
+
+
 def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, max_new_tokens: int,
             table_dir: Path | None = None, head_dir: Path | None = None) -> dict:
-    """Per source: per-generation counts and their summaries per category and over all prompts.
+    """Per source (a name or name@nodes, `source_spec`): per-generation counts and their summaries per
+    category and over all prompts.
 
     table_dir: the recycling table the -warm sources start from (default: the one shipped for the model);
     head_dir: the draft head of the head sources (default: the one installed in the shards)."""
@@ -187,23 +203,25 @@ def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, m
     truth = {pid: client.generate(ids, max_new_tokens=max_new_tokens, strategy="sequential", stop_ids=stop).token_ids
              for pid, ids in encoded.items()}
     results = {}
-    for name in sources:
-        make = _strategy_factory(name, nodes, table, SuffixMemory(), head)
+    for spec in sources:
+        name, size = source_spec(spec, nodes)
+        make = _strategy_factory(name, size, table, SuffixMemory(), head)
         per_prompt = {}
         for p in prompts:
             recorder = DepthRecorder(make())
             out = client.generate(encoded[p["id"]], max_new_tokens=max_new_tokens, strategy=recorder, stop_ids=stop)
             if out.token_ids != truth[p["id"]]:
-                raise AssertionError(f"source {name} changed the greedy output of {p['id']}: speculation must not")
+                raise AssertionError(f"source {spec} changed the greedy output of {p['id']}: speculation must not")
             if name == "suffix-memory":
                 recorder.inner.memory.add(out.token_ids)
             per_prompt[p["id"]] = {"category": p["category"], **depth_counts(recorder.steps, len(out.token_ids) - 1)}
-            print(f"{name:<15} {p['id']:<18} {per_prompt[p['id']]['tokens'] / max(len(recorder.steps), 1):.2f} tok/step",
+            print(f"{spec:<15} {p['id']:<18} {per_prompt[p['id']]['tokens'] / max(len(recorder.steps), 1):.2f} tok/step",
                   file=sys.stderr)
         categories = sorted({p["category"] for p in prompts})
-        results[name] = {
+        results[spec] = {
             "description": SOURCES.get(name, "registered strategy (sizes its own trees)"),
             "fixed_nodes": name in SOURCES,
+            "nodes": size if name in SOURCES else None,
             "all": _merge(list(per_prompt.values())),
             "by_category": {c: _merge([v for v in per_prompt.values() if v["category"] == c]) for c in categories},
             "per_prompt": per_prompt,
@@ -242,6 +260,8 @@ def run(args) -> dict:
     if args.nodes < 1 or args.max_new_tokens < 2:
         raise ConfigError("--nodes must be at least 1 and --max-new-tokens at least 2.")
     sources = [s.strip() for s in args.sources.split(",") if s.strip()]
+    for spec in sources:
+        source_spec(spec, args.nodes)  # a bad size is refused before the references are generated
     prompt_file = args.prompts or str(Path(__file__).parent.parent / "data" / "heldout.jsonl")
     prompts = load_prompts(prompt_file, args.per_category)
     pin_self(0)
@@ -251,7 +271,8 @@ def run(args) -> dict:
         "model": json.loads((shards / "local" / "manifest.json").read_text())["model_id"],
         "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} prompts "
         f"({args.prompts or 'the packaged data/heldout.jsonl'}), "
-        f"{args.max_new_tokens} new tokens; drafts of exactly {args.nodes} nodes per step for the named sources. "
+        f"{args.max_new_tokens} new tokens; drafts of exactly {args.nodes} nodes per step for the named sources "
+        "(name@N: N nodes). "
         f"torch {torch.__version__}.",
         "nodes": args.nodes,
         "max_new_tokens": args.max_new_tokens,
@@ -275,8 +296,8 @@ class AcceptanceOptions:
     """The defaults of `splitinfer bench acceptance`."""
 
     per_category: int = 3  # prompts taken from each category
-    sources: str = DEFAULT_SOURCES  # comma-separated sources or strategy names
-    nodes: int = 16  # draft nodes per step for the named sources
+    sources: str = DEFAULT_SOURCES  # comma-separated sources or strategy names; a named source may take its own size, name@nodes
+    nodes: int = 16  # draft nodes per step for the named sources given without @nodes
     max_new_tokens: int = 96  # tokens per generation
 
 
@@ -286,8 +307,8 @@ def _options(s: argparse.ArgumentParser) -> None:
                    "held-out prompts)")
     add_options(s, AcceptanceOptions, (
         Opt("per_category", help="prompts taken from each category"),
-        Opt("sources", help="comma-separated sources or strategy names"),
-        Opt("nodes", help="draft nodes per step for the named sources"),
+        Opt("sources", help="comma-separated sources or strategy names; a named source may take its own size, name@nodes"),
+        Opt("nodes", help="draft nodes per step for the named sources given without @nodes"),
         Opt("max_new_tokens"),
     ))
     s.add_argument("--recycling-table", help="folder of a recycling table for the -warm sources (default: the shipped one)")
