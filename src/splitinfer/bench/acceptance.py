@@ -272,7 +272,7 @@ def run(args) -> dict:
         "setup": f"Local-only, float32, greedy, one thread; {len(prompts)} prompts "
         f"({args.prompts or 'the packaged data/heldout.jsonl'}), "
         f"{args.max_new_tokens} new tokens; drafts of exactly {args.nodes} nodes per step for the named sources "
-        "(name@N: N nodes). "
+        "given without a size, N for name@N. "
         f"torch {torch.__version__}.",
         "nodes": args.nodes,
         "max_new_tokens": args.max_new_tokens,
