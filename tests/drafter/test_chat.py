@@ -10,6 +10,7 @@ import torch
 
 from splitinfer.drafter import chat, teacher
 from splitinfer.drafter.unroll import path_tokens, path_valid
+from splitinfer.errors import ConfigError
 
 from tiny import char_tokenizer, tiny_model
 
@@ -190,6 +191,12 @@ def test_the_replies_tier_continues_first_user_turns_of_conversations_outside_th
     assert record == source | {"first_turns": 7, "short_enough": 7}
     assert train.reply_prompts(tok, replace(config, seed=1))[0] != prompts  # the seed orders them
     assert train.reply_prompts(tok, replace(config, max_len=28))[1]["short_enough"] == 0
+    rest = train.reply_prompts(tok, replace(config, first_prompt=5))[0]  # a second run draws the others
+    assert len(rest) == 2 and not set(map(tuple, rest)) & set(map(tuple, prompts))
+    with pytest.raises(ConfigError, match="past the 7 usable first turns"):
+        train.reply_prompts(tok, replace(config, first_prompt=7))
+    with pytest.raises(ValueError, match="sharegpt-replies only"):
+        train.TrainConfig(first_prompt=5)
     model = tiny_model("llama", seed=5)
     data = train.collect_data(model, tok, config, tmp_path, prompts)
     assert data["generated_tokens"] >= config.tokens

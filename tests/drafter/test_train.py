@@ -161,3 +161,32 @@ def test_a_fused_head_trains_on_the_states_that_cross_the_wire(smollm2_shards, t
     assert load_file(str(tmp_path / HEAD_WEIGHTS))["fuse.weight"].abs().max() > 0
     with pytest.raises(ConfigError, match="other options"):
         train.run_training(smollm2_shards, tmp_path, TOY)  # data without the states cannot be reused
+
+
+def test_a_run_trains_on_finished_runs_data_beside_its_own_and_records_every_part(smollm2_shards, tmp_path):
+    """--with-data: another finished run's data join this run's (each part holds out its own every n-th
+    sequence); the manifest counts every part and names each; a run that is not finished, of other options
+    that change the features, or whose data changed since its manifest is refused."""
+    torch.set_num_threads(1)
+    first = train.run_training(smollm2_shards, tmp_path / "first", replace(TOY, steps=2))
+    alone = train.run_training(smollm2_shards, tmp_path / "alone", replace(TOY, seed=1, steps=2))
+    both = train.run_training(smollm2_shards, tmp_path / "both", replace(TOY, seed=1, steps=2, with_data=str(tmp_path / "first")))
+    assert both["data_sha256"] == alone["data_sha256"]
+    assert both["generated_tokens"] == first["generated_tokens"] + alone["generated_tokens"]
+    assert both["training_pairs"] == first["training_pairs"] + alone["training_pairs"]
+    assert both["with_data"] == [{"out": str(tmp_path / "first"), "source": "templates",
+                                  **{k: first[k] for k in ("data_sha256", "generated_tokens", "prompts", "generate_wall_s")}}]
+    a, b = load_file(str(tmp_path / "alone" / HEAD_WEIGHTS)), load_file(str(tmp_path / "both" / HEAD_WEIGHTS))
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # the other run's windows were drawn too
+    data = torch.load(tmp_path / "first" / train.DATA, weights_only=False)["sequences"]
+    flagged = train._flag_heldout([dict(s) for s in data], TOY.heldout_every)
+    assert [s["heldout"] for s in flagged] == [i % 25 == 24 for i in range(len(data))]
+    with pytest.raises(ConfigError, match="no finished drafter run"):
+        train.run_training(smollm2_shards, tmp_path / "both", replace(TOY, seed=1, steps=2, with_data=str(tmp_path / "none")))
+    with pytest.raises(ConfigError, match="fused otherwise"):
+        train.run_training(smollm2_shards, tmp_path / "fused", replace(TOY, steps=2, fuse=True, with_data=str(tmp_path / "first")))
+    data = torch.load(tmp_path / "first" / train.DATA, weights_only=False)
+    data["sequences"] = data["sequences"][:-1]
+    torch.save(data, tmp_path / "first" / train.DATA)
+    with pytest.raises(ConfigError, match="no longer match"):
+        train.run_training(smollm2_shards, tmp_path / "both", replace(TOY, seed=1, steps=2, with_data=str(tmp_path / "first")))

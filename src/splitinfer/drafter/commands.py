@@ -15,6 +15,8 @@ TRAIN_OPTIONS = (
     Opt("tokens", help="generated tokens to train on"),
     Opt("prompts", help="prompts drawn from the offline corpus or ShareGPT's first turns (generation stops at "
         "--tokens)"),
+    Opt("first_prompt", help="--source sharegpt-replies: index of the first prompt drawn from ShareGPT's shuffled "
+        "first turns (a second run from an earlier run's --first-prompt plus --prompts draws new prompts)"),
     Opt("depth", help="draft depths trained on the head's own predictions"),
     Opt("seed", help="seed of the prompts, the sampling and the training"),
     Opt("steps", help="training steps"),
@@ -42,6 +44,8 @@ TRAIN_OPTIONS = (
         "model's top k are not trained (0: off)"),
     Opt("checkpoint_every", help="steps between checkpoints (a rerun resumes from the last one)"),
     Opt("intermediate_size", help="width of the head's MLP"),
+    Opt("with_data", metavar="DIR[,DIR...]", help="finished runs' output directories (same shards, same --fuse) whose "
+        "data are trained on beside this run's: grow the data run by run (--first-prompt) or mix sources"),
     Opt("fuse", help="EAGLE-3's feature fusion: keep the hidden states that cross the wire at every row and add them "
         "to the head's depth-1 input (the session hands them to it at run time; the head then needs the split it "
         "was trained on)"),

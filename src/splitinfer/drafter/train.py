@@ -23,6 +23,9 @@ distribution over the draft vocabulary at that feature. Pass 0's input features 
 `fuse` (EAGLE-3's feature fusion, a measured option): the data also keep the two hidden states that cross
 the wire at every row (the head layers' output, sent to the cloud, and the cloud layers' output, received
 back), and the head adds them to its depth-1 input through a zero-initialised projection.
+
+`with_data`: finished runs' data (their data.pt or teacher-forced shards, checked against their manifests)
+are trained on beside this run's, each part holding out its own sequences; the manifest records every part.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from .unroll import accuracy, path_tokens, path_valid, soft_cross_entropy, unrol
 DATA = "data.pt"
 PARTIAL = "data.partial.pt"  # the batches generated so far, while collecting
 # The options that shape the data (the rest only shape training, and may change on a resume).
-DATA_FIELDS = ("tokens", "prompts", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype",
+DATA_FIELDS = ("tokens", "prompts", "first_prompt", "seed", "device", "max_new_tokens", "generate_batch", "sampled_share", "generate_dtype",
                "corpus", "source", "max_len", "fuse")
 GENERATE_DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("templates", "sharegpt", "sharegpt-replies")
@@ -59,7 +62,7 @@ TEACHER = "teacher"  # the teacher-forced shards' directory under the output (so
 # path_top_k: any value trains the same on the model's own continuations, all that heads before it saw.
 # What data (and heads) made before an option existed were made with (cosine used no schedule option).
 DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024, "path_top_k": 4,
-               "schedule": "cosine", "warmup_steps": 240, "decay_share": 0.2, "fuse": False}
+               "schedule": "cosine", "warmup_steps": 240, "decay_share": 0.2, "fuse": False, "first_prompt": 0}
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
@@ -73,6 +76,9 @@ def made_with(config: dict, keys=DATA_FIELDS) -> dict:
 class TrainConfig:
     tokens: int = 400_000  # generated tokens (continuations) to train on
     prompts: int = 4800  # prompts drawn; generation stops at `tokens`, so a larger target only goes further
+    # where the drawn prompts start in ShareGPT's shuffled first turns (source sharegpt-replies): a second run
+    # from the first's first_prompt + prompts draws prompts the first did not (train on both with --with-data)
+    first_prompt: int = 0
     steps: int = 4800
     seed: int = 0
     device: str = "cpu"
@@ -111,12 +117,17 @@ class TrainConfig:
     # EAGLE-3's feature fusion: the hidden states that cross the wire (after the head layers, after the cloud
     # layers) added to the head's depth-1 input; the session hands them to the head at run time
     fuse: bool = False
+    # other finished runs' data trained on beside this run's (comma-separated output directories of runs of the
+    # same model, fuse alike): a larger data set grown run by run (first_prompt) or tiers mixed
+    with_data: str = ""
 
     def __post_init__(self):
         if self.generate_dtype not in GENERATE_DTYPES:
             raise ValueError(f"generate_dtype must be one of {', '.join(GENERATE_DTYPES)}, not {self.generate_dtype!r}.")
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {self.source!r}.")
+        if self.first_prompt and self.source != "sharegpt-replies":
+            raise ValueError("first_prompt applies to source sharegpt-replies only.")
         if self.corpus not in CORPUS_VERSIONS:
             raise ValueError(f"corpus must be one of {', '.join(map(str, CORPUS_VERSIONS))}, not {self.corpus!r}.")
 
@@ -176,7 +187,7 @@ def template_prompts(tokenizer, config: TrainConfig) -> list[list[int]]:
 def reply_prompts(tokenizer, config: TrainConfig) -> tuple[list[list[int]], dict]:
     """The first user turns of the usable ShareGPT conversations (drafter/chat.py) outside the held-out ids,
     chat-templated, at most `max_len - max_new_tokens` tokens long, shuffled for `seed`, at most
-    `config.prompts` of them -> (prompts, the data's source record)."""
+    `config.prompts` of them from the `config.first_prompt`-th on -> (prompts, the data's source record)."""
     import random
 
     from ..local.text import chat_prompt_ids
@@ -187,7 +198,11 @@ def reply_prompts(tokenizer, config: TrainConfig) -> tuple[list[list[int]], dict
     random.Random(config.seed).shuffle(turns)
     longest = config.max_len - config.max_new_tokens
     prompts = [ids for ids in (chat_prompt_ids(tokenizer, [{"role": "user", "content": t}]) for t in turns) if len(ids) <= longest]
-    return prompts[: config.prompts], source | {"first_turns": len(turns), "short_enough": len(prompts)}
+    drawn = prompts[config.first_prompt : config.first_prompt + config.prompts]
+    if config.first_prompt and not drawn:
+        raise ConfigError(f"--first-prompt {config.first_prompt} is past the {len(prompts)} usable first turns; "
+                          "give a smaller one.")
+    return drawn, source | {"first_turns": len(turns), "short_enough": len(prompts)}
 
 
 def collect_data(model, tokenizer, config: TrainConfig, out: Path, prompts: list[list[int]],
@@ -223,8 +238,7 @@ def collect_data(model, tokenizer, config: TrainConfig, out: Path, prompts: list
                         "generated": generated, "batches": index + 1, "wall_s": time.perf_counter() - started},
                        partial.with_suffix(".tmp"))
             partial.with_suffix(".tmp").replace(partial)
-    digest = hashlib.sha256(json.dumps([s["tokens"] for s in sequences]).encode()).hexdigest()
-    return {"sequences": sequences, "generated_tokens": generated, "sha256": digest, "prompts": len(sequences),
+    return {"sequences": sequences, "generated_tokens": generated, "sha256": _tokens_hash(sequences), "prompts": len(sequences),
             "generate_wall_s": round(time.perf_counter() - started, 1)}
 
 
@@ -253,6 +267,47 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch
         counts += torch.bincount(tokens, minlength=vocab_size)[:vocab_size]
     order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
     return torch.tensor(order[:size], dtype=torch.long)
+
+
+def _flag_heldout(sequences: list[dict], every: int) -> list[dict]:
+    """`sequences` with the "heldout" flag split_heldout would give them (teacher-forced ones have their own)."""
+    for i, s in enumerate(sequences):
+        s.setdefault("heldout", i % every == every - 1)
+    return sequences
+
+
+def other_data(config: TrainConfig, fingerprint: str) -> list[dict]:
+    """The data of the finished runs in `config.with_data`: per run {"out", "sequences", "source", "data_sha256",
+    "generated_tokens", "prompts", "generate_wall_s"}; a run of another model, fused otherwise, or whose data
+    no longer match its manifest's hash is refused."""
+    from . import teacher
+
+    parts = []
+    for name in filter(None, (d.strip() for d in config.with_data.split(","))):
+        path = Path(name)
+        if not (path / MANIFEST).exists():
+            raise ConfigError(f"--with-data {path}: no finished drafter run there ({MANIFEST} is missing); "
+                              "train there first or leave it out.")
+        manifest = json.loads((path / MANIFEST).read_text())
+        made = made_with(manifest["config"])
+        if manifest["model_fingerprint"] != fingerprint or made["fuse"] != config.fuse:
+            raise ConfigError(f"--with-data {path}: its data are of another model or fused otherwise "
+                              f"(fuse={made['fuse']}); give runs of these shards with the same --fuse.")
+        if made["source"] == "sharegpt":
+            sequences = teacher.load_sequences(path / TEACHER, made["tokens"], fused=config.fuse)
+            digest = teacher.data_hash(teacher.read_index(path / TEACHER))
+        else:
+            sequences = torch.load(path / DATA, weights_only=False)["sequences"]
+            digest = _tokens_hash(sequences)
+        if digest != manifest["data_sha256"]:
+            raise ConfigError(f"--with-data {path}: its data no longer match its manifest's data_sha256.")
+        parts.append({"out": str(path), "sequences": _flag_heldout(sequences, config.heldout_every),
+                      "source": made["source"]} | {k: manifest[k] for k in ("data_sha256", "generated_tokens", "prompts", "generate_wall_s")})
+    return parts
+
+
+def _tokens_hash(sequences: list[dict]) -> str:
+    return hashlib.sha256(json.dumps([s["tokens"] for s in sequences]).encode()).hexdigest()
 
 
 # -- 2. training ----------------------------------------------------------------------------------
@@ -455,7 +510,13 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
     Schedule.of(config)  # a schedule that cannot run fails now, not after the data
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
+    local_manifest = read_manifest(shards / "local", "local")
+    fingerprint = model_identity(local_manifest)
+    others = other_data(config, fingerprint)  # refused now, not after the data
     model, tokenizer, data = load_or_collect(shards, config, out)
+    if others:
+        data = data | {"sequences": _flag_heldout(list(data["sequences"]), config.heldout_every)
+                       + [s for part in others for s in part["sequences"]]}
     vocab = model.config.vocab_size
     training, heldout = split_heldout(data["sequences"], config.heldout_every)
     draft_vocab = draft_vocabulary(training, config.draft_vocab_size, vocab)
@@ -465,18 +526,16 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
     head = DraftHead(head_config, model.model.embed_tokens, model.model.norm, model.lm_head, draft_vocab.to(config.device),
                      getattr(model.config, "final_logit_softcapping", None)).to(config.device)
     state = train_head(head, data, config, out)
-    local_manifest = read_manifest(shards / "local", "local")
-    fingerprint = model_identity(local_manifest)
     head.save(out, extra={"model_fingerprint": fingerprint, "basis": basis_identity(local_manifest)})
     manifest = {
         "model_fingerprint": fingerprint,
         "data_sha256": data["sha256"],
-        "generated_tokens": data["generated_tokens"],
+        "generated_tokens": data["generated_tokens"] + sum(p["generated_tokens"] for p in others),
         "training_pairs": sum(len(s["tokens"]) - 2 for s in data["sequences"]),
-        "prompts": data["prompts"],
+        "prompts": data["prompts"] + sum(p["prompts"] for p in others),
         "seed": config.seed,
         "steps": state["step"],
-        "generate_wall_s": data["generate_wall_s"],
+        "generate_wall_s": round(data["generate_wall_s"] + sum(p["generate_wall_s"] for p in others), 1),
         "train_wall_s": round(state["wall_s"], 1),
         "losses": _loss_summary(state["losses"]),
         "heldout_curve": state["heldout"],
@@ -491,6 +550,8 @@ def run_training(shards: str | Path, out: str | Path, config: TrainConfig = Trai
     }
     if "source" in data:
         manifest["source"] = data["source"]
+    if others:  # generated_tokens and generate_wall_s above count every part; data_sha256 is this run's own
+        manifest["with_data"] = [{k: v for k, v in p.items() if k != "sequences"} for p in others]
     if data.get("fused_sha256"):
         manifest["fused_sha256"] = data["fused_sha256"]
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
