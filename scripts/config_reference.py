@@ -56,7 +56,7 @@ def section(name: str, parser: argparse.ArgumentParser) -> list[str]:
              "| option | default | meaning |", "|---|---|---|"]
     for dest, action in options(parser).items():
         flag = max(action.option_strings, key=len)
-        default = "" if action.default in (None, False, argparse.SUPPRESS) else f"`{action.default}`"
+        default = "" if action.default in (None, False, "", argparse.SUPPRESS) else f"`{action.default}`"
         lines.append(f"| `{flag}` | {default} | {cell(action.help)} |")
     return lines + [""]
 
