@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from splitinfer.tables import table
+
 
 def project(bound: dict, cloud_ms: float, drafting: bool = True) -> float:
     """tok/s of the bound with the cloud step costing `cloud_ms` (and drafting on the critical path or not)."""
@@ -48,18 +50,16 @@ def markdown(result: dict) -> str:
     head = ["strategy", "RTT ms", "a", "local ms", "drafting ms", "measured (CPU cloud)"]
     costs = [p["cloud_ms"] for p in result["rows"][0]["projected"]]
     head += [f"cloud {c:g} ms" for c in costs] + [f"cloud {c:g} ms, drafting off the path" for c in costs]
+    cells = []
+    for r in result["rows"]:
+        b = r["measured_bound"]
+        cells.append([r["strategy"], f"{r['rtt_ms']:g}", r["a"], b["local_ms"], b["drafting_ms"], r["measured_tokens_per_s"],
+                      *(p["tokens_per_s"] for p in r["projected"]),
+                      *(p["drafting_off_path_tokens_per_s"] for p in r["projected"])])
     lines = ["# A GPU cloud, projected (not measured)", "", f"Command: `{result['command']}`", "",
              f"From: `{result['run']}` ({result['run_command']})", "",
              f"Weights floor of one cloud step: {result['weights_floor_ms']} ms ({result['shard']} at 2 bytes a "
-             f"weight over {result['bandwidth_gbs']:g} GB/s).", "",
-             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    for r in result["rows"]:
-        b = r["measured_bound"]
-        cells = [r["strategy"], f"{r['rtt_ms']:g}", f"{r['a']}", f"{b['local_ms']}", f"{b['drafting_ms']}",
-                 f"{r['measured_tokens_per_s']}"]
-        cells += [f"{p['tokens_per_s']}" for p in r["projected"]]
-        cells += [f"{p['drafting_off_path_tokens_per_s']}" for p in r["projected"]]
-        lines.append("| " + " | ".join(cells) + " |")
+             f"weight over {result['bandwidth_gbs']:g} GB/s).", "", *table(head, cells)]
     return "\n".join(lines) + "\n"
 
 

@@ -313,11 +313,9 @@ def _tokens_hash(sequences: list[dict]) -> str:
 # -- 2. training ----------------------------------------------------------------------------------
 def split_heldout(sequences: list[dict], every: int) -> tuple[list[dict], list[dict]]:
     """(training, held-out): every `every`-th sequence is held out from training and measures it (or those
-    flagged "heldout", as teacher-forced conversations are, by id)."""
-    if sequences and "heldout" in sequences[0]:
-        return [s for s in sequences if not s["heldout"]], [s for s in sequences if s["heldout"]]
-    return ([s for i, s in enumerate(sequences) if i % every != every - 1],
-            [s for i, s in enumerate(sequences) if i % every == every - 1])
+    flagged "heldout", as teacher-forced conversations are, by id): `_flag_heldout`'s flags."""
+    flagged = _flag_heldout(sequences, every)
+    return [s for s in flagged if not s["heldout"]], [s for s in flagged if s["heldout"]]
 
 
 def _windows(sequences: list[dict], window: int, prompt_rows: int) -> list[tuple[int, int]]:
