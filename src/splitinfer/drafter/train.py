@@ -62,7 +62,8 @@ TEACHER = "teacher"  # the teacher-forced shards' directory under the output (so
 # path_top_k: any value trains the same on the model's own continuations, all that heads before it saw.
 # What data (and heads) made before an option existed were made with (cosine used no schedule option).
 DATA_BEFORE = {"generate_dtype": "float32", "corpus": 1, "source": "templates", "max_len": 1024, "path_top_k": 4,
-               "schedule": "cosine", "warmup_steps": 240, "decay_share": 0.2, "fuse": False, "first_prompt": 0}
+               "schedule": "cosine", "warmup_steps": 240, "decay_share": 0.2, "fuse": False, "first_prompt": 0,
+               "with_data": ""}
 MANIFEST = "manifest.json"
 REPORTED_DEPTH = 3  # draft depths the manifest's held-out accuracy covers
 
