@@ -177,7 +177,8 @@ def test_the_head_is_charged_its_drafting_and_the_verification_of_the_rows_only_
     # 5 rows cost 70 ms, the 3 rows without the head's two 60 ms: 7 ms drafting + 10 ms verifying.
     assert value.cost.value == pytest.approx(17.0)
     assert value.head_yield.value == pytest.approx(2.0)  # rows 1 and 2, both the head's alone
-    assert tree.report() == {"draft_head": {"steps": 1, "rows": 2, "tokens": 2, "ms": 7.0}}
+    assert tree.report() == {"draft_head": {"steps": 1, "rows": 2, "tokens": 2, "ms": 7.0, "ahead": 0, "ahead_used": 0,
+                                            "ahead_ms": 0.0}}
 
 
 def test_a_generation_reports_what_the_head_did(tmp_path):
@@ -232,3 +233,112 @@ def test_a_fused_head_drafts_from_the_states_of_the_committed_rows(tmp_path):
     d = client.local.config.hidden_size
     blind.start(text, torch.cat([rows[:, :d], torch.zeros_like(rows[:, d:])], dim=-1))
     assert not torch.allclose(blind.cache.keys, whole.cache.keys, rtol=1e-3, atol=1e-3)
+
+
+def _chain_features(head, cache, position, tip, tokens):
+    """The head's own predictions of the features of the rows along `tokens` below the tip (the tip first),
+    one row at a time over a copy of the committed cache."""
+    cache, features = HeadCache(cache.keys, cache.values), [tip]
+    for depth, token in enumerate(tokens):
+        allowed = torch.ones(1, cache.length + 1, dtype=torch.bool)
+        predicted, keys, values = head(features[-1][None, None], torch.tensor([[token]]),
+                                       torch.tensor([position + depth]), allowed, cache)
+        cache.extend(keys, values)
+        features.append(predicted[0, 0])
+    return torch.stack(features)
+
+
+def _drafted(config, local, head, root):
+    drafter = HeadDrafter(head, config)
+    drafter.start(PROMPT, torch.randn(len(PROMPT), local.config.hidden_size, generator=torch.Generator().manual_seed(1)))
+    drafter.propose(root, TokenTrie())
+    return drafter
+
+
+def test_a_tree_drafted_ahead_is_the_tree_the_head_would_grow_on_its_own_predictions(tmp_path):
+    """`draft_ahead` assumes a prefix of the block's path kept and a token after it, and grows the tree that
+    `propose` grows once the head has seen its own predicted features for those rows; the committed state is
+    left untouched. The outcome it picks is the likeliest by reach times the head's chance, never a token the
+    block already carried below that row."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = local_only_client(shards).local
+    head = random_head(local, vocab=64)
+    config = HeadDraftConfig(top_k=3, beam=2, max_depth=3, max_nodes=12, min_path_prob=0.0)
+    drafter = _drafted(config, local, head, 4)
+    before = (drafter.cache.length, drafter.position, drafter.tip.clone(), list(drafter._nodes))
+    path, reach = [11, 23, 35], [0.9, 0.8, 0.7]
+    features = _chain_features(head, drafter.cache, drafter.position, drafter.tip, path)
+    probs = torch.softmax(head.logits(features), dim=-1)
+    taken = [{int(head.draft_vocab[probs[0].argmax()])}, set(), set(), set()]  # the head's first choice at the root was sent
+    ahead = drafter.draft_ahead(path, reach, taken)
+    assert (drafter.cache.length, drafter.position, drafter._nodes) == before[:2] + (before[3],)
+    torch.testing.assert_close(drafter.tip, before[2])
+    scores = [max(p for t, p in enumerate(row.tolist()) if t not in taken[j]) * (1.0 if j == 0 else reach[j - 1])
+              for j, row in enumerate(probs)]
+    kept = max(range(len(scores)), key=lambda j: scores[j])
+    assert kept > 0  # the truncated chain is exercised: row 0's first choice was taken
+    assert ahead.kept == path[:kept] and ahead.score == pytest.approx(scores[kept], rel=1e-5)
+    assert ahead.root not in taken[kept] and ahead.root == int(probs[kept].argsort(descending=True)[int(kept == 0)])
+    # The same tree from a drafter that observed those rows with the head's predicted features:
+    reference = _drafted(config, local, head, 4)
+    reference._nodes = []  # nothing to calibrate from: the ratios stay those the ahead tree was drafted with
+    reference.observe(features[: kept + 1], [*path[:kept], ahead.root])
+    reference.propose(ahead.root, TokenTrie())
+    assert [(n.token, n.parent, n.depth) for n in ahead.nodes] == [(n.token, n.parent, n.depth) for n in reference._nodes]
+    for mine, theirs in zip(ahead.nodes, reference._nodes):
+        assert mine.raw == pytest.approx(theirs.raw, abs=1e-5)
+
+
+def test_a_tree_used_ahead_takes_its_first_level_from_the_true_features(tmp_path):
+    """Where the assumed outcome came, `propose_ahead` reads the first level from the head's prediction on
+    the true features (what `propose` would add first) and keeps the ahead tree's deeper nodes only below the
+    first-level tokens both share."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = local_only_client(shards).local
+    head = random_head(local, vocab=64)
+    config = HeadDraftConfig(top_k=3, beam=3, max_depth=3, max_nodes=40, min_path_prob=0.0)
+    drafter = _drafted(config, local, head, 4)
+    predicted = _chain_features(head, drafter.cache, drafter.position, drafter.tip, [11])
+    ahead = drafter.draft_ahead([11], [0.9], [set(), set()])
+    # the true features near the head's predictions: the first levels share some tokens, not all
+    true_features = predicted[: len(ahead.kept) + 1] + 0.3 * torch.randn(len(ahead.kept) + 1, local.config.hidden_size,
+                                                                           generator=torch.Generator().manual_seed(2))
+    drafter.observe(true_features, [*ahead.kept, ahead.root])
+    fresh = HeadDrafter(head, config)
+    fresh.cache, fresh.position, fresh.tip = HeadCache(drafter.cache.keys, drafter.cache.values), drafter.position, drafter.tip
+    fresh.propose(ahead.root, TokenTrie())
+    trie = TokenTrie()
+    drafter.propose_ahead(ahead, ahead.root, trie)
+    nodes = drafter._nodes
+    first = [(n.token, n.raw) for n in nodes if n.depth == 1]
+    assert first == [(n.token, n.raw) for n in fresh._nodes if n.depth == 1]
+    ahead_below = {}  # (first-level token, path below it) of every deeper ahead node
+    for node in ahead.nodes:
+        ahead_below[id(node)] = [node.token] if node.depth == 1 else ahead_below[id(ahead.nodes[node.parent])] + [node.token]
+    grafted = set(tuple(p) for p in ahead_below.values() if p[0] in {t for t, _ in first})
+    for i, node in enumerate(nodes):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, nodes[j].token)
+            j = nodes[j].parent
+        assert len(path) == 1 or tuple(path) in grafted
+        assert 0 < node.path_prob <= (1.0 if node.parent < 0 else nodes[node.parent].path_prob)
+    assert len(trie) == min(len(nodes), config.max_nodes) and any(n.depth > 1 for n in nodes)
+
+
+def test_the_tree_drafts_ahead_only_while_that_hides_in_the_wait(tmp_path):
+    """A tree drafted ahead costs the client time while its block is out; where the last one took more than
+    `ahead_share` of a step of the block's rows (a short wait: a fast cloud, no round trip), none is drafted."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = local_only_client(shards).local
+    tree = Tree(TreeConfig(), head=random_head(local, vocab=64))
+    tree.start(PROMPT, torch.randn(1, local.config.vocab_size))
+    tree.see_features(torch.randn(len(PROMPT), local.config.hidden_size))
+    draft = tree.propose(PROMPT)
+    step = tree.controller.block_ms(len(draft) + 1)
+    tree._ahead_ms = 0.6 * step
+    tree.draft_ahead(PROMPT, draft)
+    assert tree._ahead is None and tree.report()["draft_head"]["ahead"] == 0
+    tree._ahead_ms = 0.4 * step
+    tree.draft_ahead(PROMPT, draft)
+    assert tree._ahead is not None and tree.report()["draft_head"]["ahead"] == 1

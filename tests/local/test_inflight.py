@@ -12,17 +12,18 @@ from splitinfer.cloud.batch import LocalPasses
 from splitinfer.cloud.passtime import MinPassTime
 from splitinfer.cloud.server import ServerConfig, ServerThread
 from splitinfer.cloud.sessions import SessionConfig
-from splitinfer.decoding.draft import Draft
+from splitinfer.decoding.draft import Draft, children_of
+from splitinfer.decoding.headsource import AheadTree
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser
-from splitinfer.decoding.strategies import Lookahead, LookaheadConfig, Strategy
+from splitinfer.decoding.strategies import Lookahead, LookaheadConfig, Strategy, Tree, TreeConfig
 from splitinfer.local.client import SplitClient
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import AUTO_IN_FLIGHT, ClientConfig, SplitSession
 from splitinfer.model.shards import load_cloud, load_local
 
 from clock import FakeClock, expire_all
-from tiny import hf_greedy, prepare_tiny
+from tiny import hf_greedy, prepare_tiny, random_head
 
 PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71, 3, 17, 42, 5, 88]
 N = 24
@@ -310,3 +311,46 @@ def test_a_block_dropped_while_queued_is_never_computed(served):
     assert skipped and not set(skipped) & set(computed)  # a skipped block never reached the model
     assert stats["skipped_steps"] == len(skipped)
     assert len(computed) + len(skipped) == len(session.records)  # every step sent was answered once
+
+
+def _truthful(text: list[int], monkeypatch) -> None:
+    """Make every tree a Tree drafts ahead assume the block's true outcome (what `text` says the model emits):
+    its nodes are still the head's, drafted for the head's own guess, so the grafting path runs every step."""
+    drafted_ahead = Tree.draft_ahead
+
+    def truthful(self, history, draft):
+        drafted_ahead(self, history, draft)
+        n, row, kept = len(history), 0, []
+        children = children_of(*draft.block(history[-1]))
+        while n + len(kept) < len(text) and text[n + len(kept)] in children.get(row, {}):
+            row = children[row][text[n + len(kept)]]
+            kept.append(text[n + len(kept)])
+        if self._ahead is not None and n + len(kept) < len(text):
+            root = text[n + len(kept)]
+            tree = self._ahead[2]
+            self._ahead = (n + len(kept) + 1, [history[-1], *kept, root], AheadTree(kept, root, tree.nodes, 1.0))
+
+    monkeypatch.setattr(Tree, "draft_ahead", truthful)
+
+
+@pytest.mark.parametrize("truthful", [False, True])
+def test_a_head_drafting_while_its_block_is_out_gives_identical_output(served, truthful, monkeypatch):
+    """With a learned head and blocks that go without waiting, the tree drafts the next tree while a block is
+    on the network and grafts it when the outcome it assumed comes (here once by chance, or every step where
+    the assumption is made true): the output stays sequential greedy's."""
+    shards, server, expected = served
+    if truthful:
+        _truthful(PROMPT + expected, monkeypatch)
+    client = SplitClient.connect(shards / "local", server.url, config(2), allow_public_weights=True)
+    # ahead_share: draft ahead every step, however short the tiny model's wait (the rule has its own test)
+    tree = Tree(TreeConfig(fixed_nodes=8, ahead_share=1e9), head=random_head(client.local, vocab=64))
+    generation = client.generate(PROMPT, max_new_tokens=N, strategy=tree, stop_ids=set())
+    assert generation.token_ids == expected
+    head = generation.stats["draft_head"]
+    assert head["ahead"] > 0 and head["ahead_ms"] > 0
+    if truthful:  # every tree drafted ahead but the last few is used
+        assert head["ahead_used"] >= head["ahead"] - 2 > 0
+    one_at_a_time = SplitClient.connect(shards / "local", server.url, config(1), allow_public_weights=True)
+    tree = Tree(TreeConfig(fixed_nodes=8), head=random_head(client.local, vocab=64))
+    stats = one_at_a_time.generate(PROMPT, max_new_tokens=N, strategy=tree, stop_ids=set()).stats["draft_head"]
+    assert stats["ahead"] == 0  # one block at a time: the client waits, nothing is drafted ahead

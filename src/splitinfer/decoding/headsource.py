@@ -47,6 +47,7 @@ class HeadDraftConfig:
     calibration_prior: float = 2.0  # predicted units each calibration ratio starts from, at ratio 1
     calibration_decay: float = 0.98  # weight of history in each ratio
     calibration_depths: int = 4  # deeper nodes share the last depth's ratios
+    ahead_rows: int = 8  # rows of a block in flight the head chains along to draft the next tree ahead (a pass each)
 
 
 @dataclass
@@ -60,6 +61,17 @@ class _Node:
     key: tuple[int, bool]  # (depth, first choice) of its calibration ratio
 
 
+@dataclass(frozen=True)
+class AheadTree:
+    """A tree drafted while a block was in flight (`draft_ahead`), for one outcome of it: `kept` tokens of its
+    draft accepted below its root, then `root` chosen."""
+
+    kept: list[int]
+    root: int
+    nodes: list[_Node]
+    score: float  # the outcome's chance as judged when drafting
+
+
 class HeadDrafter:
     def __init__(self, head: DraftHead, config: HeadDraftConfig = HeadDraftConfig()):
         self.head = head
@@ -68,6 +80,7 @@ class HeadDrafter:
         self.drafted = 0  # nodes it added
         self.ratios: dict[tuple[int, bool], Ratio] = {}
         self._nodes: list[_Node] = []  # the last proposed tree, until its step is observed
+        self._predicted: dict[int, torch.Tensor] = {}  # the last grown tree's nodes' predicted features
         self._reset(0)
 
     def _ratio(self, key: tuple[int, bool]) -> Ratio:
@@ -113,11 +126,15 @@ class HeadDrafter:
 
     def _extend(self, rows: torch.Tensor, next_tokens: list[int]) -> None:
         """Add the pairs (row's features, next token) of committed rows to the cache; rows [n, d (1 + F)]."""
+        d = self.head.config.hidden_size
+        self._append(rows[:, :d], next_tokens, rows[:, d:] if self.head.config.fused_layers else None)
+
+    def _append(self, features: torch.Tensor, next_tokens: list[int], fused: torch.Tensor | None = None) -> None:
+        """Add the pairs (features [n, d], next token) to the cache, after it; the tip becomes the last one's
+        prediction. fused: [n, F d] of a fused head's committed rows (None for its own predictions)."""
         n = len(next_tokens)
         if n == 0:
             return
-        d = self.head.config.hidden_size
-        features, fused = rows[:, :d], rows[:, d:] if self.head.config.fused_layers else None
         past = self.cache.length
         allowed = torch.ones(n, past + n, dtype=torch.bool)
         allowed[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
@@ -141,10 +158,16 @@ class HeadDrafter:
     def propose(self, root: int, trie: TokenTrie) -> int:
         """Add a tree below `root` (the last emitted token) to `trie`; returns the nodes added."""
         t0 = time.perf_counter()
-        self._predicted: dict[int, torch.Tensor] = {}
         self.sync(root)
         if self.tip is None:
             return 0
+        self._add(self._grow(), trie)
+        self.draft_ms = (time.perf_counter() - t0) * 1e3
+        return self.drafted
+
+    def _grow(self) -> list[_Node]:
+        """The tree below the tip: its nodes, parents first (their predicted features in `_predicted`)."""
+        self._predicted: dict[int, torch.Tensor] = {}
         nodes: list[_Node] = []
         level = self._children(self.tip[None], [-1], nodes)
         tree_keys = tree_values = None
@@ -160,13 +183,80 @@ class HeadDrafter:
             tree_keys = keys if tree_keys is None else torch.cat([tree_keys, keys], 2)
             tree_values = values if tree_values is None else torch.cat([tree_values, values], 2)
             level = self._children(predicted, expand, nodes)
-        # A child is never likelier than its parent, so the best nodes include their ancestors.
+        return nodes
+
+    def _add(self, nodes: list[_Node], trie: TokenTrie) -> None:
+        """Add the best `max_nodes` of a grown tree to the trie; they are what the next `observe` learns from.
+        A child is never likelier than its parent, so the best nodes include their ancestors."""
         best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].path_prob, i))[: self.config.max_nodes]
         for i in best:
             tokens, probs = self._path(nodes, i)
             trie.add_path(tokens, probs, "head")
         self._nodes = nodes
         self.drafted = len(best)
+
+    @torch.inference_mode()
+    def draft_ahead(self, path: list[int], reach: list[float], taken: list[set[int]]) -> AheadTree | None:
+        """While a block drafted by `propose` is in flight: the tree for its likeliest outcome, drafted from the
+        head's own predictions of the block's features (the true ones come with its result); None before any
+        features. path: the tokens of the block's top path below its root; reach[j]: the chance that its first
+        j + 1 are kept; taken[j]: the block's tokens below row j (row 0 the root), never chosen after it.
+
+        The head chains along the path (one pass a row); a prefix kept, then the likeliest token not taken
+        there, scores its reach times the head's chance of that token; the best one's tree is grown. The
+        committed state is left as it was."""
+        if self.tip is None or self.pending is not None:
+            return None
+        saved = self.cache, self.position, self.tip, self._predicted
+        try:
+            self.cache = HeadCache(self.cache.keys, self.cache.values)
+            features = [self.tip]  # row j's feature, as the head predicts it (row 0: the root's)
+            for token in path:
+                self._append(features[-1][None], [token])
+                features.append(self.tip)
+            kept, root, score = self._likeliest(torch.stack(features), reach, taken)
+            self.cache.truncate(saved[0].length + kept)
+            self.position = saved[1] + kept
+            self._append(features[kept][None], [root])
+            return AheadTree(path[:kept], root, self._grow(), score)
+        finally:
+            self.cache, self.position, self.tip, self._predicted = saved
+
+    def _likeliest(self, features: torch.Tensor, reach: list[float], taken: list[set[int]]) -> tuple[int, int, float]:
+        """(rows kept below the root, the token chosen after them, the outcome's chance) of the likeliest
+        outcome, from the head's distribution after each row of the chained path (features [k + 1, d])."""
+        probs = torch.softmax(self.head.logits(features), dim=-1)
+        best = (0, -1, -1.0)
+        for j, row in enumerate(probs):
+            chance = 1.0 if j == 0 else reach[j - 1]
+            top = row.topk(min(len(taken[j]) + 1, row.shape[0]))
+            for token, p in zip(self.head.draft_vocab[top.indices].tolist(), top.values.tolist()):
+                if token not in taken[j]:
+                    if chance * p > best[2]:
+                        best = (j, token, chance * p)
+                    break
+        return best
+
+    @torch.inference_mode()
+    def propose_ahead(self, ahead: AheadTree, root: int, trie: TokenTrie) -> int:
+        """`propose`, where the tree drafted ahead was for this outcome: the first level afresh from the true
+        tip (a readout, no head pass), each deeper node of the ahead tree below the first-level token it hangs
+        from, recalibrated with today's ratios. Returns the nodes added."""
+        t0 = time.perf_counter()
+        self.sync(root)
+        nodes: list[_Node] = []
+        first = {nodes[i].token: i for i in self._children(self.tip[None], [-1], nodes)}
+        mapped: dict[int, int] = {}  # ahead node -> its node here
+        for i, node in enumerate(ahead.nodes):
+            parent = first.get(node.token) if node.depth == 1 else mapped.get(node.parent)
+            if parent is None or node.depth == 1:
+                if parent is not None:
+                    mapped[i] = parent
+                continue
+            prob = min(node.raw * self._ratio(node.key).value, 1.0)
+            mapped[i] = len(nodes)
+            nodes.append(_Node(node.token, parent, node.depth, prob, nodes[parent].path_prob * prob, node.raw, node.key))
+        self._add(nodes, trie)
         self.draft_ms = (time.perf_counter() - t0) * 1e3
         return self.drafted
 

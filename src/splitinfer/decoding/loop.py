@@ -26,7 +26,9 @@ same `choose` calls on the same rows as one block at a time. Sampling draws each
 own distribution, the same way. Whether a block goes ahead, and with how many roots, changes only the
 timing, never the output. Each emitted token's log-probability comes from the logits row that predicted
 it: the parent's row. Strategies that read the final features (a learned draft head) need each block's
-features before drafting the next, so they go one block at a time.
+features before drafting the next, so they go one block at a time; where blocks go without waiting
+(`in_flight` > 1), such a strategy drafts the next tree while the block is out, for the block's likeliest
+outcome (`Strategy.draft_ahead`), and uses it only if that outcome comes.
 
 The loop knows the verifier through its Protocol (verifier.py) and the strategy through
 propose/predict/recall/observe; the cloud session, the wire and the caches are the verifier's business. It
@@ -91,9 +93,11 @@ def decode(
     finish = emit_all([choose(first_logits)], [first_logits])
     if finish is not None:
         return finish
-    # a draft head drafts from the features of the block before: it cannot draft past a block in flight
+    # a draft head drafts from the features of the block before: it cannot draft past a block in flight, but
+    # where blocks go without waiting it drafts the next tree while one is out (`Strategy.draft_ahead`)
     depth = 1 if strategy.uses_features else verifier.in_flight
-    return _decode_blocks(verifier, history, emit_all, strategy, choose, depth, controller or AheadController())
+    ahead = strategy.drafts_ahead and verifier.in_flight > 1
+    return _decode_blocks(verifier, history, emit_all, strategy, choose, depth, controller or AheadController(), ahead)
 
 
 @dataclass(frozen=True)
@@ -172,10 +176,11 @@ def _make(strategy: Strategy, prefix: list[int], roots: list[int], scores: list[
 
 def _fill(
     verifier: Verifier, strategy: Strategy, history: list[int], flying: list[_Flying], depth: int,
-    controller: AheadController,
+    controller: AheadController, ahead: bool = False,
 ) -> None:
     """Send blocks until `depth` are in flight, the strategy has no guess, or (unless pinned) the controller
-    judges the next one not worth sending ahead."""
+    judges the next one not worth sending ahead. ahead: a block sent alone goes without waiting either (the
+    strategy drafts while it is out)."""
     while len(flying) < depth:
         start = time.perf_counter()
         if not flying:
@@ -193,7 +198,7 @@ def _fill(
             nxt.p, nxt.alone, nxt.chosen = p, False, None
         block = nxt.block
         assume = [f.kept for f in flying]
-        if not verifier.send_block(block.tokens, block.structure, block.depths, assume, wait=depth == 1):
+        if not verifier.send_block(block.tokens, block.structure, block.depths, assume, wait=depth == 1 and not ahead):
             flying.clear()  # the link was lost with everything in flight: send again from the committed state
             continue
         nxt.sent_at = time.perf_counter()
@@ -216,17 +221,20 @@ def _accept(flying: _Flying, logits: torch.Tensor, choose: Callable[[torch.Tenso
 
 def _decode_blocks(
     verifier: Verifier, history: list[int], emit_all: Emit, strategy: Strategy,
-    choose: Callable[[torch.Tensor], int], depth: int, controller: AheadController,
+    choose: Callable[[torch.Tensor], int], depth: int, controller: AheadController, ahead: bool = False,
 ) -> str:
     """Decode with up to `depth` blocks in flight after the first token was emitted (history ends with it;
-    emit_all appends to it). Returns "stop" or "length"."""
+    emit_all appends to it); ahead: one block at a time, the strategy drafting while it is out. Returns
+    "stop" or "length"."""
     flying: list[_Flying] = []
     finish = None
     last = time.perf_counter()
     try:
         while finish is None:
-            _fill(verifier, strategy, history, flying, depth, controller)
-            waited_alone = len(flying) == 1 and flying[0].alone
+            _fill(verifier, strategy, history, flying, depth, controller, ahead)
+            waited_alone = len(flying) == 1 and flying[0].alone and not ahead
+            if ahead and flying:
+                strategy.draft_ahead(history, flying[0].drafts[0])
             logits = verifier.receive_block()
             if logits is None:
                 flying.clear()

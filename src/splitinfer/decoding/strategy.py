@@ -19,6 +19,7 @@ class Strategy:
     # hidden states (HF numbering) handed with the final features, of those that cross the wire (a fused
     # draft head's extra inputs); () for the final features alone
     feature_states: tuple[int, ...] = ()
+    drafts_ahead = False  # True: the loop calls `draft_ahead` while a block is on the network (uses_features)
 
     def see_features(self, features: torch.Tensor) -> None:
         """[q, d (1 + len(feature_states))] final features (before the final norm) of the prefill, after
@@ -40,6 +41,11 @@ class Strategy:
         """Up to `nodes` guesses below history[-1], without drafting state changing: what follows a block
         still in flight (decoding/loop.py). None by default: such strategies send one block at a time."""
         return Draft()
+
+    def draft_ahead(self, history: list[int], draft: Draft) -> None:
+        """While the block with `draft` below history[-1] is on the network and the client would only wait:
+        prepare the next proposal for the outcome the strategy judges likeliest, for `propose` to use if that
+        outcome comes. Only for strategies with `drafts_ahead`, and only where blocks go without waiting."""
 
     def recall(self, draft: Draft) -> None:
         """Before `observe` with blocks in flight: the draft of the block observed (later ones were proposed

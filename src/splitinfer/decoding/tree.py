@@ -7,14 +7,16 @@ lookup also searches the replies shipped with it and a client's earlier outputs,
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from .calibration import NodeCalibration
 from .controller import BlockController, ControllerConfig, StepCosts
-from .draft import Draft, TokenTrie
-from .headsource import HeadDraftConfig, HeadDrafter
+from .draft import Draft, TokenTrie, children_of
+from .headsource import AheadTree, HeadDraftConfig, HeadDrafter
+from .roots import top_path
 from .sources import SuffixIndex, TokenRecycling, propose_suffix
 from .strategy import Strategy
 from .warm import RecyclingTable, SuffixMemory
@@ -28,13 +30,17 @@ class HeadTally:
     steps: int = 0
     rows: int = 0
     tokens: int = 0
-    ms: float = 0.0
+    ms: float = 0.0  # drafting on the critical path
+    ahead: int = 0  # trees drafted ahead, while a block was in flight
+    ahead_used: int = 0  # of them, those whose outcome came (their steps' drafting is a readout and a graft)
+    ahead_ms: float = 0.0  # time drafting ahead, off the critical path where the client waits on the network
 
     def add(self, rows: int, tokens: int, ms: float) -> None:
         self.steps, self.rows, self.tokens, self.ms = self.steps + 1, self.rows + rows, self.tokens + tokens, self.ms + ms
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "rows": self.rows, "tokens": self.tokens, "ms": round(self.ms, 3)}
+        return {"steps": self.steps, "rows": self.rows, "tokens": self.tokens, "ms": round(self.ms, 3),
+                "ahead": self.ahead, "ahead_used": self.ahead_used, "ahead_ms": round(self.ahead_ms, 3)}
 
 
 COPY_SOURCES = ("suffix", "recycling")  # the model-free sources, which a confident path lets go first
@@ -63,6 +69,10 @@ class TreeConfig:
     # A suffix or successor-table path at least this likely (calibrated on this text) takes the block's
     # nodes before the head's: the head's calibration is an average over texts, a copy's is this text's.
     copy_first: float = 0.5
+    # With a head, where blocks go without waiting (--in-flight 2 or more, or auto): draft the next tree while
+    # the block is on the network, for its likeliest outcome (headsource.py `draft_ahead`), while that costs
+    # less than this share of a step's measured time (the wait it hides in; 0: never).
+    ahead_share: float = 0.5
 
 
 class Tree(Strategy):
@@ -82,6 +92,9 @@ class Tree(Strategy):
         self.config = config
         self.drafter = HeadDrafter(head, config.head) if head is not None else None
         self.uses_features = self.drafter is not None
+        self.drafts_ahead = self.drafter is not None and config.ahead_share > 0
+        self._ahead: tuple[int, list[int], AheadTree] | None = None  # (history length, its tail, the tree)
+        self._ahead_ms = 0.0  # the last tree drafted ahead's cost, ms
         self.feature_states = head.config.fused_layers if head is not None else ()
         self._features: torch.Tensor | None = None
         self.prompt_logits_rows = config.prompt_rows
@@ -152,13 +165,18 @@ class Tree(Strategy):
 
     def propose(self, history):
         trie = TokenTrie()
-        draft_ms = 0.0
-        self._drafted = self.drafter is not None and self._head_pays()
-        if self._drafted:
+        ahead, self._ahead = self._ahead, None
+        held = ahead is not None and len(history) == ahead[0] and history[-len(ahead[1]) :] == ahead[1]
+        # a tree drafted ahead for what came costs the step a readout: the head drafts whether it pays or not
+        self._drafted = held or (self.drafter is not None and self._head_pays())
+        if held:
+            self.drafter.propose_ahead(ahead[2], history[-1], trie)
+            self._tally.ahead_used += 1
+        elif self._drafted:
             self.drafter.propose(history[-1], trie)
-            draft_ms = self.drafter.draft_ms
         elif self.drafter is not None:
             self.drafter.sync(history[-1])
+        draft_ms = self.drafter.draft_ms if self._drafted else 0.0
         self._propose_suffix(history, trie)
         self.recycling.propose(
             history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
@@ -188,6 +206,26 @@ class Tree(Strategy):
         self.recycling.propose(history[-1], trie, self.config.recycling_nodes, self.config.max_depth,
                                weight=self.calibration.recycling_weight)
         return trie.best(nodes)
+
+    def draft_ahead(self, history, draft):
+        """The head's tree for the in-flight block's likeliest outcome: along its top path, a prefix kept and
+        the token chosen after it (HeadDrafter.draft_ahead); `propose` grafts it if that outcome comes. Not
+        where the last one cost more than `ahead_share` of a step of this block's rows (a short wait)."""
+        self._ahead = None
+        if not self.drafts_ahead or self._ahead_ms > self.config.ahead_share * self.controller.block_ms(len(draft) + 1):
+            return
+        t0 = time.perf_counter()
+        path = top_path(draft)[: self.config.head.ahead_rows + 1]
+        children = children_of(*draft.block(history[-1]))
+        taken = [set(children.get(row, {})) for row in path]
+        tokens = [draft.tokens[row - 1] for row in path[1:]]
+        tree = self.drafter.draft_ahead(tokens, [draft.scores[row - 1] for row in path[1:]], taken)
+        if tree is not None:
+            tail = [history[-1], *tree.kept, tree.root]
+            self._ahead = (len(history) + len(tail) - 1, tail, tree)
+            self._tally.ahead += 1
+        self._ahead_ms = (time.perf_counter() - t0) * 1e3
+        self._tally.ahead_ms += self._ahead_ms
 
     def recall(self, draft):
         self.last_draft = draft
