@@ -42,7 +42,8 @@ CLIENT_OPTIONS = (
                                                  "auto uses it when present and made for this model"),
     Opt("in_flight", type=in_flight_option,
         help="blocks in flight at once: 2 or 3 send the next block before the previous one's result is back "
-             "(needs a v3 server; else 1); auto sends each block ahead, up to 3, when measured costs say it pays"),
+             "(needs a v3 server; else 1); auto sends each block ahead, up to 3, when measured costs say it pays; "
+             "with a draft head, 2 or more (or auto) draft the next tree while a block is out"),
     Opt("pad_rows", help="pad every step and reply to multiples of this many rows, so message sizes do not show "
                          "block sizes or accepted drafts (docs/privacy.md, T6); 0: off"),
     Opt("pad_prompt_rows", help="pad every prompt message and its reply to multiples of this many rows instead, so "
