@@ -44,6 +44,7 @@ class HeadTally:
 
 
 COPY_SOURCES = ("suffix", "recycling")  # the model-free sources, which a confident path lets go first
+AHEAD_RETRY = 0.9  # each step skipped for drafting ahead counts its last cost down by this factor
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,10 @@ class Tree(Strategy):
         the token chosen after it (HeadDrafter.draft_ahead); `propose` grafts it if that outcome comes. Not
         where the last one cost more than `ahead_share` of a step of this block's rows (a short wait)."""
         self._ahead = None
-        if not self.drafts_ahead or self._ahead_ms > self.config.ahead_share * self.controller.block_ms(len(draft) + 1):
+        if not self.drafts_ahead:
+            return
+        if self._ahead_ms > self.config.ahead_share * self.controller.block_ms(len(draft) + 1):
+            self._ahead_ms *= AHEAD_RETRY  # tried again after some steps: the last cost may have been a one-off
             return
         t0 = time.perf_counter()
         path = top_path(draft)[: self.config.head.ahead_rows + 1]
