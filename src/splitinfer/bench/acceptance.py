@@ -97,6 +97,7 @@ class DepthRecorder:
         self.prompt_logits_rows = inner.prompt_logits_rows
         self.uses_features = inner.uses_features
         self.feature_states = inner.feature_states
+        self.drafts_ahead = inner.drafts_ahead
         self.steps: list[tuple[int, bool]] = []  # (accepted drafts, whether a child of the last accepted node was offered)
 
     def start(self, prompt, prompt_logits):
@@ -110,6 +111,9 @@ class DepthRecorder:
 
     def predict(self, history, nodes):
         return self.inner.predict(history, nodes)
+
+    def draft_ahead(self, history, draft):
+        self.inner.draft_ahead(history, draft)
 
     def recall(self, draft):
         self.inner.recall(draft)
