@@ -167,7 +167,7 @@ class HeadDrafter:
 
     def _grow(self) -> list[_Node]:
         """The tree below the tip: its nodes, parents first (their predicted features in `_predicted`)."""
-        self._predicted: dict[int, torch.Tensor] = {}
+        self._predicted = {}
         nodes: list[_Node] = []
         level = self._children(self.tip[None], [-1], nodes)
         tree_keys = tree_values = None
@@ -197,9 +197,9 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def draft_ahead(self, path: list[int], reach: list[float], taken: list[set[int]]) -> AheadTree | None:
-        """While a block drafted by `propose` is in flight: the tree for its likeliest outcome, drafted from the
-        head's own predictions of the block's features (the true ones come with its result); None before any
-        features. path: the tokens of the block's top path below its root; reach[j]: the chance that its first
+        """While a block is in flight (after its step's `propose` or `sync`): the tree for its likeliest outcome,
+        drafted from the head's own predictions of the block's features (the true ones come with its result);
+        None before any features. path: the tokens of the block's top path below its root; reach[j]: the chance that its first
         j + 1 are kept; taken[j]: the block's tokens below row j (row 0 the root), never chosen after it.
 
         The head chains along the path (one pass a row); a prefix kept, then the likeliest token not taken
@@ -248,10 +248,12 @@ class HeadDrafter:
         first = {nodes[i].token: i for i in self._children(self.tip[None], [-1], nodes)}
         mapped: dict[int, int] = {}  # ahead node -> its node here
         for i, node in enumerate(ahead.nodes):
-            parent = first.get(node.token) if node.depth == 1 else mapped.get(node.parent)
-            if parent is None or node.depth == 1:
-                if parent is not None:
-                    mapped[i] = parent
+            if node.depth == 1:
+                if node.token in first:
+                    mapped[i] = first[node.token]
+                continue
+            parent = mapped.get(node.parent)
+            if parent is None:
                 continue
             prob = min(node.raw * self._ratio(node.key).value, 1.0)
             mapped[i] = len(nodes)
