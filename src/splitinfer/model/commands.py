@@ -21,7 +21,10 @@ class SplitOptions:
 
     head_layers: int = 2  # k: decoder layers kept local before the cloud
     tail_layers: int = 2  # m: decoder layers kept local after the cloud
-    dtype: str = "float32"  # the weights' dtype in prepared shards
+    dtype: str = "float32"  # the compute dtype of prepared shards (activations, norms, the embedding)
+    # Each part's weight format (model/formats.py): one format, or PART=FORMAT entries (local, cloud, lm_head);
+    # "" stores every weight in `dtype`.
+    weights: str = ""
 
 
 def parse_split_range(text: str) -> tuple[int, int]:
@@ -70,12 +73,16 @@ def cmd_prepare(args) -> int:
     from .prepare import prepare
     from .source import load_source
 
+    from .formats import WeightFormats
+
     split_range = parse_split_range(args.split_range) if args.split_range else None  # fail before loading
+    weights = WeightFormats.parse(args.weights) if args.weights else None
     with progress(total=2, desc="prepare: loading the model", unit="step") as bar:
         source = load_source(args.model)
         bar.set_description("prepare: writing the shards")
         bar.update(1)
-        out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range)
+        out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range,
+                      weights=weights)
         bar.update(1)
     manifest = json.loads((out / "cloud" / "manifest.json").read_text())
     split = manifest["split"]
@@ -84,7 +91,7 @@ def cmd_prepare(args) -> int:
     print(
         f"prepared {manifest['model_id']}: local layers [0, {high}) + "
         f"[{split['cloud_layers'][1]}, {split['num_layers']}), cloud layers [{split['cloud_layers'][0]}, "
-        f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
+        f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}, weights {weights.spec() if weights else manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
     )
     print(install_shipped_drafter(out / "local"))
     return 0
@@ -100,6 +107,9 @@ def register(subparsers) -> None:
                         "layers, drawn at random; the local shard holds layers [0, K2), the cloud [K1, N-m)")
     add_options(s, SplitOptions, (
         Opt("tail_layers", help="decoder layers kept local after the cloud (m)"),
-        Opt("dtype", choices=DTYPE_NAMES, help="weights' dtype in the shards"),
+        Opt("dtype", choices=DTYPE_NAMES, help="compute dtype of the shards (activations, norms, embedding)"),
+        Opt("weights", help="weight format of the decoder layers and LM head: float32, bfloat16, int8 or int4, "
+                            "or PART=FORMAT entries for local, cloud, lm_head (e.g. int4,lm_head=int8); "
+                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; default: every weight in --dtype"),
     ))
     s.set_defaults(func=cmd_prepare)
