@@ -87,6 +87,10 @@ def cmd_prepare(args) -> int:
         f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
     )
     print(install_shipped_drafter(out / "local"))
+    if args.allow_public_weights:
+        from ..public_weights import RECORDED, acknowledge
+
+        print(RECORDED.format(manifest=acknowledge(out / "local", "splitinfer prepare --allow-public-weights")))
     return 0
 
 
@@ -102,4 +106,8 @@ def register(subparsers) -> None:
         Opt("tail_layers", help="decoder layers kept local after the cloud (m)"),
         Opt("dtype", choices=DTYPE_NAMES, help="weights' dtype in the shards"),
     ))
+    s.add_argument("--allow-public-weights", action="store_true",
+                   help="accept, once for this shard, that its local layers are the stock public weights (the cloud "
+                        "can invert what it sees): recorded in OUT/local/manifest.json, so client commands on it need "
+                        "no --allow-public-weights (they still warn)")
     s.set_defaults(func=cmd_prepare)
