@@ -193,7 +193,12 @@ def run_block(lang: str, body: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def block_env() -> dict:
-    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    """The test's own interpreter and package first (this checkout's src/, whatever is installed)."""
+    import splitinfer
+
+    package = str(Path(splitinfer.__file__).parents[1])
+    return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                PYTHONPATH=os.pathsep.join([package, *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def localize(body: str, request, ports: dict[str, str]) -> str:
