@@ -89,6 +89,8 @@ def command_lines(body: str) -> list[list[str]]:
             words = shlex.split(line, comments=True)
         except ValueError:
             continue
+        if words[:1] == ["sudo"] and words[1:2] == ["-u"]:
+            words = words[3:]  # sudo -u USER COMMAND ...
         command: list[str] = []
         for word in [*words, ";"]:
             if word in (";", "&", "&&", "||", "|"):
@@ -108,12 +110,17 @@ def documented_commands():
                     yield page, line, argv
 
 
-def demo_shards_acknowledged() -> bool:
-    """Whether the documented way to make the demo shards records the public-weights acknowledgement."""
-    prepares = [argv for _, _, argv in documented_commands() if argv[:1] == ["prepare"] and SHIPPED in argv]
-    make = re.search(r"^\t.*splitinfer prepare .*$", (ROOT / "Makefile").read_text(), re.M)
-    return bool(prepares) and all("--allow-public-weights" in argv for argv in prepares) and bool(
-        make and "--allow-public-weights" in make.group(0))
+def prepared_shards() -> dict[str, bool]:
+    """Each shards directory the docs (and the Makefile, for the demo's) prepare or privatize, and whether
+    every command that makes it records the public-weights acceptance."""
+    made: dict[str, bool] = {}
+    makefile = re.search(r"^\t.*splitinfer (prepare .*)$", (ROOT / "Makefile").read_text(), re.M)
+    commands = [argv for _, _, argv in documented_commands() if argv[:1] == ["prepare"] or argv[:2] == ["privacy", "privatize"]]
+    for argv in [*commands, *([shlex.split(makefile.group(1))] if makefile else [])]:
+        out = argv[argv.index("--out") + 1].replace("$(SHARDS)", SHIPPED) if "--out" in argv else None
+        if out:
+            made[out] = made.get(out, True) and "--allow-public-weights" in argv
+    return made
 
 
 def test_every_documented_command_parses_and_passes_the_public_weights_gate():
@@ -121,8 +128,8 @@ def test_every_documented_command_parses_and_passes_the_public_weights_gate():
     from splitinfer.public_weights import RECORD
 
     parser = build_parser()
-    stock = {"files": {"weights.safetensors": "0" * 64}}
-    demo = dict(stock, **({RECORD: {"weights_sha256": "0" * 64}} if demo_shards_acknowledged() else {}))
+    made = prepared_shards()
+    assert SHIPPED in made
     seen = 0
     for page, line, argv in documented_commands():
         seen += 1
@@ -131,8 +138,16 @@ def test_every_documented_command_parses_and_passes_the_public_weights_gate():
         except SystemExit as exc:  # argparse has printed why
             raise AssertionError(f"{page}:{line}: `splitinfer {' '.join(argv)}` is refused by the CLI") from exc
         shard = str(getattr(args, "shard", None) or getattr(args, "shards", None) or "")
-        if argv[0] in CLIENT_COMMANDS and shard.startswith(SHIPPED):
-            check_local_weights(demo, getattr(args, "allow_public_weights", False))
+        shards = shard.removesuffix("/local")
+        if argv[0] in CLIENT_COMMANDS and shards in made and not getattr(args, "local_only", False):
+            # the gate itself, on a stock manifest as the documented preparation leaves it
+            manifest = {"files": {"weights.safetensors": "0" * 64}}
+            if made[shards]:
+                manifest[RECORD] = {"weights_sha256": "0" * 64}
+            try:
+                check_local_weights(manifest, getattr(args, "allow_public_weights", False))
+            except Exception as exc:
+                raise AssertionError(f"{page}:{line}: `splitinfer {' '.join(argv)}` would be refused: {exc}") from exc
     assert seen >= 10
 
 
