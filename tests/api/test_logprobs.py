@@ -142,6 +142,18 @@ def test_parameters_not_implemented_are_refused_not_ignored(api, extra, code):
     assert "penalties are not implemented" in err.value.body["message"] or "penalty" not in next(iter(extra))
 
 
+def test_message_fields_other_than_role_and_content_are_refused_unless_empty(api):
+    oc, _ = api
+    with pytest.raises(openai.BadRequestError) as err:
+        oc.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi", "name": "bob"}])
+    assert err.value.body["param"] == "messages[0].name" and err.value.body["code"] == "unsupported_parameter"
+    first = oc.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0)
+    echoed = first.choices[0].message.model_dump()  # role, content and null or empty fields, as an SDK returns them
+    again = oc.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                       messages=[*HELLO, echoed, {"role": "user", "content": "and?"}])
+    assert again.choices[0].finish_reason in ("stop", "length")
+
+
 def test_no_op_values_of_unimplemented_parameters_are_accepted(api):
     oc, _ = api
     r = oc.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=0, presence_penalty=0,

@@ -232,6 +232,10 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise _bad(f"messages[{i}]", f"messages[{i}] needs a role of system, user or assistant.")
+        for key, value in m.items():  # name, tool_calls ...: refused unless empty (an SDK echoes nulls back)
+            if key not in ("role", "content") and value not in (None, [], {}):
+                raise APIError(400, f"messages[{i}].{p_key(key)} is not supported here (text messages only); leave it "
+                                    "out.", param=f"messages[{i}].{p_key(key)}", code="unsupported_parameter")
         content = m.get("content")
         if isinstance(content, list):
             parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -246,6 +250,11 @@ def chat_messages(body: dict) -> list[dict]:
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _text(content, f"messages[{i}].content")})
     return out
+
+
+def p_key(key: str) -> str:
+    """A peer's key, printable in an error body (no lone surrogates), at most 40 characters."""
+    return key[:40].encode("utf-8", "backslashreplace").decode()
 
 
 def completion_prompt(body: dict) -> str | list[int]:
