@@ -94,6 +94,10 @@ def cmd_prepare(args) -> int:
         f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}, weights {weights.spec() if weights else manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
     )
     print(install_shipped_drafter(out / "local"))
+    if args.allow_public_weights:
+        from ..public_weights import RECORDED, acknowledge
+
+        print(RECORDED.format(manifest=acknowledge(out / "local", "splitinfer prepare --allow-public-weights")))
     return 0
 
 
@@ -112,4 +116,8 @@ def register(subparsers) -> None:
                             "or PART=FORMAT entries for local, cloud, lm_head (e.g. int4,lm_head=int8); "
                             "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; default: every weight in --dtype"),
     ))
+    s.add_argument("--allow-public-weights", action="store_true",
+                   help="accept, once for this shard, that its local layers are the stock public weights (the cloud "
+                        "can invert what it sees): recorded in OUT/local/manifest.json, so client commands on it need "
+                        "no --allow-public-weights (they still warn)")
     s.set_defaults(func=cmd_prepare)
