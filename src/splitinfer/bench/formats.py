@@ -10,8 +10,8 @@ then, in one process on one pinned core:
 - **generations**: local-only sequential greedy decoding (the whole model in this process) in each format
   and plain transformers float32 greedy decoding with its own cache, decode ms per token, every
   configuration once per prompt per round in a shuffled order, medians of paired ratios;
-- **quality**: perplexity of held-out text (the packaged prompt files, data/heldout.jsonl and prompts.jsonl,
-  read as plain text)
+- **quality**: perplexity of held-out text (the packaged held-out prompts, data/heldout.jsonl, read as plain
+  text; int8's calibration reads data/prompts.jsonl, never these)
   and agreement with float32's greedy replies: identical replies, and where one differs, its first
   differing token and float32's top-1 minus top-2 logit there (a small margin is a near-tie, not an error);
 - **exactness**: each format's tree (no draft head) output against its own sequential output.
@@ -260,8 +260,8 @@ def run(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> 
                for p in load_prompts(None, 1)[: config.prompts]}
     gen = generations(dirs, prompts, config, log)
     data = resources.files("splitinfer.data")
-    heldout = [json.loads(line)["prompt"] for name in ("heldout.jsonl", "prompts.jsonl")
-               for line in data.joinpath(name).read_text().splitlines() if line.strip()]
+    heldout = [json.loads(line)["prompt"] for line in data.joinpath("heldout.jsonl").read_text().splitlines()
+               if line.strip()]
     return {
         "command": "splitinfer " + shlex.join(sys.argv[1:]), "version": __version__, "config": asdict(config),
         "machine": {"cpu_flags": cpu_flags(), "bandwidth_gbps": round(gbps, 2), "threads": config.threads,
