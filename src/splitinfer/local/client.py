@@ -33,7 +33,7 @@ from .auth import ClientAuth
 from .conversation import Conversation
 from .failover import FailoverMiddle, ReplicaSet, fetch_replicas, server_list
 from .middle import RemoteMiddle
-from .session import ClientConfig, with_shard_wire_dtype
+from .config import ClientConfig, with_shard_wire_dtype
 from .text import chat_prompt_ids
 
 log = logging.getLogger("splitinfer.local")

@@ -23,7 +23,7 @@ from .auth import ClientAuth, add_client_auth_args
 
 def in_flight_option(value: str) -> int:
     """--in-flight: 1-3 pins the blocks in flight; auto (ClientConfig's AUTO_IN_FLIGHT) lets the controller choose."""
-    from .session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT
+    from .config import AUTO_IN_FLIGHT, MAX_IN_FLIGHT
 
     if value.strip().lower() == "auto":
         return AUTO_IN_FLIGHT
@@ -84,7 +84,7 @@ ALLOW_PUBLIC_HELP = "run even though the local layers are the stock public weigh
 def add_client_options(s: argparse.ArgumentParser) -> None:
     """The options naming a model and how to reach it; needs torch-importing modules, so call it deferred."""
     from ..decoding.strategies import STRATEGIES
-    from .session import ClientConfig
+    from .config import ClientConfig
 
     s.add_argument("--shard", help="the local shard directory (OUT/local)")
     s.add_argument("--server", action=Repeated, help="ws://HOST:PORT (or wss://) of `splitinfer serve`, or of a "
@@ -138,7 +138,7 @@ def connect_client(
     fail at start-up rather than at the first request."""
     from ..preflight import check_handshake, check_local_memory, check_reachable
     from .client import SplitClient
-    from .session import ClientConfig
+    from .config import ClientConfig
 
     if not shard or not server:
         raise ConfigError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
