@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitinfer.api.chat import ChatSession, run_chat
-from splitinfer.inprocess import local_only_client
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.session import ClientConfig
 
 F32 = ClientConfig(wire_dtype="float32", retry_backoff_s=0.05)
@@ -14,7 +13,7 @@ F32 = ClientConfig(wire_dtype="float32", retry_backoff_s=0.05)
 
 @pytest.fixture
 def client(chat_shards, cloud_server):
-    return SplitClient.connect(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True)
+    return open_client(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True, checks=False)
 
 
 @pytest.mark.parametrize("max_new", [40, 6])  # 6: the first reply is cut by the length limit, not by <eos>
@@ -72,7 +71,7 @@ def test_the_repl_streams_and_answers_commands(client):
 
 def test_shipped_model_chat_template_reuses_the_cache(smollm2_shards):
     """SmolLM2's real template (it injects a default system prompt): turn 2 prefills only its own tokens."""
-    client = local_only_client(smollm2_shards)
+    client = open_client(local_only=True, shards=smollm2_shards)
     chat = ChatSession(client)
     first = chat.say("What is the capital of France?", 24)
     second = chat.say("And of Italy?", 24)

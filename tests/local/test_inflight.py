@@ -17,7 +17,7 @@ from splitinfer.decoding.headsource import AheadTree
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser
 from splitinfer.decoding.strategies import Lookahead, LookaheadConfig, Strategy, Tree, TreeConfig
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import AUTO_IN_FLIGHT, ClientConfig, SplitSession
 from splitinfer.model.shards import load_cloud, load_local
@@ -119,7 +119,7 @@ def remote(local, url: str) -> RemoteMiddle:
 @pytest.mark.parametrize("depth", [1, 2, 3, AUTO_IN_FLIGHT])
 def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
     shards, server, expected = served
-    client = SplitClient.connect(shards / "local", server.url, config(depth), allow_public_weights=True)
+    client = open_client(shards / "local", server.url, config(depth), allow_public_weights=True, checks=False)
     for strategy in (Scripted(PROMPT + expected), "tree"):
         generation = client.generate(PROMPT, max_new_tokens=N, strategy=strategy, stop_ids=set())
         assert generation.token_ids == expected
@@ -341,7 +341,7 @@ def test_a_head_drafting_while_its_block_is_out_gives_identical_output(served, t
     shards, server, expected = served
     if truthful:
         _truthful(PROMPT + expected, monkeypatch)
-    client = SplitClient.connect(shards / "local", server.url, config(2), allow_public_weights=True)
+    client = open_client(shards / "local", server.url, config(2), allow_public_weights=True, checks=False)
     # ahead_share: draft ahead every step, however short the tiny model's wait (the rule has its own test)
     tree = Tree(TreeConfig(fixed_nodes=8, ahead_share=1e9), head=random_head(client.local, vocab=64))
     generation = client.generate(PROMPT, max_new_tokens=N, strategy=tree, stop_ids=set())
@@ -350,7 +350,7 @@ def test_a_head_drafting_while_its_block_is_out_gives_identical_output(served, t
     assert head["ahead"] > 0 and head["ahead_ms"] > 0
     if truthful:  # every tree drafted ahead but the last few is used
         assert head["ahead_used"] >= head["ahead"] - 2 > 0
-    one_at_a_time = SplitClient.connect(shards / "local", server.url, config(1), allow_public_weights=True)
+    one_at_a_time = open_client(shards / "local", server.url, config(1), allow_public_weights=True, checks=False)
     tree = Tree(TreeConfig(fixed_nodes=8), head=random_head(client.local, vocab=64))
     stats = one_at_a_time.generate(PROMPT, max_new_tokens=N, strategy=tree, stop_ids=set()).stats["draft_head"]
     assert stats["ahead"] == 0  # one block at a time: the client waits, nothing is drafted ahead

@@ -194,7 +194,7 @@ def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: in
             wan_proxy(url, rtt_ms, cpu=1) as wan,
         ):
             def middle():
-                return RemoteMiddle(wan, manifest["cloud_fingerprint"], layers, width, "float16")
+                return RemoteMiddle.for_shard(wan, manifest, width, "float16")
 
             _replay(middle(), width, context, 3, [])  # warm-up
             for n in clients:
@@ -221,15 +221,11 @@ def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: in
 
 
 def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> list[dict]:
+    from ..clients import open_client
     from ..launch import cloud_server, wan_proxy
-    from ..local.client import SplitClient
-    from ..local.session import ClientConfig
-    from ..local.middle import RemoteMiddle
-    from ..model.shards import load_local
+    from ..local.config import ClientConfig
     from .runtime import load_prompts
 
-    local = load_local(shards / "local")
-    split = local.manifest["split"]
     prompts = [p["prompt"] for p in load_prompts(None, 2)]
     results = []
     for mode, extra in (("batched", ()), ("one_at_a_time", ("--max-batch", "1"))):
@@ -237,13 +233,9 @@ def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> 
             cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _),
             wan_proxy(url, rtt_ms, cpu=1) as wan,
         ):
-            config = ClientConfig(wire_dtype="float16")
-
-            def make_middle():
-                layers = tuple(split["cloud_layers"])
-                return RemoteMiddle(wan, local.fingerprint, layers, local.config.hidden_size, "float16")
-
-            client = SplitClient(local, make_middle, config)
+            # float16 on the wire and no draft head, whatever the shard records: every run compares like with like
+            client = open_client(shards / "local", wan, ClientConfig(wire_dtype="float16", drafter="off"),
+                                 allow_public_weights=True, checks=False)
             # Token ids encoded here, once: client threads then never share the tokenizer's encoder.
             prompt_ids = [client.encode_prompt(p) for p in prompts]
             client.generate(prompt_ids[0], max_new_tokens=4, strategy="sequential")  # warm-up, discarded

@@ -187,8 +187,7 @@ class PlainSplitClient:
         self.head = plain_part(config, weights, range(0, k), True, False, torch_dtype)
         self.tail = plain_part(config, weights, range(n - m, n), False, True, torch_dtype)
         self.dtype, self.wire_dtype = torch_dtype, wire_dtype
-        self.middle = RemoteMiddle(url, manifest["cloud_fingerprint"], tuple(split["cloud_layers"]),
-                                   config.hidden_size, wire_dtype)
+        self.middle = RemoteMiddle.for_shard(url, manifest, config.hidden_size, wire_dtype)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:

@@ -274,10 +274,11 @@ def greedy_transformers(model: nn.Module, prompt_ids: list[int], tokens: int) ->
 
 def e2e(shards: Path, config: StepBenchConfig, log) -> dict:
     """Local-only sequential generation against transformers greedy on the first benchmark prompts."""
-    from ..inprocess import local_only_client
+    from ..clients import open_client
+    from ..local.config import ClientConfig
     from .runtime import load_prompts
 
-    client = local_only_client(shards, drafter="off")
+    client = open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off"))
     prompts = load_prompts(None, 1)[: config.e2e_prompts]
     ids = {p["id"]: client.encode_prompt(p["prompt"], p.get("chat", True)) for p in prompts}
     return generations(client, load_whole_hf(shards), ids, config.e2e_tokens, config.repeats // 2 + 2, log)

@@ -71,6 +71,20 @@ class RemoteMiddle:
         # audit (privacy/metadata.py, threat T6). None: off.
         self.tap: list[tuple[str, float, int]] | None = None
 
+    @classmethod
+    def for_shard(cls, url: str, manifest: dict, hidden_size: int, wire_dtype: str = "float16",
+                  auth: ClientAuth = ClientAuth(), head_layers: int | None = None) -> "RemoteMiddle":
+        """The middle that a shard's `manifest` (local or cloud: both name the cloud shard and the split) pins:
+        the one way to build a RemoteMiddle that runs steps."""
+        cloud_layers = tuple(manifest["split"]["cloud_layers"])
+        return cls(url, manifest["cloud_fingerprint"], cloud_layers, hidden_size, wire_dtype, auth=auth,
+                   head_layers=head_layers)
+
+    @classmethod
+    def prober(cls, url: str, auth: ClientAuth = ClientAuth()) -> "RemoteMiddle":
+        """A middle that only sends probes (`probe`): it needs no shard and opens no session."""
+        return cls(url, "-", (0, 0), hidden_size=1, auth=auth)
+
     def _exchange(self, payload: bytes):
         reply = self._exchange_raw(payload)
         message = decode_server_message(reply, self.limits)
