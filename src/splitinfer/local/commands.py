@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from ..configfile import Repeated
-from ..errors import ConfigError, TransportError
+from ..errors import TransportError
 from ..options import Opt, Shared, add_options, config_from_args
 from ..wire.dtypes import DTYPE_NAMES
 from .auth import add_client_auth_args
