@@ -17,6 +17,7 @@ from splitinfer.clients import open_client
 from splitinfer.local.failover import fetch_replicas
 from splitinfer.local.session import ClientConfig, SplitSession
 
+from clock import FakeClock
 from tiny import prepare_tiny
 
 PROMPTS = [[3 + i, 17, 42, 5 + i, 88, 21, 9, 60 + i, 33, 7] for i in range(8)]
@@ -36,11 +37,16 @@ def test_kv_policy_follows_reserved_bytes_and_refusals():
     assert kv_autoscaling_policy(ctx)[0] == 2
 
 
-def test_the_directory_lists_replicas_that_reported_recently(settle):
-    directory = ReplicaDirectory(ttl_s=0.3)
+def test_the_directory_lists_replicas_that_reported_recently():
+    clock = FakeClock()
+    directory = ReplicaDirectory(ttl_s=15, clock=clock)
     assert directory.report("ws://b:1") == ["ws://b:1"]
+    clock.advance(10)
     assert directory.report("ws://a:1") == ["ws://a:1", "ws://b:1"]
-    assert settle(lambda: directory.report("ws://a:1") == ["ws://a:1"])  # b stopped reporting: it drops out
+    clock.advance(5)  # b reported 15 s ago: still within the TTL
+    assert directory.urls() == ["ws://a:1", "ws://b:1"]
+    clock.advance(1)
+    assert directory.report("ws://a:1") == ["ws://a:1"]  # b stopped reporting: it drops out
 
 
 @pytest.mark.ray

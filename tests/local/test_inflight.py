@@ -164,27 +164,39 @@ def test_the_controller_sends_nothing_ahead_when_the_assumption_rarely_holds(ser
     assert tokens == expected and any(r.kind == "dropped" for r in session.records)
 
 
+class LateClock:
+    """The wall clock plus the delays a slow middle added: what the decoding loop measures, waited for by no one."""
+
+    def __init__(self):
+        self.late = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self.late
+
+
 class Slowed(RemoteMiddle):
-    """A reply that comes back 40 ms late: a long round trip in front of a fast cloud."""
+    """A reply that comes back 40 ms late on the loop's clock: a long round trip in front of a fast cloud."""
+
+    clock: LateClock
 
     def collect(self):
-        time.sleep(0.04)
+        self.clock.late += 0.04
         return super().collect()
 
 
 def test_the_controller_sends_ahead_behind_a_long_round_trip(served):
     shards, server, expected = served
     local = load_local(shards / "local")
-    split = local.manifest["split"]
-    middle = Slowed(server.url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, "float32")
-    tokens, session = run(local, middle, Scripted(PROMPT + expected), AUTO_IN_FLIGHT)
+    middle = Slowed.for_shard(server.url, local.manifest, local.config.hidden_size, "float32")
+    middle.clock = LateClock()
+    tokens, session = run(local, middle, Scripted(PROMPT + expected), AUTO_IN_FLIGHT, clock=middle.clock)
     assert tokens == expected
     assert any(r.assumed > 0 for r in session.records)  # a block went ahead once the round trip was measured
     first = next(i for i, r in enumerate(session.records) if r.kind != "prefill")
     assert session.records[first].assumed == 0 and session.records[first + 1].assumed == 0  # not before that
 
 
-def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choose=None):
+def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choose=None, clock=time.perf_counter):
     session = SplitSession(local, middle, config(depth))
     tokens: list[int] = []
 
@@ -193,7 +205,7 @@ def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choos
         hook(len(tokens), session)
 
     logits = session.prefill(PROMPT)
-    decode(session, list(PROMPT), logits, N, set(), emit, strategy, choose or make_chooser(None))
+    decode(session, list(PROMPT), logits, N, set(), emit, strategy, choose or make_chooser(None), clock=clock)
     session.close()
     return tokens, session
 
