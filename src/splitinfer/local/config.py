@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, replace
 
 from ..errors import ConfigError
+from ..wire.clientlink import MAX_RETRIES, ROWS_PER_MESSAGE
 from ..wire.frame import wire_dtype_of
 from ..wire.messages import MAX_HOLD_MS
 
@@ -24,8 +25,8 @@ class ClientConfig:
     # dtype of hidden states on the wire; None: the one `prepare` recorded in the local shard (float16, or
     # bfloat16 for Gemma 3, whose activations overflow float16); float32 for bit-exact tests
     wire_dtype: str | None = None
-    prefill_chunk: int = 512  # rows per prefill message; bounded further by the server's limits
-    max_retries: int = 5  # reconnect attempts per step before giving up
+    prefill_chunk: int = ROWS_PER_MESSAGE  # rows per prefill message; bounded further by the server's limits
+    max_retries: int = MAX_RETRIES  # reconnect attempts per step before giving up
     retry_backoff_s: float = 0.25  # first backoff; doubles on each attempt
     retry_backoff_max_s: float = 8.0  # the doubling stops here, so a long outage is polled, not waited out
     # Split-point randomisation: seeds the per-session draw of the head depth. None (the default) draws

@@ -27,7 +27,7 @@ from ..wire.messages import (
     Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_server_message,
 )
 from ..wire.cover import cover_probe
-from ..wire.link import DRAINING_CLOSE
+from ..wire.link import DRAINING_CLOSE, PING_INTERVAL_S, PING_TIMEOUT_S
 from ..wire.transport import StepIO
 from .auth import ClientAuth
 
@@ -114,8 +114,8 @@ class RemoteMiddle:
                 compression=None,
                 max_size=self.max_message_bytes,
                 open_timeout=self.open_timeout_s,
-                ping_interval=20,
-                ping_timeout=60,
+                ping_interval=PING_INTERVAL_S,
+                ping_timeout=PING_TIMEOUT_S,
                 additional_headers=self.auth.headers(),
                 ssl=self.auth.ssl_context(self.url),
             )
