@@ -64,6 +64,12 @@ def test_model_config_fields_are_read_in_one_place():
     assert dict_reads("a = config.to_dict().get('x')\nb = d.get('x')\n", "m") == ["m:1"]
 
 
+def test_the_speculative_bench_reads_its_options_as_declared():
+    """bench spec's options all come from SpecBenchOptions (bench/commands.py): none read with a default of its own."""
+    source = (PACKAGE / "bench" / "speculative.py").read_text()
+    assert not sniffing(source, "bench/speculative.py")
+
+
 def test_the_checker_finds_getattr_and_hasattr():
     source = "a = getattr(x, 'post', None)\nif hasattr(x, 'y'):\n    pass\nz = x.getattr\n"
     assert sniffing(source, "m") == ["m:1 getattr", "m:2 hasattr"]

@@ -148,7 +148,7 @@ def _generate_options(s: argparse.ArgumentParser) -> None:
     from .decoding.strategies import LookaheadConfig
     from .local.config import ClientOptions
 
-    add_options(s, ClientOptions, (Opt("max_new_tokens", help="tokens to generate"),))
+    add_options(s, ClientOptions, (Opt("max_new_tokens"),))
     add_client_options(s)
     add_options(s, LookaheadConfig, LOOKAHEAD_OPTIONS)
     add_sampling_options(s)

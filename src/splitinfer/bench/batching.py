@@ -326,6 +326,7 @@ def markdown(report: dict) -> str:
 def run(args) -> int:
     import torch
 
+    from ..launch import pinned
     from ..model.shards import load_cloud
 
     shards, out = Path(args.shards), Path(args.out)
@@ -334,22 +335,13 @@ def run(args) -> int:
     load_clients = _ints(args.load_clients, "--load-clients") if args.load_clients else []
     if not (shards / "cloud").is_dir():
         raise ConfigError(f"{shards} has no cloud shard; run `splitinfer prepare --out {shards}` first.")
-    pin = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
-    affinity, threads = (os.sched_getaffinity(0) if pin else None), torch.get_num_threads()
-    try:
-        if pin:
-            os.sched_setaffinity(0, {0})
-        torch.set_num_threads(args.threads)
+    with pinned(0, args.threads):  # a caller in the same process (tests) gets its CPUs and threads back
         half = load_cloud(shards / "cloud", device=args.device, dtype=args.dtype)
         print(f"cloud side: batches {sizes}, context ~{args.context} rows, {args.repeats} repeats", flush=True)
         cloud = cloud_side(half, sizes, args.context, args.repeats)
         torch.set_num_threads(1)
         load = server_under_load(shards, load_clients, args.rtt_ms, args.load_steps, args.context) if load_clients else []
         e2e = end_to_end(shards, clients, args.rtt_ms, args.max_new_tokens) if clients else []
-    finally:  # a caller in the same process (tests) gets its CPUs and threads back
-        if pin:
-            os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
     rows = {r["batch"]: r for r in cloud["rows"] if r["kind"] == "decode"}
     targets = {}
     if 16 in rows:

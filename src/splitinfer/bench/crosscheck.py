@@ -66,7 +66,8 @@ def crosscheck(
     results = []
     with ServerThread(load_cloud(shards / "cloud")) as server:
         clients = {
-            dtype: open_client(shards / "local", server.url, ClientConfig(wire_dtype=dtype), allow_public_weights=True, checks=False)
+            dtype: open_client(shards / "local", server.url, ClientConfig(wire_dtype=dtype), allow_public_weights=True,
+                                checks=False)
             for dtype in wire_dtypes
         }
         encoder = next(iter(clients.values()))

@@ -74,8 +74,8 @@ def run_load(local, server, prompts: list[list[int]], expected: list[list[int]],
         prompt = prompts[i % len(prompts)]
         deadline = time.monotonic() + max_wait_s
         while True:
-            middle = RemoteMiddle.for_shard(server.url, local.manifest, local.config.hidden_size, client_config.wire_dtype,
-                                            auth=auth or ClientAuth())
+            middle = RemoteMiddle.for_shard(server.url, local.manifest, local.config.hidden_size,
+                                            client_config.wire_dtype, auth=auth or ClientAuth())
             session = SplitSession(local, middle, client_config)
             tokens: list[int] = []
             try:
@@ -127,7 +127,8 @@ def solo_outputs(local, cloud, prompts: list[list[int]], max_new_tokens: int, cl
     out = []
     with ServerThread(cloud) as server:
         for prompt in prompts:
-            middle = RemoteMiddle.for_shard(server.url, local.manifest, local.config.hidden_size, client_config.wire_dtype)
+            middle = RemoteMiddle.for_shard(server.url, local.manifest, local.config.hidden_size,
+                                            client_config.wire_dtype)
             session = SplitSession(local, middle, client_config)
             tokens: list[int] = []
             decode(session, prompt, session.prefill(prompt), max_new_tokens, set(), lambda t, _lp: tokens.append(t), Sequential())

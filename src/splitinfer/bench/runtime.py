@@ -171,7 +171,8 @@ def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print)
         for rtt in config.rtts_ms if split_modes else ():
             target = url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))
             probes[f"{rtt:g}"] = probe_rtt(target, config.probes)
-            clients[rtt] = open_client(shards / "local", target, ClientConfig(), allow_public_weights=True, checks=False)
+            clients[rtt] = open_client(shards / "local", target, ClientConfig(), allow_public_weights=True,
+                                       checks=False)
             configs += [(m, rtt) for m in split_modes]
 
         def one(mode: str, rtt: float, prompt: dict, max_new_tokens: int) -> tuple[list[int], dict]:

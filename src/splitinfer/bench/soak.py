@@ -275,7 +275,8 @@ def run_soak(shards: Path, options: SoakOptions, logs: Path | None = None) -> di
     jobs = [(text, n) for text in texts for n in lengths]
     with ExitStack() as stack:
         servers = Servers(stack, shards / "cloud", options.servers, logs)
-        client = open_client(shards / "local", servers.urls, ClientConfig(wire_dtype=options.wire_dtype), allow_public_weights=True, checks=False)
+        client = open_client(shards / "local", servers.urls, ClientConfig(wire_dtype=options.wire_dtype),
+                             allow_public_weights=True, checks=False)
         engine = Engine(client, MODEL_ID, max_concurrent=options.clients, memory_tokens=0)
         api = stack.enter_context(ApiServer(engine, port=0))
         processes = {**servers.processes(), "api": (os.getpid, lambda: {"sessions": float(api.app.pending), "cached_rows": 0.0,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import platform
 import random
 import shlex
@@ -46,6 +45,7 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ..launch import pin_self
 from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
 from ..model.stack import LayerStack
 from ..tables import table
@@ -77,11 +77,10 @@ def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, wit
     """A plain transformers causal LM over the layers of `stacks` (renumbered 0..n-1), sharing their weights."""
     from transformers import AutoModelForCausalLM
 
+    from .plaincloud import layers_config
+
     layers = [layer for stack in stacks for layer in stack.layers]
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = len(layers)
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [config.layer_types[s.start + i] for s in stacks for i in range(len(s.layers))]
+    cfg = layers_config(config, [s.start + i for s in stacks for i in range(len(s.layers))])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     body = model.model
@@ -315,9 +314,7 @@ def _decode_ms_per_token(g) -> float:
 
 
 def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
-    if config.cpu >= 0 and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {config.cpu})
-    torch.set_num_threads(config.threads)
+    pin_self(config.cpu if config.cpu >= 0 else None, config.threads)
     gbps = bandwidth_gbps()
     log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
     sides = build_sides(shards, config.contexts, config.rows, config.dtype)

@@ -10,8 +10,8 @@ it at the end, freeing the server's cache. `client.conversation()` keeps one ses
 With a randomised split (`prepare --split-range`) each session (each `make_middle()`) draws its head
 depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_seed` only for tests).
 `open_client` (clients.py) makes every client: remote, in-process (the middle run here, no server) or
-local-only. Given several servers (`open_client(shard, [url, ...])`), each session picks its server by rendezvous hashing
-and moves to the next one when its server is gone (failover.py).
+local-only. Given several servers (`open_client(shard, [url, ...])`), each session picks its server by
+rendezvous hashing and moves to the next one when its server is gone (failover.py).
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ class SplitClient:
         return set(stop_ids_of(self.local))
 
     # -- generation --------------------------------------------------------------------------------
-    def conversation(self, strategy: str | Strategy = CLIENT_DEFAULTS.strategy, metrics=None, memory=None) -> Conversation:
+    def conversation(self, strategy: str | Strategy = CLIENT_DEFAULTS.strategy, metrics=None,
+                     memory=None) -> Conversation:
         """A conversation over this client: one cloud session kept across turns (use it in a `with`);
         `memory`: a SuffixMemory of earlier outputs to draft from (decoding/warm.py)."""
         return Conversation(self.backend(), strategy, metrics, memory)

@@ -1,10 +1,10 @@
-"""What every client command shares: its options, the public-weights gate, the split-path loader, the stats table.
+"""What every client command shares: its options, the split path's start-up checks, the stats table.
 
 `add_client_options` gives generate, chat and api the same way to name a model (a local shard and a
 server, or --local-only); `check_servers` and `public_weights_gate` are the split path's cheap checks that
 end in one clear line. Making the client (split, or local-only with a cloud piece in this process) is
-clients.py's job (`open_client`, the one factory), above local/ and cloud/. Options that mirror ClientConfig, SamplingConfig
-and LookaheadConfig are derived from them (options.py). Nothing heavy is imported at module level.
+clients.py's job (`open_client`, the one factory), above local/ and cloud/. Options that mirror ClientConfig,
+SamplingConfig and LookaheadConfig are derived from them (options.py). Nothing heavy is imported at module level.
 """
 
 from __future__ import annotations
