@@ -62,10 +62,8 @@ def open_client(
 def _remote(shard, server, config, device: str, auth: ClientAuth, allow_public_weights: bool, handshake: bool,
             checks: bool):
     from .errors import ConfigError
-    from .local.client import SplitClient, check_local_weights, load_draft_head, remote_middles
+    from .local.client import SplitClient
     from .local.commands import check_servers, public_weights_gate
-    from .local.config import with_shard_wire_dtype
-    from .model.shards import load_local
     from .preflight import check_handshake, check_local_memory, check_reachable
 
     if not shard or not server:
@@ -74,11 +72,8 @@ def _remote(shard, server, config, device: str, auth: ClientAuth, allow_public_w
         check_servers(server, check_reachable)  # one clear line now rather than a failed connect after loading
         check_local_memory(shard)
         public_weights_gate(shard, allow_public_weights)
-    local = load_local(shard, device=device)
-    check_local_weights(local.manifest, allow_public_weights)
-    config = with_shard_wire_dtype(config, local.manifest)
-    client = SplitClient(local, remote_middles(local, server, config, auth), config,
-                         draft_head=load_draft_head(local, shard, config.drafter, device))
+    client = SplitClient.connect(shard, server, config, device=device, auth=auth,
+                                 allow_public_weights=allow_public_weights)
     if handshake:
         check_handshake(client)
     return client

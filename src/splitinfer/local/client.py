@@ -29,7 +29,7 @@ from ..decoding.warm import SuffixMemory, shipped_recycling_table
 from ..errors import ConfigError
 from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_shard_head, read_head_info
 from ..model.manifest import local_weights_are_public, model_identity
-from ..model.shards import LocalHalf
+from ..model.shards import LocalHalf, load_local
 from ..wire.transport import Middle
 from .auth import ClientAuth
 from .backend import Backend, stop_ids_of
@@ -149,6 +149,24 @@ class SplitClient:
         # The successor table shipped for this model (decoding/warm.py), or None: every tree starts from it.
         self.recycling_table = shipped_recycling_table(model_identity(local.manifest))
         self.draft_head = draft_head  # a learned draft head (model/drafthead.py), see `load_draft_head`
+
+    @classmethod
+    def connect(
+        cls,
+        local_shard: str | Path,
+        url: str | Sequence[str],
+        config: ClientConfig = ClientConfig(),
+        device: str = "cpu",
+        auth: ClientAuth = ClientAuth(),
+        allow_public_weights: bool = False,
+    ) -> "SplitClient":
+        """A client of cloud servers: the remote kind of `clients.open_client`, which calls this after its
+        start-up checks (entry points go through open_client; this is the Python API's own front door)."""
+        local = load_local(local_shard, device=device)
+        check_local_weights(local.manifest, allow_public_weights)
+        config = with_shard_wire_dtype(config, local.manifest)
+        return cls(local, remote_middles(local, url, config, auth), config,
+                   draft_head=load_draft_head(local, local_shard, config.drafter, device))
 
     def backend(self) -> Backend:
         """What a conversation needs from this client, read now (a draft head set later is seen by later ones)."""
