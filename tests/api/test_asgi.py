@@ -22,7 +22,7 @@ from splitinfer.api.app import ApiLimits
 from splitinfer.api.engine import Engine
 from splitinfer.api.server import ApiServer
 from splitinfer.launch import free_port
-from splitinfer.clients import open_client
+from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.metrics import LocalMetrics
 
@@ -32,7 +32,7 @@ MODEL = "tiny-chat"
 
 @pytest.fixture(scope="module")
 def split_client(chat_shards, cloud_server):
-    return open_client(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True, checks=False)
+    return SplitClient.connect(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True)
 
 
 def serve(split_client, max_concurrent=4, **limits) -> ApiServer:

@@ -6,6 +6,7 @@ import pytest
 
 from splitinfer.api.chat import ChatSession, run_chat
 from splitinfer.clients import open_client
+from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 
 F32 = ClientConfig(wire_dtype="float32", retry_backoff_s=0.05)
@@ -13,7 +14,7 @@ F32 = ClientConfig(wire_dtype="float32", retry_backoff_s=0.05)
 
 @pytest.fixture
 def client(chat_shards, cloud_server):
-    return open_client(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True, checks=False)
+    return SplitClient.connect(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True)
 
 
 @pytest.mark.parametrize("max_new", [40, 6])  # 6: the first reply is cut by the length limit, not by <eos>

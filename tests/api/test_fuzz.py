@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from splitinfer.api.app import ApiApp
 from splitinfer.api.engine import Engine
-from splitinfer.clients import open_client
+from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 
 MODEL = "tiny-chat"
@@ -209,7 +209,8 @@ CLIENTS = st.one_of(st.just((None, False)), st.just((None, False)), st.just((Non
 # -- the campaign ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fuzz_app(chat_shards, cloud_server):
-    client = open_client(chat_shards / "local", cloud_server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True, checks=False)
+    client = SplitClient.connect(chat_shards / "local", cloud_server.url, ClientConfig(wire_dtype="float32"),
+                                 allow_public_weights=True)
     app = ApiApp(Engine(client, MODEL, default_max_tokens=4, memory_tokens=0))
     loop = asyncio.new_event_loop()
     yield app, loop

@@ -13,7 +13,7 @@ from splitinfer.cli import main
 from splitinfer.cloud.server import ServerThread
 from splitinfer.errors import ModelError, ShardMismatch, TransportError
 from splitinfer.launch import free_port
-from splitinfer.clients import open_client
+from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.metrics import CloudMetrics, serve_metrics
 from splitinfer.model.shards import load_cloud
@@ -36,7 +36,7 @@ def test_cloud_metrics_count_what_the_client_sent(chat_shards, tmp_path, settle)
         port = free_port()
         http = serve_metrics(thread.server.metrics, "127.0.0.1", port)
         try:
-            client = open_client(chat_shards / "local", thread.url, F32, allow_public_weights=True, checks=False)
+            client = SplitClient.connect(chat_shards / "local", thread.url, F32, allow_public_weights=True)
             conversation = Conversation(client)
             turn = conversation.send(client.local.tokenizer("hello there")["input_ids"], 20)
             held = scrape(port)
@@ -44,7 +44,7 @@ def test_cloud_metrics_count_what_the_client_sent(chat_shards, tmp_path, settle)
             gen = client.generate("abc", max_new_tokens=12, chat=False)
             _, other = prepare_tiny(tmp_path, "llama", 2, 2, seed=5)
             with pytest.raises(ShardMismatch):
-                open_client(other / "local", thread.url, F32, allow_public_weights=True, checks=False).generate([1, 2, 3], max_new_tokens=2)
+                SplitClient.connect(other / "local", thread.url, F32, allow_public_weights=True).generate([1, 2, 3], max_new_tokens=2)
             assert settle(lambda: scrape(port)["splitinfer_active_sessions"] == 0)
             after = scrape(port)
         finally:

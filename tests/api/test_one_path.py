@@ -7,7 +7,7 @@ import pytest
 from splitinfer.api.chat import ChatSession
 from splitinfer.api.engine import Engine
 from splitinfer.api.protocol import Params
-from splitinfer.clients import open_client
+from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.local.text import TextStream, chat_prompt_ids
 from splitinfer.metrics import LocalMetrics
@@ -17,7 +17,7 @@ F32 = ClientConfig(wire_dtype="float32", retry_backoff_s=0.05)
 
 @pytest.fixture
 def client(chat_shards, cloud_server):
-    return open_client(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True, checks=False)
+    return SplitClient.connect(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True)
 
 
 def test_generate_equals_a_one_turn_conversation(client, cloud_server, settle):

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitinfer.api.engine import Engine
 from splitinfer.api.server import ApiServer
 from splitinfer.launch import free_port
-from splitinfer.clients import open_client
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 from splitinfer.metrics import LocalMetrics
@@ -27,7 +26,7 @@ HELLO = [{"role": "user", "content": "hello there"}]
 
 @pytest.fixture(scope="module")
 def split_client(chat_shards, cloud_server):
-    return open_client(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True, checks=False)
+    return SplitClient.connect(chat_shards / "local", cloud_server.url, F32, allow_public_weights=True)
 
 
 @pytest.fixture
@@ -169,7 +168,8 @@ def test_bad_requests_get_openai_error_bodies(api):
 
 
 def test_an_unreachable_cloud_is_a_503_in_openai_format(chat_shards):
-    client = open_client(chat_shards / "local", f"ws://127.0.0.1:{free_port()}", ClientConfig(wire_dtype="float32", max_retries=0), allow_public_weights=True, checks=False)
+    client = SplitClient.connect(chat_shards / "local", f"ws://127.0.0.1:{free_port()}",
+                                 ClientConfig(wire_dtype="float32", max_retries=0), allow_public_weights=True)
     with ApiServer(Engine(client, MODEL, LocalMetrics()), port=0) as server:
         oc = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
         with pytest.raises(openai.InternalServerError) as e:
