@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,20 +180,30 @@ def _replay(middle, hidden_size: int, context: int, steps: int, latencies: list[
     middle.close()
 
 
+# The server's two ways of running steps the end-to-end parts compare: batched, and one session at a time.
+SERVER_MODES = (("batched", ()), ("one_at_a_time", ("--max-batch", "1")))
+
+
+@contextmanager
+def _served(shards: Path, extra: tuple[str, ...], rtt_ms: float):
+    """A `serve` child (one core, one thread; `extra` its options) behind a `wan` child adding `rtt_ms`: yields
+    the URL clients connect to."""
+    from ..launch import cloud_server, wan_proxy
+
+    with cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _), wan_proxy(url, rtt_ms, cpu=1) as wan:
+        yield wan
+
+
 def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: int, context: int) -> list[dict]:
     """Steps served per second by a real server behind the WAN proxy, driven by model-less clients (each
     step costs the client a few microseconds of encoding), batched and one session at a time."""
-    from ..launch import cloud_server, wan_proxy
     from ..local.middle import RemoteMiddle
 
     manifest = json.loads((shards / "cloud" / "manifest.json").read_text())
-    layers, width = tuple(manifest["split"]["cloud_layers"]), manifest["hidden_size"]
+    width = manifest["hidden_size"]
     results = []
-    for mode, extra in (("batched", ()), ("one_at_a_time", ("--max-batch", "1"))):
-        with (
-            cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _),
-            wan_proxy(url, rtt_ms, cpu=1) as wan,
-        ):
+    for mode, extra in SERVER_MODES:
+        with _served(shards, extra, rtt_ms) as wan:
             def middle():
                 return RemoteMiddle.for_shard(wan, manifest, width, "float16")
 
@@ -222,17 +233,13 @@ def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: in
 
 def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> list[dict]:
     from ..clients import open_client
-    from ..launch import cloud_server, wan_proxy
     from ..local.config import ClientConfig
     from .runtime import load_prompts
 
     prompts = [p["prompt"] for p in load_prompts(None, 2)]
     results = []
-    for mode, extra in (("batched", ()), ("one_at_a_time", ("--max-batch", "1"))):
-        with (
-            cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _),
-            wan_proxy(url, rtt_ms, cpu=1) as wan,
-        ):
+    for mode, extra in SERVER_MODES:
+        with _served(shards, extra, rtt_ms) as wan:
             # float16 on the wire and no draft head, whatever the shard records: every run compares like with like
             client = open_client(shards / "local", wan, ClientConfig(wire_dtype="float16", drafter="off"),
                                  allow_public_weights=True, checks=False)
