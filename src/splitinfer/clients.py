@@ -44,8 +44,8 @@ def open_client(
       unless `allow_public_weights`. `handshake` opens one cloud session now, so a wrong shard or refused
       credentials fail at start-up rather than at the first request.
     - in-process (`local_only`): `shards` (a prepared OUT directory), or `halves` (a LocalHalf and a CloudHalf
-      already loaded; `shards` then only says where the draft head is). Hidden states are handed over in
-      float32; of `config` only `split_seed` and `drafter` apply.
+      already loaded; `shards` then only says where the draft head is, None: none). Hidden states are handed
+      over in float32; of `config` only `split_seed` and `drafter` apply.
     - local-only (`local_only`, no `shards`, or a `model`): `model` (a HF directory or .gguf; None: the
       embedded model) prepared into a temporary directory first, then in-process.
     checks: the cheap start-up checks that end in one clear line (a server reachable, the local shard fits
@@ -85,18 +85,17 @@ def _in_process(shards, model, halves, config, device: str, checks: bool):
     from .local.config import ClientConfig
     from .preflight import check_local_memory
 
-    if halves is None and (shards is None or model is not None):
-        shards = prepare_temporary(model)
-    shards = Path(shards)
     if halves is None:
+        if shards is None or model is not None:
+            shards = prepare_temporary(model)
         if checks:
-            check_local_memory(shards / "local")
+            check_local_memory(Path(shards) / "local")
         halves = load_halves(shards, device)
     local, cloud = halves
     draw = head_depth_drawer(local, config.split_seed)
     config = ClientConfig(wire_dtype="float32", split_seed=config.split_seed, drafter=config.drafter)
-    return SplitClient(local, lambda: InProcessMiddle(cloud, draw()), config, mode="local-only",
-                       draft_head=load_draft_head(local, shards / "local", config.drafter, device))
+    head = None if shards is None else load_draft_head(local, Path(shards) / "local", config.drafter, device)
+    return SplitClient(local, lambda: InProcessMiddle(cloud, draw()), config, mode="local-only", draft_head=head)
 
 
 def load_client(args: argparse.Namespace, handshake: bool = False):
