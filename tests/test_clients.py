@@ -34,8 +34,8 @@ def test_in_process_from_a_directory_or_from_loaded_halves_gives_the_same_tokens
 def test_remote_matches_in_process_and_a_missing_server_is_one_clear_line(shards):
     want = open_client(local_only=True, shards=shards).generate(PROMPT, max_new_tokens=6, stop_ids=set()).token_ids
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = open_client(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True,
-                             handshake=True)
+        client = open_client(shards / "local", server.url, ClientConfig(wire_dtype="float32"),
+                             allow_public_weights=True, handshake=True)
         assert client.mode == "split"
         assert client.generate(PROMPT, max_new_tokens=6, stop_ids=set()).token_ids == want
     with pytest.raises(ConfigError, match="--server"):
