@@ -61,7 +61,6 @@ class SplitSession(BlocksInFlight):
         self.driver = LinkDriver(self.link, middle, config, pipelining=self._depth > 1 and middle.sends_ahead,
                                  on_gone=self._forget_ahead)
 
-
     @property
     def length(self) -> int:
         """Committed tokens."""
