@@ -155,9 +155,7 @@ def generations_ab(shards: Path, per_category: int, tokens: int, min_rows: int) 
     """Whole generations in one process (the cloud stack in-process, as local-only runs it), eager against
     compiled cloud, each pair back to back on one prompt, sequential and tree: decode tok/s and the tokens."""
     from splitinfer.bench.runtime import load_prompts
-    from splitinfer.inprocess import InProcessMiddle
-    from splitinfer.local.client import SplitClient, load_draft_head
-    from splitinfer.local.session import ClientConfig
+    from splitinfer.clients import open_client
     from splitinfer.model.shards import load_cloud, load_local
 
     local = load_local(shards / "local")
@@ -168,9 +166,7 @@ def generations_ab(shards: Path, per_category: int, tokens: int, min_rows: int) 
     compile_s = time.perf_counter() - started
     clients = {}
     for name, cloud in clouds.items():
-        client = SplitClient(local, functools.partial(InProcessMiddle, cloud), ClientConfig(wire_dtype="float32"))
-        client.draft_head = load_draft_head(local, shards / "local", "auto", "cpu")
-        clients[name] = client
+        clients[name] = open_client(local_only=True, shards=shards, halves=(local, cloud))
     runs = []
     for prompt in load_prompts(None, per_category):
         for strategy in ("sequential", "tree"):

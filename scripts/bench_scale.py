@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from splitinfer.launch import cloud_server, free_port, wan_proxy
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.session import ClientConfig
 
 TEXTS = [
@@ -67,7 +67,7 @@ def run_config(servers, name: str, shards: Path, prompts, tokens: int, rtt_ms: f
     config = ClientConfig(wire_dtype="float32")
     with servers as urls, ExitStack() as proxies:
         reach = [proxies.enter_context(wan_proxy(url, rtt_ms)) if rtt_ms else url for url in urls]
-        client = SplitClient.connect(shards / "local", reach, config, allow_public_weights=True)
+        client = open_client(shards / "local", reach, config, allow_public_weights=True, checks=False)
         client.generate(prompts[0], max_new_tokens=4, stop_ids=set(), strategy="sequential")  # warm-up
         results: list = [None] * len(prompts)
 
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=0.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    local = SplitClient.connect(args.shards / "local", "ws://127.0.0.1:1", allow_public_weights=True)
+    local = open_client(args.shards / "local", "ws://127.0.0.1:1", allow_public_weights=True, checks=False)
     prompts = [local.encode_prompt(TEXTS[i % len(TEXTS)]) for i in range(args.sessions)]
     configs = [("serve", plain_or_tp(args.shards, 1, []))]
     if args.tp:

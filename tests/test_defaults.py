@@ -63,3 +63,71 @@ def test_the_checker_finds_literal_defaults_and_passes_the_rest():
         "p.add_argument('--j')\n"
     )
     assert [f.split()[1] for f in literal_defaults(source, "m")] == ["'--a'", "'--b'", "'--c'", "'--d'", "'--e'"]
+
+
+# -- the Python API ------------------------------------------------------------------------------------------
+# Parameters whose default belongs to a typed config (local/config.py ClientConfig/ClientOptions, the link's
+# constants in wire/clientlink.py and wire/link.py): a function or call writing one of them as a literal
+# restates a default that lives elsewhere.
+API_DEFAULTS = {"strategy", "max_retries", "replay_rows", "prefill_chunk", "max_new_tokens", "ping_interval",
+                "ping_timeout"}
+# Where a literal is the one definition, or a command's own deliberate default: config dataclasses are the
+# definitions (their fields are not function parameters), so only these modules are spared.
+API_KNOWN = {
+    # api/ still writes the strategy name "tree" as its parameters' default: issue 50 left api/ to the change
+    # under way there (logprobs); take it from local.config.CLIENT_DEFAULTS next.
+    "api/chat.py", "api/engine.py",
+}
+
+
+def literal_api_defaults(source: str, module: str) -> list[str]:
+    """'module:line name' for each parameter in API_DEFAULTS with a literal default, and each call passing one
+    of the ping settings as a literal."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args.posonlyargs + node.args.args
+            pairs = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults))
+            pairs += [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
+            found += [f"{module}:{node.lineno} {a.arg}" for a, d in pairs if a.arg in API_DEFAULTS and _is_literal(d)]
+        if isinstance(node, ast.Call):
+            found += [f"{module}:{node.lineno} {k.arg}" for k in node.keywords
+                      if k.arg in ("ping_interval", "ping_timeout") and _is_literal(k.value)]
+    return found
+
+
+def test_the_python_api_takes_its_defaults_from_the_typed_configs():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if module not in API_KNOWN:
+            found += literal_api_defaults(path.read_text(), module)
+    assert not found, "Python-API defaults written in place (take them from local/config.py or the link's " \
+                      "constants): " + ", ".join(found)
+
+
+def test_the_python_api_defaults_are_the_configs():
+    import inspect
+
+    from splitinfer.local.client import SplitClient
+    from splitinfer.local.config import CLIENT_DEFAULTS, ClientConfig
+    from splitinfer.local.conversation import Conversation
+    from splitinfer.wire.clientlink import ClientLink
+
+    def default(func, name):
+        return inspect.signature(func).parameters[name].default
+
+    for func in (SplitClient.generate, SplitClient.conversation, Conversation.__init__):
+        assert default(func, "strategy") == CLIENT_DEFAULTS.strategy, func
+    assert default(SplitClient.generate, "max_new_tokens") == CLIENT_DEFAULTS.max_new_tokens
+    assert default(ClientLink.__init__, "max_retries") == ClientConfig().max_retries
+    assert default(ClientLink.__init__, "replay_rows") == ClientConfig().prefill_chunk
+
+
+def test_the_api_checker_finds_literal_parameters_and_ping_settings():
+    source = (
+        "def a(x, strategy='tree', *, max_retries=5, y=3): pass\n"
+        "def b(strategy=CLIENT_DEFAULTS.strategy, prefill_chunk=None): pass\n"
+        "connect(url, ping_interval=20, ping_timeout=PING_TIMEOUT_S)\n"
+    )
+    assert literal_api_defaults(source, "m") == ["m:1 strategy", "m:1 max_retries", "m:3 ping_interval"]

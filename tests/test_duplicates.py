@@ -1,4 +1,5 @@
-"""No block of six or more lines is written twice in decoding/ or local/ (issue 35: one loop, one driver).
+"""No block of six or more lines is written twice in bench/, decoding/ or local/ (issue 35: one loop, one
+driver; issue 50: bench/ on the runtime's plumbing).
 
 Lines are normalised (stripped, comments and blank lines dropped, runs of spaces collapsed), then every
 window of WINDOW consecutive remaining lines is hashed; a hash seen at two places is a repeat. Import
@@ -16,7 +17,7 @@ from pathlib import Path
 import splitinfer
 
 PACKAGE = Path(splitinfer.__file__).parent
-CHECKED = ("decoding", "local")
+CHECKED = ("bench", "decoding", "local")
 WINDOW = 6
 
 
@@ -66,7 +67,7 @@ def repeats(files: dict[str, str], window: int = WINDOW) -> list[str]:
     return found
 
 
-def test_no_block_of_six_lines_is_repeated_in_decoding_or_local():
+def test_no_block_of_six_lines_is_repeated_in_bench_decoding_or_local():
     files = {p.relative_to(PACKAGE).as_posix(): p.read_text() for d in CHECKED for p in sorted((PACKAGE / d).rglob("*.py"))}
     found = repeats(files)
     assert not found, f"blocks of {WINDOW}+ lines written twice (make one helper): " + "; ".join(found)

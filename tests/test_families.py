@@ -10,7 +10,7 @@ import torch
 from splitinfer.cloud.server import ServerThread
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.strategies import Strategy, Tree, TreeConfig
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.session import ClientConfig
 from splitinfer.masks import attention_mask, tree_allowed, tree_depths
 from splitinfer.model.shards import load_cloud, load_local
@@ -62,7 +62,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
     # keys of the chunk before, and not those further back.
     config = ClientConfig(wire_dtype="float32", prefill_chunk=8)
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, config, allow_public_weights=True)
+        client = open_client(shards / "local", server.url, config, allow_public_weights=True, checks=False)
         sequential = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set(), strategy="sequential")
         oracle = client.generate(
             PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set(), strategy=WrongFirst(len(PROMPT), expected)

@@ -38,6 +38,38 @@ def test_no_feature_sniffing_in_decoding_local_or_wire():
     assert not found, "getattr/hasattr (declare the member in a Protocol or config instead): " + ", ".join(found)
 
 
+# The one place the trusted side reads optional fields of a HF model config (eos ids, the context length).
+CONFIG_READER = "local/backend.py"
+
+
+def dict_reads(source: str, module: str) -> list[str]:
+    """'module:line' for each `.to_dict().get(...)`: a config field sniffed through its dict."""
+    return [
+        f"{module}:{node.lineno}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+        and isinstance(node.func.value, ast.Call) and isinstance(node.func.value.func, ast.Attribute)
+        and node.func.value.func.attr == "to_dict"
+    ]
+
+
+def test_model_config_fields_are_read_in_one_place():
+    found = []
+    for package in (*TYPED, "cloud"):
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            module = path.relative_to(PACKAGE).as_posix()
+            if module != CONFIG_READER:
+                found += dict_reads(path.read_text(), module)
+    assert not found, f".to_dict().get(...) reads (go through {CONFIG_READER}): " + ", ".join(found)
+    assert dict_reads("a = config.to_dict().get('x')\nb = d.get('x')\n", "m") == ["m:1"]
+
+
+def test_the_speculative_bench_reads_its_options_as_declared():
+    """bench spec's options all come from SpecBenchOptions (bench/commands.py): none read with a default of its own."""
+    source = (PACKAGE / "bench" / "speculative.py").read_text()
+    assert not sniffing(source, "bench/speculative.py")
+
+
 def test_the_checker_finds_getattr_and_hasattr():
     source = "a = getattr(x, 'post', None)\nif hasattr(x, 'y'):\n    pass\nz = x.getattr\n"
     assert sniffing(source, "m") == ["m:1 getattr", "m:2 hasattr"]

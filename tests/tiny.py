@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 from splitinfer.model.prepare import prepare
 from splitinfer.model.source import SourceModel
 
@@ -106,7 +106,7 @@ def assert_local_only_matches_hf(model, shards: Path, prompt: list[int], n: int)
     """Split greedy decoding in one process (shards prepared from `model`) equals HF greedy, token for token."""
     expected = hf_greedy(model, prompt, n)
     assert min_margin(model, prompt, expected) > 1e-3  # the comparison is meaningful, not a tie
-    got = local_only_client(shards).generate(prompt, max_new_tokens=n, stop_ids=set())
+    got = open_client(local_only=True, shards=shards).generate(prompt, max_new_tokens=n, stop_ids=set())
     assert got.token_ids == expected
 
 

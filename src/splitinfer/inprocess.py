@@ -2,9 +2,9 @@
 
 `InProcessMiddle` implements wire/transport.py's `Middle` over a cloud SessionTable, the same one the
 server uses (same validation, same cache), and hands tensors over directly, so no wire rounding happens.
-`local_only_client` builds a SplitClient on it from a prepared OUT directory; `open_local_only` is the
-`--local-only` path of the client loader (clients.py). It composes a cloud piece with the local client,
-so it lives above both local/ and cloud/, which never import each other.
+`load_halves` reads both halves of a prepared OUT directory; `prepare_temporary` prepares a model for
+`--local-only`. The client factory (clients.py `open_client`) builds the SplitClient on them. It holds a
+cloud piece, so it lives above both local/ and cloud/, which never import each other.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from pathlib import Path
 
 from .cloud.sessions import CloudSession, SessionConfig, SessionTable
 from .errors import ConfigError
-from .local.client import SplitClient, head_depth_drawer, load_draft_head
-from .local.session import ClientConfig
-from .model.shards import CloudHalf, load_cloud, load_local
+from .model.shards import CloudHalf, LocalHalf, load_cloud, load_local
 from .wire.messages import Hello, Result, Step, Welcome
 from .wire.transport import StepIO
 
@@ -70,40 +68,25 @@ class InProcessMiddle:
         self.close()
 
 
-def local_only_client(
-    shards: str | Path, device: str = "cpu", split_seed: int | None = None, drafter: str = "auto"
-) -> SplitClient:
-    """The whole model in this process from a prepared OUT directory (OUT/local + OUT/cloud)."""
+def load_halves(shards: str | Path, device: str = "cpu") -> tuple[LocalHalf, CloudHalf]:
+    """Both halves of a prepared OUT directory (OUT/local + OUT/cloud), checked to be from one `prepare`."""
     shards = Path(shards)
     local = load_local(shards / "local", device=device)
     cloud = load_cloud(shards / "cloud", device=device)
     if cloud.fingerprint != local.fingerprint:
         raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
-    draw = head_depth_drawer(local, split_seed)
-    config = ClientConfig(wire_dtype="float32", split_seed=split_seed, drafter=drafter)
-    client = SplitClient(local, lambda: InProcessMiddle(cloud, draw()), config)
-    client.draft_head = load_draft_head(local, shards / "local", drafter, device)
-    client.mode = "local-only"
-    return client
+    return local, cloud
 
 
-def open_local_only(
-    shards: str | Path | None, model: str | None, device: str = "cpu", split_seed: int | None = None,
-    drafter: str = "auto",
-) -> SplitClient:
-    """`--local-only`: `shards` (a prepared OUT directory), else `model` prepared into a temporary directory
-    (the embedded model when None), after the local memory check."""
-    from .preflight import check_local_memory
+def prepare_temporary(model: str | None) -> Path:
+    """`model` (a HF directory or .gguf file; None: the embedded model) prepared into a temporary OUT directory."""
+    from .extras import GGUF, is_gguf_source, require_extra
 
-    if shards is None or model is not None:
-        from .extras import GGUF, is_gguf_source, require_extra
+    if is_gguf_source(model):
+        require_extra("gguf", GGUF, "--local-only (reading a GGUF model; the default is one)")
+    from .model.prepare import prepare
+    from .model.source import load_source
 
-        if is_gguf_source(model):
-            require_extra("gguf", GGUF, "--local-only (reading a GGUF model; the default is one)")
-        from .model.prepare import prepare
-        from .model.source import load_source
-
-        shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
-        prepare(load_source(model), shards, 1, 1, "float32")
-    check_local_memory(Path(shards) / "local")
-    return local_only_client(shards, device=device, split_seed=split_seed, drafter=drafter)
+    shards = Path(tempfile.mkdtemp(prefix="splitinfer-local-"))
+    prepare(load_source(model), shards, 1, 1, "float32")
+    return shards

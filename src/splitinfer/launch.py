@@ -1,8 +1,10 @@
 """Start `splitinfer serve` and `splitinfer wan` as child processes (the benchmarks), and `splitinfer demo`.
 
 Each child can be pinned to one CPU core with a fixed number of threads, which is how both sides are
-measured fairly on a small machine: the cloud on one core, the client on another. The demo runs both
-children on loopback and generates through them.
+measured fairly on a small machine: the cloud on one core, the client on another. This module is the one
+place that pins (`pin_self`, `pinned`, and `spawn` for children) and that starts and stops child processes
+(`spawn`, `stop`): the benchmarks use it rather than their own. The demo runs both children on loopback and
+generates through them.
 """
 
 from __future__ import annotations
@@ -22,14 +24,36 @@ from .netem.commands import WAN_RTT_MS
 from .options import Opt, Shared, add_options
 
 
-def pin_self(cpu: int) -> None:
-    """Pin this process to core `cpu` (where the machine has it) with one torch thread: the client's side of
-    the same fairness the children get."""
+def _can_pin(cpu: int | None) -> bool:
+    """True where this machine has core `cpu` and the OS lets a process choose its cores."""
+    return cpu is not None and hasattr(os, "sched_setaffinity") and 0 <= cpu < (os.cpu_count() or 1)
+
+
+def pin_self(cpu: int | None, threads: int = 1) -> None:
+    """Pin this process to core `cpu` (where the machine has it; None: leave the cores alone) with `threads`
+    torch threads: the client's side of the same fairness the children get."""
     import torch
 
-    if hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
+    if _can_pin(cpu):
         os.sched_setaffinity(0, {cpu})
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
+
+
+@contextmanager
+def pinned(cpu: int | None, threads: int):
+    """`pin_self` for the length of a `with`: the cores and thread count come back on the way out (a caller in
+    the same process, such as a test, keeps its own)."""
+    import torch
+
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    before = torch.get_num_threads()
+    try:
+        pin_self(cpu, threads)
+        yield
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(before)
 
 
 def free_port() -> int:
@@ -51,23 +75,27 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -
     raise ConfigError(f"nothing listened on port {port} within {timeout_s:.0f} s.")
 
 
-def _spawn(args: list[str], cpu: int | None, threads: int | None, quiet: bool, log: Path | None = None) -> subprocess.Popen:
+def spawn(args: list[str], cpu: int | None, threads: int | None, quiet: bool, log: Path | None = None,
+          module: str = "splitinfer") -> subprocess.Popen:
+    """`python -m module *args` as a child pinned to core `cpu` (where the machine has it) with `threads` threads
+    (OMP_NUM_THREADS and its --threads option); its output dropped when quiet, or appended to `log`."""
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
         args = [*args, "--threads", str(threads)]
     preexec = None
-    if cpu is not None and hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
+    if _can_pin(cpu):
         preexec = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
     out = subprocess.DEVNULL if quiet else None
     if log is not None:  # appended, so a restarted server's log follows the one before it
         with open(log, "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "splitinfer", *args], env=env, preexec_fn=preexec, stdout=out,
+            return subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=preexec, stdout=out,
                                     stderr=subprocess.STDOUT)
-    return subprocess.Popen([sys.executable, "-m", "splitinfer", *args], env=env, preexec_fn=preexec, stdout=out, stderr=out)
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=preexec, stdout=out, stderr=out)
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a child, and kill it if it has not exited 10 s later."""
     proc.terminate()
     try:
         proc.wait(timeout=10)
@@ -102,12 +130,12 @@ def cloud_server(
         args += ["--token-file", str(token_file)]
     if tls_cert:
         args += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key or tls_cert)]
-    proc = _spawn(args, cpu, threads, quiet, log)
+    proc = spawn(args, cpu, threads, quiet, log)
     try:
         wait_for_port(port, proc, ready_timeout_s)
         yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 @contextmanager
@@ -121,19 +149,19 @@ def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_m
     args = ["wan", "--listen", str(port), "--upstream", host_port, "--rtt-ms", str(rtt_ms), "--jitter-ms", str(jitter_ms)]
     if bandwidth_mbit:
         args += ["--bandwidth-mbit", str(bandwidth_mbit)]
-    proc = _spawn(args, cpu, None, quiet=True)
+    proc = spawn(args, cpu, None, quiet=True)
     try:
         wait_for_port(port, proc, timeout_s=30)
         yield f"{scheme}://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 DEMO_PROMPT = "Explain in three sentences why the round trip dominates split inference over a WAN."
 
 
 def cmd_demo(args) -> int:
-    from .local.client import SplitClient
+    from .clients import open_client
     from .local.commands import public_weights_gate, stats_table
 
     shards = Path(args.shards)
@@ -141,7 +169,7 @@ def cmd_demo(args) -> int:
     print(f"starting the cloud server on loopback with {shards / 'cloud'} (middle layers only) ...", flush=True)
     with cloud_server(shards / "cloud") as (url, _proc), wan_proxy(url, args.rtt_ms) as wan_url:
         print(f"cloud at {url}, reached through an emulated WAN at {wan_url} (+{args.rtt_ms:g} ms round trip)\n")
-        client = SplitClient.connect(shards / "local", wan_url, allow_public_weights=args.allow_public_weights)
+        client = open_client(shards / "local", wan_url, allow_public_weights=args.allow_public_weights, checks=False)
         print(f"prompt: {args.prompt}\n")
         result = client.generate(
             args.prompt, max_new_tokens=args.max_new_tokens, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush())

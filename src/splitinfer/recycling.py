@@ -35,7 +35,7 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     """The table and its manifest; deterministic for a seed on one Python and model."""
     import torch
 
-    from .inprocess import local_only_client
+    from .clients import open_client
     from .local.session import SplitSession
     from .offline import offline_prompts, prompts_hash
     from .progress import progress
@@ -43,7 +43,7 @@ def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: in
     from .model.manifest import model_identity
 
     torch.manual_seed(seed)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     chosen = offline_prompts(prompts, seed)
     rows, replies, generated = [], [], 0
     t0 = time.perf_counter()

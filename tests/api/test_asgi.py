@@ -103,9 +103,8 @@ def test_a_slow_reader_gets_the_whole_stream_without_holding_the_cloud(split_cli
         assert first.startswith(b"HTTP/1.1 200")
         # The reader stops reading. Generation goes on regardless: the session closes while the reply sits unread.
         assert settle(lambda: len(table) == 0 and server.app.pending == 0, timeout_s=30)
-        started = time.monotonic()
-        assert oc.models.list().data[0].id == MODEL  # the event loop is not blocked by the stalled stream
-        assert time.monotonic() - started < 5.0
+        # the event loop is not blocked by the stalled stream: a request still gets its answer (in 5 s, else it raises)
+        assert oc.with_options(timeout=5.0).models.list().data[0].id == MODEL
         raw = first
         while not raw.endswith(b"0\r\n\r\n"):  # read slowly, a few KB at a time
             data = sock.recv(4096)

@@ -4,13 +4,13 @@ equal sequential decoding's, each turn also equal to a fresh one-turn generation
 from __future__ import annotations
 
 from splitinfer.bench.speculative import generations, turn_rows
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 
 PROMPT = {"id": "q1", "category": "writing", "prompt": "hello there", "turns": ["hello there", "and then?"]}
 
 
 def test_second_turns_reuse_the_conversation_and_stay_exact(chat_shards):
-    client = local_only_client(chat_shards)
+    client = open_client(local_only=True, shards=chat_shards)
     rows = turn_rows(PROMPT, 2)
     assert [r["id"] for r in rows] == ["q1", "q1/2"] and rows[1]["prompt"] == "and then?"
     assert rows[1]["category"] == "writing, turn 2" and turn_rows(PROMPT, 1) == [PROMPT]

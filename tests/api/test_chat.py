@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitinfer.api.chat import ChatSession, run_chat
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
 
@@ -72,7 +72,7 @@ def test_the_repl_streams_and_answers_commands(client):
 
 def test_shipped_model_chat_template_reuses_the_cache(smollm2_shards):
     """SmolLM2's real template (it injects a default system prompt): turn 2 prefills only its own tokens."""
-    client = local_only_client(smollm2_shards)
+    client = open_client(local_only=True, shards=smollm2_shards)
     chat = ChatSession(client)
     first = chat.say("What is the capital of France?", 24)
     second = chat.say("And of Italy?", 24)

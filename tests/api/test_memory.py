@@ -6,7 +6,7 @@ from __future__ import annotations
 from splitinfer.api.chat import ChatSession
 from splitinfer.api.engine import Engine
 from splitinfer.api.protocol import Params
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 
 
 def _params(max_tokens: int) -> Params:
@@ -15,7 +15,7 @@ def _params(max_tokens: int) -> Params:
 
 
 def test_engine_requests_share_a_bounded_memory_and_replies_stay_exact(chat_shards):
-    client = local_only_client(chat_shards)
+    client = open_client(local_only=True, shards=chat_shards)
     ids = client.encode_prompt("tell me about the sea")
     expected = client.generate(ids, max_new_tokens=16, strategy="sequential").token_ids
     engine = Engine(client, "tiny", memory_tokens=40)
@@ -29,7 +29,7 @@ def test_engine_requests_share_a_bounded_memory_and_replies_stay_exact(chat_shar
 
 
 def test_chat_memory_survives_reset(chat_shards):
-    client = local_only_client(chat_shards)
+    client = open_client(local_only=True, shards=chat_shards)
     with ChatSession(client, memory_tokens=1000) as chat:
         turn = chat.say("hello", 8)
         chat.reset()

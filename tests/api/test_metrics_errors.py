@@ -8,7 +8,6 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitinfer.api.engine import Conversation
 from splitinfer.cli import main
 from splitinfer.cloud.server import ServerThread
 from splitinfer.errors import ModelError, ShardMismatch, TransportError
@@ -37,7 +36,7 @@ def test_cloud_metrics_count_what_the_client_sent(chat_shards, tmp_path, settle)
         http = serve_metrics(thread.server.metrics, "127.0.0.1", port)
         try:
             client = SplitClient.connect(chat_shards / "local", thread.url, F32, allow_public_weights=True)
-            conversation = Conversation(client)
+            conversation = client.conversation()
             turn = conversation.send(client.local.tokenizer("hello there")["input_ids"], 20)
             held = scrape(port)
             conversation.close()

@@ -13,7 +13,7 @@ from splitinfer.model.prepare import prepare
 from splitinfer.model.shards import load_whole_hf
 from splitinfer.model.source import SourceModel
 from splitinfer.recycling import build_from_drafter_data, build_recycling_table
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 
 
 def test_build_is_deterministic_and_the_table_loads_for_its_model_only(chat_shards, tmp_path):
@@ -28,7 +28,7 @@ def test_build_is_deterministic_and_the_table_loads_for_its_model_only(chat_shar
     # The greedy replies ship with the table, searchable by suffix.
     assert len(first.replies.docs) == 3 and m["replies"] == 3 and m["reply_tokens"] == m["generated_tokens"]
     first.save(tmp_path / "tiny")
-    identity = model_identity(local_only_client(chat_shards).local.manifest)
+    identity = model_identity(open_client(local_only=True, shards=chat_shards).local.manifest)
     assert m["model_fingerprint"] == identity
     found = shipped_recycling_table(identity, [tmp_path / "tiny"])
     assert found.successors.keys() == first.successors.keys()
@@ -38,10 +38,10 @@ def test_build_is_deterministic_and_the_table_loads_for_its_model_only(chat_shar
 def test_the_table_loads_for_the_same_model_cut_at_another_split(chat_shards, tmp_path):
     # The table holds token ids only: a shard of the same model with other head and tail depths (another
     # cloud fingerprint) gets it, as the draft head does.
-    local = local_only_client(chat_shards).local
+    local = open_client(local_only=True, shards=chat_shards).local
     model = load_whole_hf(chat_shards)
     prepare(SourceModel("tiny-chat", model.config, model, local.tokenizer), tmp_path / "split-1-3", 1, 3, "float32")
-    other = local_only_client(tmp_path / "split-1-3").local
+    other = open_client(local_only=True, shards=tmp_path / "split-1-3").local
     assert other.fingerprint != local.fingerprint
     build_recycling_table(chat_shards, prompts=2, max_new_tokens=4, k=4, seed=1).save(tmp_path / "table")
     assert shipped_recycling_table(model_identity(other.manifest), [tmp_path / "table"]) is not None
@@ -80,6 +80,6 @@ def test_a_table_from_drafter_data_reads_each_row_out_as_the_model_does(chat_sha
     m = table.manifest
     assert m["data_sha256"] == "d" * 64 and m["seed"] == 7 and m["prompts"] == 3 and m["rows"] == 33
     assert table.replies.docs == [s["tokens"][4:] for s, _ in sequences] and m["reply_tokens"] == 24
-    assert m["model_fingerprint"] == model_identity(local_only_client(chat_shards).local.manifest)
+    assert m["model_fingerprint"] == model_identity(open_client(local_only=True, shards=chat_shards).local.manifest)
     with pytest.raises(ConfigError, match="drafter train"):
         build_from_drafter_data(chat_shards, tmp_path / "missing.pt", k=4)

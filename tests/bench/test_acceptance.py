@@ -40,13 +40,13 @@ def test_measure_runs_every_source_exactly_and_reports_by_category(tmp_path):
 
 
 def test_head_sources_measure_a_given_head_exactly_and_need_one(tmp_path):
-    from splitinfer.inprocess import local_only_client
+    from splitinfer.clients import open_client
     from splitinfer.model.manifest import model_identity
 
     from tiny import random_head
 
     _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     random_head(local, vocab=40).save(tmp_path / "head", extra={"model_fingerprint": model_identity(local.manifest)})
     prompts = [{"id": "a", "category": "code", "prompt": [5, 6, 7, 8, 9, 10, 11]}]
     sources = measure(shards, prompts, ["head"], 6, 20, head_dir=tmp_path / "head")

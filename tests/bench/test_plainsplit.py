@@ -17,7 +17,7 @@ import torch
 from splitinfer.bench import plaincloud, plainsplit
 from splitinfer.cloud.server import ServerThread
 from splitinfer.launch import free_port
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.masks import BlockStructure
 from splitinfer.model.prepare import prepare
 from splitinfer.model.shards import load_cloud
@@ -75,7 +75,7 @@ def test_it_stops_at_a_stop_token_as_splitinfer_does(tmp_path):
 def test_the_same_messages_as_splitinfer_split_sequential(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 1)
     with ServerThread(load_cloud(shards / "cloud")) as server, plain_server(shards) as (url, _):
-        ours = SplitClient.connect(shards / "local", server.url, allow_public_weights=True)
+        ours = open_client(shards / "local", server.url, allow_public_weights=True, checks=False)
         ours = ours.generate(PROMPT, max_new_tokens=12, stop_ids=set(), strategy="sequential")
         plain = plaincloud.PlainSplitClient(shards / "local", url, "float16").generate(PROMPT, 12, set())
     assert plain["token_ids"] == ours.token_ids  # float16 wire on both: a tiny peaked model keeps its tokens

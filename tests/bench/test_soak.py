@@ -89,7 +89,9 @@ def test_a_server_that_dies_is_skipped_by_the_sampler_and_fails_the_soak(tmp_pat
     with pytest.raises(OSError):
         proc_stats(child.pid)
     with Sampler({"gone": (lambda: child.pid, dict), "api": (os.getpid, dict)}, period_s=0.05) as sampler:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while len(sampler.samples["api"]) < 3 and time.monotonic() < deadline:  # three rounds, however long they take
+            time.sleep(0.05)
     assert len(sampler.samples["api"]) >= 3 and not sampler.samples["gone"]  # "gone" comes first in every round
     child.wait()
     fitted = fits({"api": _samples(0.0)}, warmup_s=10)

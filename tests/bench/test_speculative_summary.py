@@ -195,3 +195,14 @@ def test_the_padding_legend_shows_only_when_a_configuration_is_padded():
 
     assert _padding_lines({"pad_rows": ["0"]}) == [] and _padding_lines({}) == []
     assert _padding_lines({"pad_rows": ["0", "33+s64"]})[0].startswith("Padded configurations")
+
+
+def test_rtt_efficiency_is_network_time_over_step_time():
+    from splitinfer.bench.spec_summary import rtt_efficiency
+
+    runs = [{"time_ms": {"local": 20.0, "cloud": 30.0, "round_trip": 110.0, "drafting": 10.0}},
+            {"time_ms": {"local": 20.0, "cloud": 30.0, "round_trip": 110.0, "drafting": 10.0}}]
+    # network 2 x (110 - 30) = 160 of a step time 2 x (20 + 110 + 10) = 280
+    assert rtt_efficiency(runs) == round(160 / 280, 3)
+    assert rtt_efficiency([{"time_ms": {"local": 0.0, "cloud": 0.0, "round_trip": 80.0, "drafting": 0.0}}]) == 1.0
+    assert rtt_efficiency([{"stats": {}}]) is None

@@ -50,10 +50,11 @@ def test_the_report_and_the_guard(tmp_path):
 
 
 def test_generations_compare_local_only_with_transformers_greedy(tmp_path):
-    from splitinfer.inprocess import local_only_client
+    from splitinfer.clients import open_client
+    from splitinfer.local.config import ClientConfig
     from splitinfer.model.shards import load_whole_hf
 
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    client = local_only_client(shards, drafter="off")
+    client = open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off"))
     out = step.generations(client, load_whole_hf(shards), {"a": [1, 5, 7], "b": [3, 3]}, 6, 1, log=lambda _: None)
     assert out["identical"] == "2 of 2" and len(out["runs"]) == 2 and out["ratio"] > 0

@@ -3,22 +3,21 @@ DRAINING_CLOSE, and its clients open their sessions on the next server at once, 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
-import time
 from contextlib import ExitStack
 from dataclasses import replace
 
 import pytest
 
 from splitinfer.cloud.batch import LocalPasses
-from splitinfer.cloud.passtime import MinPassTime
 from splitinfer.cloud.server import ServerThread
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.strategies import Sequential
 from splitinfer.errors import Draining, TransportError
 from splitinfer.launch import cloud_server, free_port
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.failover import FailoverMiddle
 from splitinfer.local.session import SplitSession
 from splitinfer.masks import BlockStructure
@@ -47,18 +46,41 @@ def _prefill_step(local, rows: int = 4) -> Step:
     return Step(0, (), tuple(range(rows)), BlockStructure.chain(), hidden, "float32")
 
 
+class Gated:
+    """Passes that start, say so (`started`), and finish only once `release` is set: a step held in progress."""
+
+    def __init__(self, passes: LocalPasses):
+        self.passes, self.started, self.release = passes, threading.Event(), threading.Event()
+
+    def new_cache(self, head_layers: int):
+        return self.passes.new_cache(head_layers)
+
+    def run(self, head_layers: int, blocks):
+        self.started.set()
+        assert self.release.wait(30), "the test never released the pass"
+        return self.passes.run(head_layers, blocks)
+
+
 def test_a_drain_finishes_the_step_in_progress_then_closes_with_the_draining_code(tiny):
     shards, _ = tiny
     local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
-    with ServerThread(cloud, passes=MinPassTime(LocalPasses(cloud), 400)) as server:
+    gated = Gated(LocalPasses(cloud))
+    with ServerThread(cloud, passes=gated) as server:
         middle = remote(local, server.url)
         middle.open()
-        drained = threading.Thread(target=lambda: (time.sleep(0.15), server.drain()))
-        drained.start()  # while the step below computes (its pass lasts 400 ms)
-        result, _ = middle.step(_prefill_step(local))
+        replies = []
+        stepper = threading.Thread(target=lambda: replies.append(middle.step(_prefill_step(local))[0]))
+        stepper.start()
+        assert gated.started.wait(30)  # the step is in its pass
+        drained = asyncio.run_coroutine_threadsafe(server.server.drain(), server._loop)
+        # a no-op queued after the drain on the server's loop: once it ran, the drain has begun
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), server._loop).result(30)
+        assert server.server.draining and stepper.is_alive()
+        gated.release.set()
+        stepper.join(30)
+        (result,) = replies
         assert isinstance(result, Result) and result.hidden.shape[0] == 4  # its reply still came
-        drained.join(10)
-        assert not drained.is_alive() and server.server.draining
+        drained.result(30)
         with pytest.raises(Draining, match="shutting down"):
             middle.step(_prefill_step(local))
         with pytest.raises(TransportError):  # the port no longer accepts connections
@@ -71,23 +93,25 @@ def test_clients_move_on_a_drain_at_once_without_backoff_and_with_identical_outp
     with ServerThread(cloud) as a, ServerThread(cloud) as b:
         servers = {a.url: a, b.url: b}
         slow = replace(F32, retry_backoff_s=30.0, max_retries=0)
-        client = SplitClient.connect(shards / "local", [a.url, b.url], slow, allow_public_weights=True)
+        client = open_client(shards / "local", [a.url, b.url], slow, allow_public_weights=True, checks=False)
         middle = client.make_middle()
         assert isinstance(middle, FailoverMiddle)
         first = middle.url
 
+        waits: list[float] = []
+
         def drain(i, session):
+            if i == 1:
+                session.driver.sleep = waits.append  # the reconnect backoff, recorded instead of slept
             if i == 7:
                 servers[first].drain()
 
-        start = time.perf_counter()
         tokens, session = run_with_hook(local, middle, 20, drain, config=slow)
-        elapsed = time.perf_counter() - start
     assert tokens == expected
     assert middle.failovers == 1 and middle.url != first
     assert sum(r.recoveries for r in session.records) == 1
     # no retry was spent (max_retries=0 would have raised) and no 15-30 s backoff was waited
-    assert elapsed < 10
+    assert waits == [0.0]
 
 
 def _generate(local, middle, prompt: list[int], n: int):
@@ -100,7 +124,7 @@ def _generate(local, middle, prompt: list[int], n: int):
 
 
 @pytest.mark.slow  # three `splitinfer serve` processes, each started twice
-def test_rolling_restart_of_every_server_under_load_loses_nothing(tiny_model_and_shards):
+def test_rolling_restart_of_every_server_under_load_loses_nothing(tiny_model_and_shards, settle):
     """Three `serve` processes; three client threads generate without pause while each server in turn gets
     SIGTERM, drains, exits 0 and is started again on its port. Every request completes with its solo output."""
     model, shards = tiny_model_and_shards
@@ -129,13 +153,15 @@ def test_rolling_restart_of_every_server_under_load_loses_nothing(tiny_model_and
             t.start()
         codes = []
         for j, port in enumerate(ports):
-            time.sleep(1.0)  # the clients generate meanwhile
+            done_before = len(outcomes)
+            assert settle(lambda: len(outcomes) > done_before or failures, 120)  # the clients generate meanwhile
             before = len(outcomes)
             procs[j].send_signal(signal.SIGTERM)
             codes.append(procs[j].wait(timeout=60))
             procs[j] = stack.enter_context(cloud_server(shards / "cloud", threads=1, port=port))[1]
             assert len(outcomes) > before or failures, "the clients made no progress while a server restarted"
-        time.sleep(1.0)
+        restarted = len(outcomes)
+        assert settle(lambda: len(outcomes) > restarted or failures, 120)  # the last server serves again
         done.set()
         for t in threads:
             t.join(timeout=120)

@@ -13,10 +13,11 @@ from splitinfer.cloud.rayserve import ReplicaDirectory, desired_replicas, kv_aut
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.strategies import Sequential
 from splitinfer.launch import free_port
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.failover import fetch_replicas
 from splitinfer.local.session import ClientConfig, SplitSession
 
+from clock import FakeClock
 from tiny import prepare_tiny
 
 PROMPTS = [[3 + i, 17, 42, 5 + i, 88, 21, 9, 60 + i, 33, 7] for i in range(8)]
@@ -36,11 +37,16 @@ def test_kv_policy_follows_reserved_bytes_and_refusals():
     assert kv_autoscaling_policy(ctx)[0] == 2
 
 
-def test_the_directory_lists_replicas_that_reported_recently(settle):
-    directory = ReplicaDirectory(ttl_s=0.3)
+def test_the_directory_lists_replicas_that_reported_recently():
+    clock = FakeClock()
+    directory = ReplicaDirectory(ttl_s=15, clock=clock)
     assert directory.report("ws://b:1") == ["ws://b:1"]
+    clock.advance(10)
     assert directory.report("ws://a:1") == ["ws://a:1", "ws://b:1"]
-    assert settle(lambda: directory.report("ws://a:1") == ["ws://a:1"])  # b stopped reporting: it drops out
+    clock.advance(5)  # b reported 15 s ago: still within the TTL
+    assert directory.urls() == ["ws://a:1", "ws://b:1"]
+    clock.advance(1)
+    assert directory.report("ws://a:1") == ["ws://a:1"]  # b stopped reporting: it drops out
 
 
 @pytest.mark.ray
@@ -64,7 +70,7 @@ def test_two_replicas_eight_sessions_one_replica_killed(tmp_path, settle):
         assert len(urls) == 2
         # Each replica lists the deployment (GET /replicas) once both reported at a health check.
         assert settle(lambda: all(fetch_replicas(url) == urls for url in urls), 30)
-        client = SplitClient.connect(shards / "local", urls, F32, allow_public_weights=True)
+        client = open_client(shards / "local", urls, F32, allow_public_weights=True, checks=False)
         local = client.local
         halfway = threading.Barrier(len(PROMPTS) + 1)
         killed = threading.Event()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from splitinfer.masks import BlockStructure
 from splitinfer.model.shards import load_cloud
 from splitinfer.wire.messages import Hello, Step
 
+from clock import FakeClock
 from tiny import prepare_tiny
 
 
@@ -58,41 +57,44 @@ def decode_step(seq: int, keep: tuple[int, ...], position: int, seed: int) -> St
 
 
 def test_lone_session_does_not_wait_for_the_window(half):
-    """With a 500 ms window, a lone session's step must still come back at once (no one else to wait for)."""
+    """A lone session's step comes back at once, with no one else to wait for: on a clock that never moves, a
+    window entered would never end, so a step that waited would time out below."""
     table = SessionTable(half, SessionConfig())
-    scheduler = Scheduler(table, BatchConfig(window_ms=500))
+    scheduler = Scheduler(table, BatchConfig(window_ms=500), clock=FakeClock())
     try:
         (session,) = open_sessions(table, 1)
-        scheduler.submit(session, prefill_step(5, 0), time.perf_counter()).result(timeout=30)
-        times = []
+        scheduler.submit(session, prefill_step(5, 0), 0.0).result(timeout=30)
         for i in range(5):
-            t0 = time.perf_counter()
             step = decode_step(i + 1, (0,) if i else tuple(range(5)), 5 + i, i)
-            scheduler.submit(session, step, t0).result(timeout=30)
-            times.append(time.perf_counter() - t0)
-        assert min(times) < 0.25, times
+            scheduler.submit(session, step, 0.0).result(timeout=30)
+        assert scheduler.batch_sizes == {1: 6}
     finally:
         scheduler.close()
 
 
 def test_burst_of_steps_is_batched_and_exact(half, settle):
-    """Eight sessions (different lengths) submit at once: fewer passes than steps, lone-identical rows; a
-    step with a wrong seq fails alone."""
+    """Eight sessions (different lengths) submit at once (queued while the compute thread is held): fewer
+    passes than steps, lone-identical rows; a step with a wrong seq fails alone."""
     lengths = [3, 7, 12, 15, 20, 1, 9, 30]
     lone_table = SessionTable(half, SessionConfig())
     lone = open_sessions(lone_table, len(lengths))
     table = SessionTable(half, SessionConfig())
     scheduler = Scheduler(table, BatchConfig(window_ms=50))
     try:
-        sessions = open_sessions(table, len(lengths))
+        blocker, *sessions = open_sessions(table, len(lengths) + 1)
         for i, n in enumerate(lengths):
             lone_table.run_step(lone[i], prefill_step(n, i), 0.0)
             scheduler.submit(sessions[i], prefill_step(n, i), 0.0).result(timeout=30)
         passes_before = scheduler.passes
         futures = []
-        for i, n in enumerate(lengths):
-            seq = 5 if i == 3 else 1  # session 3 sends an out-of-order step
-            futures.append(scheduler.submit(sessions[i], decode_step(seq, tuple(range(n)), n, 100 + i), 0.0))
+        with blocker.lock:  # hold the compute thread inside a pass, so that the burst queues whole
+            held = scheduler.submit(blocker, prefill_step(4, 0), 0.0)
+            assert settle(held.running)
+            for i, n in enumerate(lengths):
+                seq = 5 if i == 3 else 1  # session 3 sends an out-of-order step
+                futures.append(scheduler.submit(sessions[i], decode_step(seq, tuple(range(n)), n, 100 + i), 0.0))
+        held.result(timeout=30)
+        passes_before += 1  # the blocker's pass
         for i, (future, n) in enumerate(zip(futures, lengths)):
             if i == 3:
                 with pytest.raises(ProtocolError, match="out of order"):

@@ -13,9 +13,8 @@ from splitinfer.cloud.sessions import SessionConfig
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.strategies import Sequential
 from splitinfer.errors import CapacityError, ShardMismatch
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 from splitinfer.launch import free_port
-from splitinfer.local.client import SplitClient
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
 from splitinfer.model.shards import load_cloud, load_local
@@ -114,7 +113,7 @@ def test_shard_mismatch_is_refused(tiny, tmp_path):
     shards, _ = tiny
     _, other = prepare_tiny(tmp_path, "llama", 2, 2, seed=1)  # same shapes, other weights
     with ServerThread(load_cloud(other / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, F32, allow_public_weights=True)
+        client = open_client(shards / "local", server.url, F32, allow_public_weights=True, checks=False)
         with pytest.raises(ShardMismatch, match="prepared together"):
             client.generate(PROMPT, max_new_tokens=2, stop_ids=set())
 
@@ -136,7 +135,7 @@ def test_token_budget_answers_retry_later(tiny):
     shards, _ = tiny
     config = ServerConfig(port=0, sessions=SessionConfig(max_cached_tokens=10))
     with ServerThread(load_cloud(shards / "cloud"), config) as server:
-        client = SplitClient.connect(shards / "local", server.url, F32, allow_public_weights=True)
+        client = open_client(shards / "local", server.url, F32, allow_public_weights=True, checks=False)
         with pytest.raises(CapacityError, match="KV budget"):
             client.generate(PROMPT, max_new_tokens=2, stop_ids=set())
 
@@ -150,7 +149,7 @@ def test_concurrent_sessions_and_a_hostile_peer(tiny, settle):
 
         def worker(i):
             try:
-                client = SplitClient.connect(shards / "local", server.url, F32, allow_public_weights=True)
+                client = open_client(shards / "local", server.url, F32, allow_public_weights=True, checks=False)
                 results[i] = client.generate(PROMPT, max_new_tokens=20, stop_ids=set()).token_ids
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
@@ -202,9 +201,9 @@ def test_long_prompt_is_chunked_under_the_default_message_limit(tiny):
     shards, _ = tiny
     torch.manual_seed(0)
     prompt = torch.randint(0, 96, (16_384,)).tolist()
-    reference = local_only_client(shards).generate(prompt, max_new_tokens=4, stop_ids=set())
+    reference = open_client(local_only=True, shards=shards).generate(prompt, max_new_tokens=4, stop_ids=set())
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
+        client = open_client(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True, checks=False)
         got = client.generate(prompt, max_new_tokens=4, stop_ids=set())
     assert got.token_ids == reference.token_ids
     assert got.stats["prefill_messages"] == 32

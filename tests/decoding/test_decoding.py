@@ -8,8 +8,7 @@ import torch
 from splitinfer.cloud.server import ServerThread
 from splitinfer.decoding.draft import Draft
 from splitinfer.decoding.strategies import STRATEGIES, Lookahead, LookaheadConfig, Strategy, Tree, TreeConfig
-from splitinfer.inprocess import local_only_client
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
 
@@ -45,7 +44,7 @@ class Oracle(Strategy):
 def test_all_strategies_match_hf_greedy(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 2, 1)
     expected = reference(model, PROMPT, NEW)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     for name in STRATEGIES:
         got = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=name)
         assert got.token_ids == expected, name
@@ -54,9 +53,9 @@ def test_all_strategies_match_hf_greedy(tmp_path, family):
 def test_strategies_over_the_wire_with_rejections_and_compaction(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
     expected = reference(model, PROMPT, NEW)
-    sequential = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="sequential")
+    sequential = open_client(local_only=True, shards=shards).generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="sequential")
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
+        client = open_client(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True, checks=False)
         oracle = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Oracle(expected))
         fixed = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=12)))
         lookahead = client.generate(PROMPT, max_new_tokens=NEW, stop_ids=set(), strategy="lookahead")
@@ -81,10 +80,10 @@ def test_long_context_tree_matches_sequential(tmp_path):
     _, shards = prepare_tiny(tmp_path, "qwen2", 2, 2)
     torch.manual_seed(1)
     prompt = torch.randint(0, 96, (4_500,)).tolist()
-    local = local_only_client(shards)
+    local = open_client(local_only=True, shards=shards)
     expected = local.generate(prompt, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True)
+        client = open_client(shards / "local", server.url, ClientConfig(wire_dtype="float32"), allow_public_weights=True, checks=False)
         got = client.generate(prompt, max_new_tokens=24, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=16)))
     assert got.token_ids == expected
     decode = [s for s in got.steps if s["kind"] == "decode"]
@@ -100,7 +99,7 @@ def test_decode_bytes_per_step_do_not_grow_with_context(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     per_step = {}
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, allow_public_weights=True)
+        client = open_client(shards / "local", server.url, allow_public_weights=True, checks=False)
         for context in (256, 4096, 16_384):
             torch.manual_seed(context)
             prompt = torch.randint(0, 96, (context,)).tolist()

@@ -9,7 +9,8 @@ from splitinfer.decoding.calibration import Ratio
 from splitinfer.decoding.draft import Draft, TokenTrie
 from splitinfer.decoding.headsource import HeadDraftConfig, HeadDrafter
 from splitinfer.decoding.strategies import Tree, TreeConfig
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
+from splitinfer.local.config import ClientConfig
 from splitinfer.local.client import load_draft_head
 from splitinfer.local.session import SplitSession
 from splitinfer.model.drafthead import DRAFTER_DIR, HeadCache, load_head
@@ -23,7 +24,7 @@ PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_tree_with_a_random_head_is_token_identical_to_sequential(tmp_path, family):
     _, shards = prepare_tiny(tmp_path, family, 1, 1)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     expected = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
     tree = Tree(TreeConfig(fixed_nodes=12), head=random_head(client.local, vocab=64))
     got = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=tree)
@@ -35,7 +36,7 @@ def test_tree_with_a_random_head_is_token_identical_to_sequential(tmp_path, fami
 
 def test_incremental_cache_equals_one_pass(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     head = random_head(local)
     d = local.config.hidden_size
     tokens = [5, 9, 1, 44, 7, 3, 80, 12, 6, 30]
@@ -53,7 +54,7 @@ def test_incremental_cache_equals_one_pass(tmp_path):
 
 def test_propose_builds_a_bounded_tree_with_conditional_probabilities(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     drafter = HeadDrafter(random_head(local), HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=10, min_path_prob=0.0))
     drafter.start(PROMPT, torch.randn(len(PROMPT), local.config.hidden_size))
     trie = TokenTrie()
@@ -67,7 +68,7 @@ def test_propose_builds_a_bounded_tree_with_conditional_probabilities(tmp_path):
 
 def test_head_saves_loads_and_installs_for_its_model_only(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     head = random_head(client.local, vocab=50)
     directory = shards / "local" / DRAFTER_DIR
     head.save(directory, extra={"model_fingerprint": model_identity(client.local.manifest)})
@@ -77,15 +78,15 @@ def test_head_saves_loads_and_installs_for_its_model_only(tmp_path):
     expected = head.logits(head(x, tokens, torch.arange(3), allowed)[0])
     torch.testing.assert_close(loaded.logits(loaded(x, tokens, torch.arange(3), allowed)[0]), expected, rtol=0.05, atol=0.05)
     assert torch.equal(loaded.draft_vocab, torch.arange(50))
-    assert local_only_client(shards).draft_head is not None
-    assert local_only_client(shards, drafter="off").draft_head is None
+    assert open_client(local_only=True, shards=shards).draft_head is not None
+    assert open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off")).draft_head is None
     head.save(directory, extra={"model_fingerprint": "another model"})
     assert load_draft_head(client.local, shards / "local", "auto") is None
 
 
 def test_the_tree_drafts_with_the_head_only_when_it_pays_and_still_explores(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    tree = Tree(TreeConfig(head_explore_every=4), head=random_head(local_only_client(shards).local))
+    tree = Tree(TreeConfig(head_explore_every=4), head=random_head(open_client(local_only=True, shards=shards).local))
     assert tree._head_pays()  # the priors try the head first
     tree.head_value.ms_per_token = Ratio(1.0, 1.0, prior_ratio=0.01)  # a fast verifier: a drafted token is worth 0.01 ms
     # Explorations after 4 steps, then 8, 16...: each that still finds the head not paying doubles the gap.
@@ -97,7 +98,7 @@ def test_the_tree_drafts_with_the_head_only_when_it_pays_and_still_explores(tmp_
 
 def test_unlikely_nodes_are_not_expanded_and_tested_nodes_calibrate_their_depth(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     features = torch.randn(len(PROMPT) + 8, local.config.hidden_size)
     drafter = HeadDrafter(random_head(local), HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=10, min_path_prob=1.0))
     drafter.start(PROMPT, features[: len(PROMPT)])
@@ -130,7 +131,7 @@ def test_tree_drafting_equals_the_head_run_along_each_path(tmp_path):
     """Tree attention (every expanded node of a level in one pass, grouped-query heads folded into rows)
     gives each node the token and probability that running the head along its path alone gives."""
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     head = random_head(local, vocab=64)
     assert head.config.num_heads > head.config.num_kv_heads  # the grouped-query path is exercised
     drafter = HeadDrafter(head, HeadDraftConfig(top_k=3, beam=2, max_depth=4, max_nodes=20, min_path_prob=0.0))
@@ -152,7 +153,7 @@ def test_tree_drafting_equals_the_head_run_along_each_path(tmp_path):
 
 def test_the_head_is_credited_only_with_accepted_tokens_no_other_source_proposed(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    tree = Tree(TreeConfig(), head=random_head(local_only_client(shards).local))
+    tree = Tree(TreeConfig(), head=random_head(open_client(local_only=True, shards=shards).local))
     tree._drafted = True
     tree.last_draft = Draft(tokens=[5, 6, 7], parents=[0, 1, 2], scores=[0.9, 0.8, 0.7], sources=["head"] * 3,
                             keys=[None] * 3, proposers=[("head", "suffix"), ("head",), ("head",)])
@@ -163,7 +164,7 @@ def test_the_head_is_credited_only_with_accepted_tokens_no_other_source_proposed
 
 def test_the_head_is_charged_its_drafting_and_the_verification_of_the_rows_only_it_proposed(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    tree = Tree(TreeConfig(), head=random_head(local_only_client(shards).local))
+    tree = Tree(TreeConfig(), head=random_head(open_client(local_only=True, shards=shards).local))
     for rows, ms in [(1, 50.0)] * 3 + [(5, 70.0), (9, 90.0)] * 3:  # one row 50 ms, then 50 + 5 ms a row
         tree.controller.costs.add(rows, ms, explore_rows=16)
     assert tree.controller.block_ms(1) == 50.0 and tree.controller.block_ms(9) == pytest.approx(90.0)
@@ -183,7 +184,7 @@ def test_the_head_is_charged_its_drafting_and_the_verification_of_the_rows_only_
 
 def test_a_generation_reports_what_the_head_did(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     tree = Tree(TreeConfig(fixed_nodes=8), head=random_head(client.local, vocab=64))
     stats = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=tree).stats
     head = stats["draft_head"]
@@ -198,7 +199,7 @@ def test_what_the_head_is_worth_carries_over_to_the_next_generation_of_the_same_
     from splitinfer.decoding.controller import StepCosts
 
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    head, costs = random_head(local_only_client(shards).local), StepCosts()
+    head, costs = random_head(open_client(local_only=True, shards=shards).local), StepCosts()
     first = Tree(TreeConfig(), costs=costs, head=head)
     assert first._head_pays()  # the priors try the head first
     for _ in range(30):  # it never brought a token, and each drafting step cost 40 ms
@@ -213,7 +214,7 @@ def test_a_fused_head_drafts_from_the_states_of_the_committed_rows(tmp_path):
     sequential's, and its cache equals one pass of the head over the committed rows with their true states
     (what training feeds it); the same rows without the states give another cache."""
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     expected = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential").token_ids
     head = random_head(client.local, vocab=64, fused_layers=(1, 5))
     tree = Tree(TreeConfig(fixed_nodes=12), head=head)
@@ -261,7 +262,7 @@ def test_a_tree_drafted_ahead_is_the_tree_the_head_would_grow_on_its_own_predict
     left untouched. The outcome it picks is the likeliest by reach times the head's chance, never a token the
     block already carried below that row."""
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     head = random_head(local, vocab=64)
     config = HeadDraftConfig(top_k=3, beam=2, max_depth=3, max_nodes=12, min_path_prob=0.0)
     drafter = _drafted(config, local, head, 4)
@@ -294,7 +295,7 @@ def test_a_tree_used_ahead_takes_its_first_level_from_the_true_features(tmp_path
     the true features (what `propose` would add first) and keeps the ahead tree's deeper nodes only below the
     first-level tokens both share."""
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     head = random_head(local, vocab=64)
     config = HeadDraftConfig(top_k=3, beam=3, max_depth=3, max_nodes=40, min_path_prob=0.0)
     drafter = _drafted(config, local, head, 4)
@@ -331,7 +332,7 @@ def test_the_tree_drafts_ahead_only_while_that_hides_in_the_wait(tmp_path):
     `ahead_share` of a step of the block's rows (a short wait: a fast cloud, no round trip), none is drafted
     until skipped steps have counted that cost down below it (a one-off cost does not end drafting ahead)."""
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     tree = Tree(TreeConfig(), head=random_head(local, vocab=64))
     tree.start(PROMPT, torch.randn(1, local.config.vocab_size))
     tree.see_features(torch.randn(len(PROMPT), local.config.hidden_size))

@@ -14,7 +14,7 @@ from splitinfer.decoding import loop
 from splitinfer.decoding.draft import Draft, children_of
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser, target_probs
 from splitinfer.decoding.strategies import Sequential, Strategy, Tree, TreeConfig
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 from splitinfer.model.prepare import prepare
 from splitinfer.model.source import SourceModel
 
@@ -49,7 +49,7 @@ def spread_model(tmp_path_factory):
         model.lm_head.weight.mul_(20.0)  # logits of order 1: neither uniform nor one-hot
     out = tmp_path_factory.mktemp("spread")
     prepare(SourceModel("spread", model.config, model, None), out, 1, 1, "float32")
-    return local_only_client(out)
+    return open_client(local_only=True, shards=out)
 
 
 def second_and_third(client, strategy_factory, seeds):

@@ -15,7 +15,7 @@ from splitinfer.decoding.warm import (
     RecyclingTable, SuffixMemory, aggregate_successors, shipped_recycling_table,
 )
 from splitinfer.errors import ConfigError
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 
 from decoding.test_sources import trie_paths
 from tiny import prepare_tiny
@@ -75,7 +75,7 @@ def test_suffix_proposals_count_occurrences_across_the_text_and_the_memory():
 
 def test_tree_drafts_from_the_memory_and_the_table_and_stays_exact(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     longer = client.generate(PROMPT, max_new_tokens=40, stop_ids=set(), strategy="sequential").token_ids
     expected = longer[:30]
     cold = client.generate(PROMPT, max_new_tokens=30, stop_ids=set(), strategy=Tree(TreeConfig(fixed_nodes=8)))
@@ -96,7 +96,7 @@ def test_tree_drafts_from_the_memory_and_the_table_and_stays_exact(tmp_path):
 
 def test_a_conversation_adds_each_reply_to_its_memory(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     memory = SuffixMemory()
     with client.conversation("tree", memory=memory) as conversation:
         turn = conversation.send(PROMPT, 12, stop_ids=set())
@@ -193,7 +193,7 @@ def test_a_table_keeps_its_replies_and_the_tree_drafts_from_them(tmp_path):
 
 def test_the_tree_with_replies_stays_exact(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 2, 1)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     longer = client.generate(PROMPT, max_new_tokens=40, stop_ids=set(), strategy="sequential").token_ids
     wrong = [[t, (t + 7) % 96, (t + 3) % 96] for t in longer]  # replies that mislead after every token
     table = RecyclingTable({}, {}, ReplyStore(wrong + [PROMPT[-2:] + longer]))

@@ -177,6 +177,7 @@ def test_the_replies_tier_continues_first_user_turns_of_conversations_outside_th
     data record their provenance."""
     from dataclasses import replace
 
+    from splitinfer.drafter import data as drafter_data
     from splitinfer.drafter import train
 
     source = {"sharegpt": chat.SHAREGPT_SOURCE, "read": {"read": 8, "cut": False}}
@@ -198,7 +199,7 @@ def test_the_replies_tier_continues_first_user_turns_of_conversations_outside_th
     with pytest.raises(ValueError, match="sharegpt-replies only"):
         train.TrainConfig(first_prompt=5)
     model = tiny_model("llama", seed=5)
-    data = train.collect_data(model, tok, config, tmp_path, prompts)
+    data = drafter_data.collect_data(model, tok, config, tmp_path, prompts)
     assert data["generated_tokens"] >= config.tokens
     assert data["sequences"]
     for s in data["sequences"]:  # each is one of the prompts, continued

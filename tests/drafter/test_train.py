@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from splitinfer.drafter import train
+from splitinfer.drafter import data as drafter_data
+from splitinfer.drafter import train, training
 from splitinfer.drafter import corpus
 from splitinfer.drafter.schedule import STABLE
 from splitinfer.drafter.corpus import benchmark_prompts, build_prompts, check_no_overlap
@@ -55,7 +56,7 @@ def test_train_drafter_resumes_to_the_same_head_and_writes_a_manifest(smollm2_sh
     assert straight["steps"] == 4 and straight["generated_tokens"] >= 24 and len(straight["losses"]["curve"]) == 4
 
     interrupted = tmp_path / "interrupted"
-    real_step = train._step_loss
+    real_step = training._step_loss
     calls = {"n": 0}
 
     def failing_step(*args):
@@ -64,10 +65,10 @@ def test_train_drafter_resumes_to_the_same_head_and_writes_a_manifest(smollm2_sh
             raise KeyboardInterrupt  # stopped after the checkpoint at step 2
         return real_step(*args)
 
-    monkeypatch.setattr(train, "_step_loss", failing_step)
+    monkeypatch.setattr(training, "_step_loss", failing_step)
     with pytest.raises(KeyboardInterrupt):
         train.run_training(smollm2_shards, interrupted, TOY)
-    monkeypatch.setattr(train, "_step_loss", real_step)
+    monkeypatch.setattr(training, "_step_loss", real_step)
     resumed = train.run_training(smollm2_shards, interrupted, TOY)
     assert resumed["data_sha256"] == straight["data_sha256"]
     a, b = load_file(str(tmp_path / "straight" / HEAD_WEIGHTS)), load_file(str(interrupted / HEAD_WEIGHTS))
@@ -112,8 +113,8 @@ def test_a_bfloat16_generator_is_a_cast_copy_and_leaves_the_model_alone():
 
     model = tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert train.generator_model(model, "float32") is model
-    copy = train.generator_model(model, "bfloat16")
+    assert drafter_data.generator_model(model, "float32") is model
+    copy = drafter_data.generator_model(model, "bfloat16")
     assert copy is not model and all(p.dtype == torch.bfloat16 for p in copy.parameters())
     assert all(torch.equal(v, model.state_dict()[k]) and v.dtype == torch.float32 for k, v in before.items())
     with pytest.raises(ValueError, match="generate_dtype"):
@@ -179,7 +180,7 @@ def test_a_run_trains_on_finished_runs_data_beside_its_own_and_records_every_par
     a, b = load_file(str(tmp_path / "alone" / HEAD_WEIGHTS)), load_file(str(tmp_path / "both" / HEAD_WEIGHTS))
     assert not all(torch.equal(a[k], b[k]) for k in a)  # the other run's windows were drawn too
     data = torch.load(tmp_path / "first" / train.DATA, weights_only=False)["sequences"]
-    flagged = train._flag_heldout([dict(s) for s in data], TOY.heldout_every)
+    flagged = drafter_data.flag_heldout([dict(s) for s in data], TOY.heldout_every)
     assert [s["heldout"] for s in flagged] == [i % 25 == 24 for i in range(len(data))]
     with pytest.raises(ConfigError, match="no finished drafter run"):
         train.run_training(smollm2_shards, tmp_path / "both", replace(TOY, seed=1, steps=2, with_data=str(tmp_path / "none")))

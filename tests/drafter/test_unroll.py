@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from splitinfer.drafter.unroll import accuracy, pass_mask, unroll, window_tensors
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 from splitinfer.model.drafthead import HeadCache
 
 from tiny import prepare_tiny, random_head
@@ -29,7 +29,7 @@ def _chained(head, feats, tokens, i, depth):
 
 def test_unrolled_passes_equal_the_chained_drafter(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    head = random_head(local_only_client(shards).local)
+    head = random_head(open_client(local_only=True, shards=shards).local)
     torch.manual_seed(1)
     n, depth, d = 7, 3, head.config.hidden_size
     feats = torch.randn(1, n + depth, d)
@@ -51,7 +51,7 @@ def test_pass_mask_and_valid_rows():
 
 def test_accuracy_counts_each_depth_on_generated_rows(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    head = random_head(local_only_client(shards).local)
+    head = random_head(open_client(local_only=True, shards=shards).local)
     torch.manual_seed(2)
     sequences = [{"tokens": torch.randint(0, 64, (20,)).tolist(), "prompt_len": 5, "features": torch.randn(19, head.config.hidden_size)}]
     result = accuracy(head, sequences, depth=3, window=8, top_k=2)
@@ -64,7 +64,7 @@ def test_a_fused_head_reads_its_fused_states_at_depth_one_only(tmp_path):
     """Fusion adds fuse(states) to the true features of pass 0 and nothing else: deeper passes read the head's
     own predictions, as at run time. A fused head with its zero initial projection drafts as the plain head."""
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     head = random_head(local, fused_layers=(1, 2))
     torch.manual_seed(3)
     n, depth, d = 6, 3, head.config.hidden_size

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from splitinfer.cloud.server import ServerThread
 from splitinfer.launch import cloud_server
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
 from splitinfer.model.source import default_model_path
@@ -138,15 +138,14 @@ def server(smollm2_shards):
 
 @pytest.mark.parametrize("strategy", ["sequential", "tree"])
 def test_float32_split_equals_transformers_greedy(smollm2_shards, server, plain, reference, strategy):
-    client = SplitClient.connect(smollm2_shards / "local", server, ClientConfig(wire_dtype="float32"),
-                                 allow_public_weights=True)
+    client = open_client(smollm2_shards / "local", server, ClientConfig(wire_dtype="float32"), allow_public_weights=True, checks=False)
     for prompt in compared_prompts():
         got = client.generate(prompt["prompt"], max_new_tokens=NEW_TOKENS, chat=prompt["chat"], strategy=strategy)
         check_against_transformers(plain, reference, prompt, got, FLOAT32_NEAR_TIE, f"float32 {strategy}")
 
 
 def test_float16_wire_matches_transformers_up_to_near_ties(smollm2_shards, server, plain, reference):
-    client = SplitClient.connect(smollm2_shards / "local", server, allow_public_weights=True)
+    client = open_client(smollm2_shards / "local", server, allow_public_weights=True, checks=False)
     assert client.config.wire_dtype == "float16"
     for prompt in compared_prompts():
         got = client.generate(prompt["prompt"], max_new_tokens=NEW_TOKENS, chat=prompt["chat"])

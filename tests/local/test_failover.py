@@ -12,7 +12,7 @@ from splitinfer.cloud.server import ServerConfig, ServerThread
 from splitinfer.configfile import Repeated, apply_config
 from splitinfer.errors import ConfigError, TransportError
 from splitinfer.launch import free_port
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.auth import ClientAuth
 from splitinfer.local.failover import FailoverMiddle, ReplicaSet, fetch_replicas, rendezvous_order, server_list
 from splitinfer.local.session import ClientConfig
@@ -64,7 +64,7 @@ def test_stopping_the_server_mid_generation_moves_the_session_with_identical_out
     local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
     with ServerThread(cloud) as a, ServerThread(cloud) as b:
         servers = {a.url: a, b.url: b}
-        client = SplitClient.connect(shards / "local", [a.url, b.url], F32, allow_public_weights=True)
+        client = open_client(shards / "local", [a.url, b.url], F32, allow_public_weights=True, checks=False)
         middle = client.make_middle()
         assert isinstance(middle, FailoverMiddle)
         first = middle.url
@@ -88,7 +88,7 @@ def test_a_server_down_from_the_start_is_passed_over(tiny):
     shards, expected = tiny
     dead = f"ws://127.0.0.1:{free_port()}"
     with ServerThread(load_cloud(shards / "cloud")) as live:
-        client = SplitClient.connect(shards / "local", [dead, live.url], F32, allow_public_weights=True)
+        client = open_client(shards / "local", [dead, live.url], F32, allow_public_weights=True, checks=False)
         for _ in range(4):  # whichever server each session ranks first, it ends on the live one
             assert client.generate(PROMPT, max_new_tokens=20, stop_ids=set()).token_ids == expected
 
@@ -97,7 +97,7 @@ def test_every_server_gone_raises_after_the_retries(tiny):
     shards, _ = tiny
     urls = [f"ws://127.0.0.1:{free_port()}" for _ in range(2)]
     config = ClientConfig(wire_dtype="float32", max_retries=1, retry_backoff_s=0.01)
-    client = SplitClient.connect(shards / "local", urls, config, allow_public_weights=True)
+    client = open_client(shards / "local", urls, config, allow_public_weights=True, checks=False)
     with pytest.raises(TransportError, match="cannot connect"):
         client.generate(PROMPT, max_new_tokens=2, stop_ids=set())
 

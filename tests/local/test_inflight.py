@@ -17,7 +17,7 @@ from splitinfer.decoding.headsource import AheadTree
 from splitinfer.decoding.loop import decode
 from splitinfer.decoding.sampling import SamplingConfig, make_chooser
 from splitinfer.decoding.strategies import Lookahead, LookaheadConfig, Strategy, Tree, TreeConfig
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import AUTO_IN_FLIGHT, ClientConfig, SplitSession
 from splitinfer.model.shards import load_cloud, load_local
@@ -119,7 +119,7 @@ def remote(local, url: str) -> RemoteMiddle:
 @pytest.mark.parametrize("depth", [1, 2, 3, AUTO_IN_FLIGHT])
 def test_greedy_output_is_identical_with_blocks_in_flight(served, depth):
     shards, server, expected = served
-    client = SplitClient.connect(shards / "local", server.url, config(depth), allow_public_weights=True)
+    client = open_client(shards / "local", server.url, config(depth), allow_public_weights=True, checks=False)
     for strategy in (Scripted(PROMPT + expected), "tree"):
         generation = client.generate(PROMPT, max_new_tokens=N, strategy=strategy, stop_ids=set())
         assert generation.token_ids == expected
@@ -164,27 +164,39 @@ def test_the_controller_sends_nothing_ahead_when_the_assumption_rarely_holds(ser
     assert tokens == expected and any(r.kind == "dropped" for r in session.records)
 
 
+class LateClock:
+    """The wall clock plus the delays a slow middle added: what the decoding loop measures, waited for by no one."""
+
+    def __init__(self):
+        self.late = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self.late
+
+
 class Slowed(RemoteMiddle):
-    """A reply that comes back 40 ms late: a long round trip in front of a fast cloud."""
+    """A reply that comes back 40 ms late on the loop's clock: a long round trip in front of a fast cloud."""
+
+    clock: LateClock
 
     def collect(self):
-        time.sleep(0.04)
+        self.clock.late += 0.04
         return super().collect()
 
 
 def test_the_controller_sends_ahead_behind_a_long_round_trip(served):
     shards, server, expected = served
     local = load_local(shards / "local")
-    split = local.manifest["split"]
-    middle = Slowed(server.url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, "float32")
-    tokens, session = run(local, middle, Scripted(PROMPT + expected), AUTO_IN_FLIGHT)
+    middle = Slowed.for_shard(server.url, local.manifest, local.config.hidden_size, "float32")
+    middle.clock = LateClock()
+    tokens, session = run(local, middle, Scripted(PROMPT + expected), AUTO_IN_FLIGHT, clock=middle.clock)
     assert tokens == expected
     assert any(r.assumed > 0 for r in session.records)  # a block went ahead once the round trip was measured
     first = next(i for i, r in enumerate(session.records) if r.kind != "prefill")
     assert session.records[first].assumed == 0 and session.records[first + 1].assumed == 0  # not before that
 
 
-def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choose=None):
+def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choose=None, clock=time.perf_counter):
     session = SplitSession(local, middle, config(depth))
     tokens: list[int] = []
 
@@ -193,7 +205,7 @@ def run(local, middle, strategy, depth: int, hook=lambda i, session: None, choos
         hook(len(tokens), session)
 
     logits = session.prefill(PROMPT)
-    decode(session, list(PROMPT), logits, N, set(), emit, strategy, choose or make_chooser(None))
+    decode(session, list(PROMPT), logits, N, set(), emit, strategy, choose or make_chooser(None), clock=clock)
     session.close()
     return tokens, session
 
@@ -341,7 +353,7 @@ def test_a_head_drafting_while_its_block_is_out_gives_identical_output(served, t
     shards, server, expected = served
     if truthful:
         _truthful(PROMPT + expected, monkeypatch)
-    client = SplitClient.connect(shards / "local", server.url, config(2), allow_public_weights=True)
+    client = open_client(shards / "local", server.url, config(2), allow_public_weights=True, checks=False)
     # ahead_share: draft ahead every step, however short the tiny model's wait (the rule has its own test)
     tree = Tree(TreeConfig(fixed_nodes=8, ahead_share=1e9), head=random_head(client.local, vocab=64))
     generation = client.generate(PROMPT, max_new_tokens=N, strategy=tree, stop_ids=set())
@@ -350,7 +362,7 @@ def test_a_head_drafting_while_its_block_is_out_gives_identical_output(served, t
     assert head["ahead"] > 0 and head["ahead_ms"] > 0
     if truthful:  # every tree drafted ahead but the last few is used
         assert head["ahead_used"] >= head["ahead"] - 2 > 0
-    one_at_a_time = SplitClient.connect(shards / "local", server.url, config(1), allow_public_weights=True)
+    one_at_a_time = open_client(shards / "local", server.url, config(1), allow_public_weights=True, checks=False)
     tree = Tree(TreeConfig(fixed_nodes=8), head=random_head(client.local, vocab=64))
     stats = one_at_a_time.generate(PROMPT, max_new_tokens=N, strategy=tree, stop_ids=set()).stats["draft_head"]
     assert stats["ahead"] == 0  # one block at a time: the client waits, nothing is drafted ahead

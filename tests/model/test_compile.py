@@ -10,10 +10,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from splitinfer.clients import open_client
 from splitinfer.errors import ModelError
-from splitinfer.inprocess import InProcessMiddle
-from splitinfer.local.client import SplitClient
-from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud, load_local
 from tiny import hf_greedy, min_margin, prepare_tiny
 
@@ -29,7 +27,7 @@ def test_compiled_cloud_decodes_hf_greedy_with_no_compile_after_warm_up(tmp_path
     cloud.stack.warm_up(2)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     counters.clear()
-    client = SplitClient(local, lambda: InProcessMiddle(cloud), ClientConfig(wire_dtype="float32"))
+    client = open_client(local_only=True, shards=shards, halves=(local, cloud))
     expected = hf_greedy(model, PROMPT, 300)  # the cache grows past 256 rows: its buffers double once
     assert min_margin(model, PROMPT, expected) > 1e-3
     for strategy in ("sequential", "tree-nohead"):

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from splitinfer.cloud.server import ServerThread
-from splitinfer.inprocess import local_only_client
-from splitinfer.local.client import SplitClient
+from splitinfer.clients import open_client
 from splitinfer.local.session import ClientConfig
 from splitinfer.model.shards import load_cloud
 
@@ -31,7 +30,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
     # A prefill chunk smaller than the prompt exercises chunking and the lazy commit of every chunk.
     config = ClientConfig(wire_dtype="float32", prefill_chunk=5)
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        client = SplitClient.connect(shards / "local", server.url, config, allow_public_weights=True)
+        client = open_client(shards / "local", server.url, config, allow_public_weights=True, checks=False)
         got = client.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set(), strategy="sequential")
     assert got.token_ids == expected
     assert got.stats["prefill_messages"] == 3
@@ -40,7 +39,7 @@ def test_split_over_websocket_matches_hf_generate(tmp_path, family):
 
 def test_split_logprobs_match_monolithic(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    got = local_only_client(shards).generate(PROMPT, max_new_tokens=8, stop_ids=set())
+    got = open_client(local_only=True, shards=shards).generate(PROMPT, max_new_tokens=8, stop_ids=set())
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + got.token_ids[:-1]])).logits[0, len(PROMPT) - 1 :]
     expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(got.token_ids)[:, None])[:, 0]
@@ -52,7 +51,7 @@ def test_float16_wire_stays_close(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
     expected = hf_greedy(model, PROMPT, NEW_TOKENS)
     with ServerThread(load_cloud(shards / "cloud")) as server:
-        got = SplitClient.connect(shards / "local", server.url, allow_public_weights=True).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
+        got = open_client(shards / "local", server.url, allow_public_weights=True, checks=False).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set())
     assert got.token_ids == expected
     assert got.stats["wire_dtype"] == "float16"
 
@@ -61,6 +60,6 @@ def test_stop_token_ends_generation(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     expected = hf_greedy(model, PROMPT, NEW_TOKENS)
     stop = expected[5]
-    got = local_only_client(shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids={stop})
+    got = open_client(local_only=True, shards=shards).generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids={stop})
     assert got.finish_reason == "stop"
     assert got.token_ids == expected[: expected.index(stop) + 1]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitinfer.errors import ConfigError, ModelError
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 from splitinfer.masks import chain_allowed, tree_allowed, tree_depths
 from splitinfer.model import formats
 from splitinfer.model.formats import Int4Linear, Int8Linear, WeightFormats
@@ -115,7 +115,7 @@ def test_every_row_of_a_step_has_the_bits_it_has_alone(tmp_path, family, fmt):
 @pytest.mark.parametrize("weights", ["int8", "int4", "int4,lm_head=int8", "bfloat16"])
 def test_speculation_is_token_identical_to_sequential_in_each_format(tmp_path, family, weights):
     _, shards = _prepare(tmp_path, family, weights)
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     sequential = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential")
     for strategy in ("tree-nohead", "lookahead"):
         got = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=strategy)
@@ -153,7 +153,7 @@ def test_int8_is_calibrated_and_the_transformers_reference_reads_every_format(tm
     whole = load_whole_hf(shards)
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        ours = local_only_client(shards).generate(PROMPT, max_new_tokens=1, stop_ids=set())
+        ours = open_client(local_only=True, shards=shards).generate(PROMPT, max_new_tokens=1, stop_ids=set())
         reference = whole(ids).logits[0, -1]
     # The same values through transformers' float kernels: the same first token, logits close.
     assert int(reference.argmax()) == ours.token_ids[0]

@@ -16,8 +16,9 @@ from splitinfer.cloud.scheduler import BatchConfig, Scheduler
 from splitinfer.cloud.server import ServerThread
 from splitinfer.cloud.sessions import SessionConfig, SessionTable
 from splitinfer.errors import ModelError, ProtocolError, SplitInferError, VersionMismatch
+from splitinfer.clients import open_client
 from splitinfer.local.client import SplitClient
-from splitinfer.inprocess import InProcessMiddle, local_only_client
+from splitinfer.inprocess import InProcessMiddle
 from splitinfer.local.middle import RemoteMiddle
 from splitinfer.local.session import ClientConfig, SplitSession
 from splitinfer.masks import BlockStructure
@@ -119,7 +120,7 @@ def test_in_process_exact_for_every_depth_and_caches_hold_only_their_layers(rang
 
 def test_client_draws_every_depth_of_the_range(ranged):
     _, out, expected = ranged
-    client = local_only_client(out, split_seed=7)
+    client = open_client(local_only=True, shards=out, config=ClientConfig(split_seed=7))
     seen = set()
     for _ in range(12):
         got = client.generate(PROMPT, max_new_tokens=4, stop_ids=set(), strategy="sequential")
@@ -141,8 +142,7 @@ def test_over_websocket_exact_for_every_depth(ranged):
             assert got.token_ids == expected, k
             assert got.stats["prefill_messages"] == 3
         # The public path: connect() draws k per generate call; a client without a pin (an old client) gets K1.
-        client = SplitClient.connect(out / "local", server.url, ClientConfig(wire_dtype="float32", split_seed=1),
-                                     allow_public_weights=True)
+        client = open_client(out / "local", server.url, ClientConfig(wire_dtype="float32", split_seed=1), allow_public_weights=True, checks=False)
         runs = [client.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_ids=set()) for _ in range(8)]
         assert all(run.token_ids == expected for run in runs)
         assert {run.stats["head_layers"] for run in runs} == {2, 3, 4}

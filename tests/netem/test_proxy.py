@@ -135,16 +135,22 @@ def test_server_close_reaches_client() -> None:
     asyncio.run(_with_proxy(WanConfig(rtt_ms=20, jitter_ms=5), body, handler=greet_and_close))
 
 
+@pytest.mark.slow
+@pytest.mark.timing  # measures the emulated delay itself: a wall-clock bound is the point
 def test_rtt_added() -> None:
     rtt = statistics.median(asyncio.run(_echo_rtts(WanConfig(rtt_ms=80))))
     print(f"median echo round trip at rtt_ms=80: {rtt * 1000:.1f} ms")
     assert 0.080 <= rtt < 0.080 + 0.040
 
 
+@pytest.mark.slow
+@pytest.mark.timing  # measures the emulated delay itself: a wall-clock bound is the point
 def test_no_delay_without_rtt() -> None:
     assert statistics.median(asyncio.run(_echo_rtts(WanConfig()))) < 0.020
 
 
+@pytest.mark.slow
+@pytest.mark.timing  # measures the emulated delay itself: a wall-clock bound is the point
 def test_bandwidth_limit() -> None:
     total = 1_000_000
 
@@ -218,6 +224,8 @@ class _EchoHandler(socketserver.BaseRequestHandler):
             self.request.sendall(data)
 
 
+@pytest.mark.slow
+@pytest.mark.timing  # measures the emulated delay itself: a wall-clock bound is the point
 def test_proxy_thread_blocking_client() -> None:
     with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _EchoHandler) as server:
         server.daemon_threads = True

@@ -10,7 +10,7 @@ from tiny import hf_greedy, prepare_tiny, tiny_model
 
 from splitinfer.cli import main
 from splitinfer.errors import ConfigError
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
 from splitinfer.model.keyed_norm import KeyedRMSNorm
 from splitinfer.model.manifest import read_manifest
 from splitinfer.model.shards import load_cloud, load_whole_hf
@@ -64,7 +64,7 @@ def test_basis_shards_generate_the_public_tokens(tmp_path, family):
     assert local["residual_basis"]["method"].startswith("orthogonal")
     assert local["split"] == public["split"]
     assert load_cloud(out / "cloud").fingerprint != public["cloud_fingerprint"]  # a cloud shard per deployment
-    got = local_only_client(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
+    got = open_client(local_only=True, shards=out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
     assert got.token_ids == hf_greedy(model, PROMPT, 24)
 
 
@@ -117,7 +117,7 @@ def test_linear_key_shards_load_with_keyed_norms_and_plain_shards_without(tmp_pa
     assert all(isinstance(layer.input_layernorm, KeyedRMSNorm) for layer in cloud.stack.layers)
     assert not any(isinstance(m, KeyedRMSNorm) for m in load_cloud(shards / "cloud").stack.modules())
     assert read_manifest(out / "local", "local")["residual_basis"]["method"].startswith("linear key")
-    got = local_only_client(out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
+    got = open_client(local_only=True, shards=out).generate(PROMPT, max_new_tokens=24, stop_ids=set())
     assert got.token_ids == hf_greedy(model, PROMPT, 24)
     whole = load_whole_hf(out)
     assert isinstance(whole.model.norm, KeyedRMSNorm)

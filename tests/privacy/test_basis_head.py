@@ -15,7 +15,8 @@ from splitinfer.cli import main
 from splitinfer.decoding.draft import TokenTrie
 from splitinfer.decoding.headsource import HeadDraftConfig, HeadDrafter
 from splitinfer.errors import ConfigError
-from splitinfer.inprocess import local_only_client
+from splitinfer.clients import open_client
+from splitinfer.local.config import ClientConfig
 from splitinfer.model.commands import install_shipped_drafter
 from splitinfer.model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_head
 from splitinfer.model.keyed_norm import KeyedRMSNorm
@@ -29,7 +30,7 @@ PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
 def _shards_with_head(tmp_path, family: str = "llama"):
     """Public tiny shards with a random head (saved in float16, as heads ship) installed in the local shard."""
     model, shards = prepare_tiny(tmp_path, family, 2, 2)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     random_head(local, vocab=64).save(shards / "local" / DRAFTER_DIR, extra={"model_fingerprint": model_identity(local.manifest)})
     return model, shards
 
@@ -70,7 +71,7 @@ def test_privatize_basis_rebases_the_head_so_it_drafts_as_in_the_public_shard(tm
     info = json.loads((out / "local" / DRAFTER_DIR / HEAD_CONFIG).read_text())
     assert info["basis"] == basis_identity(manifest) == manifest["residual_basis"]["basis_id"] != PUBLIC_BASIS
     assert info["model_fingerprint"] == model_identity(read_manifest(shards / "local", "local"))
-    public, keyed = local_only_client(shards), local_only_client(out)
+    public, keyed = open_client(local_only=True, shards=shards), open_client(local_only=True, shards=out)
     assert isinstance(keyed.draft_head.input_norm, KeyedRMSNorm) == (key == "linear")
     f_public, f_keyed = _final_features(shards), _final_features(out)
     assert (f_public - f_keyed).abs().max() > 0.1  # the head really reads other coordinates
@@ -93,20 +94,20 @@ def test_a_head_made_for_another_basis_is_refused(tmp_path):
         out, note = write_basis_shards(keyed, secret, shards, tmp_path / f"keyed{seed}", record)
         assert "re-based the draft head" in note
         outs.append(out)
-    assert local_only_client(outs[0]).draft_head is not None  # its own head loads
+    assert open_client(local_only=True, shards=outs[0]).draft_head is not None  # its own head loads
     heads = {"public": shards / "local" / DRAFTER_DIR, "other key": outs[1] / "local" / DRAFTER_DIR}
     for made_for, head in heads.items():
         target = outs[0] / "local" / DRAFTER_DIR
         shutil.rmtree(target)
         shutil.copytree(head, target)
         with pytest.raises(ConfigError, match=r"privatize --basis.*prepare` again") as refused:
-            local_only_client(outs[0])
+            open_client(local_only=True, shards=outs[0])
         assert ("the public basis" in str(refused.value)) == (made_for == "public")
-        assert local_only_client(outs[0], drafter="off").draft_head is None  # --drafter off still runs
+        assert open_client(local_only=True, shards=outs[0], config=ClientConfig(drafter="off")).draft_head is None  # --drafter off still runs
     shutil.rmtree(shards / "local" / DRAFTER_DIR)
     shutil.copytree(outs[0] / "local" / DRAFTER_DIR, shards / "local" / DRAFTER_DIR)
     with pytest.raises(ConfigError, match="secret basis .* is in the public basis"):
-        local_only_client(shards)
+        open_client(local_only=True, shards=shards)
 
 
 def test_shards_without_a_head_are_keyed_without_one(tmp_path):
@@ -118,11 +119,11 @@ def test_shards_without_a_head_are_keyed_without_one(tmp_path):
 
 def test_prepare_installs_a_shipped_head_only_for_its_model_and_basis(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     shipped = tmp_path / "shipped"
     random_head(local, vocab=64).save(shipped / "tiny", extra={"model_fingerprint": model_identity(local.manifest)})
     assert install_shipped_drafter(shards / "local", shipped).startswith("installed the shipped draft head 'tiny'")
-    assert local_only_client(shards).draft_head is not None
+    assert open_client(local_only=True, shards=shards).draft_head is not None
     _, other = prepare_tiny(tmp_path, "mistral", 2, 2)
     assert install_shipped_drafter(other / "local", shipped).startswith("no shipped draft head matches this model")
     keyed, secret, record = apply_basis(model, BasisConfig(seed=4, key="orthogonal"))
@@ -144,7 +145,7 @@ def test_a_fused_heads_projection_is_rebased_with_the_rest(tmp_path):
     """A fused head (model/drafthead.py fused_layers) reads hidden states of the keyed stream too: under the
     key, fed the keyed model's own states, it predicts what the public head predicts from the public ones."""
     _, shards = prepare_tiny(tmp_path, "llama", 2, 2)
-    local = local_only_client(shards).local
+    local = open_client(local_only=True, shards=shards).local
     random_head(local, vocab=64, fused_layers=(2, 4)).save(
         shards / "local" / DRAFTER_DIR, extra={"model_fingerprint": model_identity(local.manifest)})
     out = tmp_path / "keyed"

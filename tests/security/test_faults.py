@@ -119,6 +119,7 @@ def test_gives_up_with_a_transport_error_when_nobody_listens(tiny):
 
 
 @pytest.mark.slow  # a server process
+@pytest.mark.timing  # a bound on the recovery time (backoff included) is part of what it checks
 def test_server_process_killed_and_restarted_over_tls(tiny, pki, token_file):
     """SIGKILL of a `splitinfer serve` child (TLS + token); a server with the same keys and tokens comes
     back on the same port (in-process, to save a second interpreter start): identical output."""

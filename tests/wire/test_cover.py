@@ -34,6 +34,8 @@ def test_a_plain_probe_is_encoded_as_before_and_a_hold_beyond_the_bound_is_refus
         decode_client_message(too_long, Limits(hidden_size=8))
 
 
+@pytest.mark.slow
+@pytest.mark.timing  # the server's hold is a wall-clock delay: measuring it is the point
 def test_the_server_holds_a_cover_reply_and_answers_it_with_the_sizes_asked(tmp_path):
     from splitinfer.cloud.server import ServerThread
     from splitinfer.local.middle import RemoteMiddle

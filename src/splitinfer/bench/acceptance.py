@@ -196,9 +196,9 @@ def measure(shards: Path, prompts: list[dict], sources: list[str], nodes: int, m
     table_dir: the recycling table the -warm sources start from (default: the one shipped for the model);
     head_dir: the draft head of the head sources (default: the one installed in the shards)."""
     from ..decoding.warm import RecyclingTable, SuffixMemory
-    from ..inprocess import local_only_client
+    from ..clients import open_client
 
-    client = local_only_client(shards)
+    client = open_client(local_only=True, shards=shards)
     table = RecyclingTable.load(table_dir) if table_dir is not None else client.recycling_table
     head = _load_head(client, head_dir)
     stop = client.stop_ids() if client.local.tokenizer is not None else set()

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,22 +180,32 @@ def _replay(middle, hidden_size: int, context: int, steps: int, latencies: list[
     middle.close()
 
 
+# The server's two ways of running steps the end-to-end parts compare: batched, and one session at a time.
+SERVER_MODES = (("batched", ()), ("one_at_a_time", ("--max-batch", "1")))
+
+
+@contextmanager
+def _served(shards: Path, extra: tuple[str, ...], rtt_ms: float):
+    """A `serve` child (one core, one thread; `extra` its options) behind a `wan` child adding `rtt_ms`: yields
+    the URL clients connect to."""
+    from ..launch import cloud_server, wan_proxy
+
+    with cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _), wan_proxy(url, rtt_ms, cpu=1) as wan:
+        yield wan
+
+
 def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: int, context: int) -> list[dict]:
     """Steps served per second by a real server behind the WAN proxy, driven by model-less clients (each
     step costs the client a few microseconds of encoding), batched and one session at a time."""
-    from ..launch import cloud_server, wan_proxy
     from ..local.middle import RemoteMiddle
 
     manifest = json.loads((shards / "cloud" / "manifest.json").read_text())
-    layers, width = tuple(manifest["split"]["cloud_layers"]), manifest["hidden_size"]
+    width = manifest["hidden_size"]
     results = []
-    for mode, extra in (("batched", ()), ("one_at_a_time", ("--max-batch", "1"))):
-        with (
-            cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _),
-            wan_proxy(url, rtt_ms, cpu=1) as wan,
-        ):
+    for mode, extra in SERVER_MODES:
+        with _served(shards, extra, rtt_ms) as wan:
             def middle():
-                return RemoteMiddle(wan, manifest["cloud_fingerprint"], layers, width, "float16")
+                return RemoteMiddle.for_shard(wan, manifest, width, "float16")
 
             _replay(middle(), width, context, 3, [])  # warm-up
             for n in clients:
@@ -221,29 +232,17 @@ def server_under_load(shards: Path, clients: list[int], rtt_ms: float, steps: in
 
 
 def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> list[dict]:
-    from ..launch import cloud_server, wan_proxy
-    from ..local.client import SplitClient
-    from ..local.session import ClientConfig
-    from ..local.middle import RemoteMiddle
-    from ..model.shards import load_local
+    from ..clients import open_client
+    from ..local.config import ClientConfig
     from .runtime import load_prompts
 
-    local = load_local(shards / "local")
-    split = local.manifest["split"]
     prompts = [p["prompt"] for p in load_prompts(None, 2)]
     results = []
-    for mode, extra in (("batched", ()), ("one_at_a_time", ("--max-batch", "1"))):
-        with (
-            cloud_server(shards / "cloud", cpu=1, threads=1, extra=extra) as (url, _),
-            wan_proxy(url, rtt_ms, cpu=1) as wan,
-        ):
-            config = ClientConfig(wire_dtype="float16")
-
-            def make_middle():
-                layers = tuple(split["cloud_layers"])
-                return RemoteMiddle(wan, local.fingerprint, layers, local.config.hidden_size, "float16")
-
-            client = SplitClient(local, make_middle, config)
+    for mode, extra in SERVER_MODES:
+        with _served(shards, extra, rtt_ms) as wan:
+            # float16 on the wire and no draft head, whatever the shard records: every run compares like with like
+            client = open_client(shards / "local", wan, ClientConfig(wire_dtype="float16", drafter="off"),
+                                 allow_public_weights=True, checks=False)
             # Token ids encoded here, once: client threads then never share the tokenizer's encoder.
             prompt_ids = [client.encode_prompt(p) for p in prompts]
             client.generate(prompt_ids[0], max_new_tokens=4, strategy="sequential")  # warm-up, discarded
@@ -334,6 +333,7 @@ def markdown(report: dict) -> str:
 def run(args) -> int:
     import torch
 
+    from ..launch import pinned
     from ..model.shards import load_cloud
 
     shards, out = Path(args.shards), Path(args.out)
@@ -342,22 +342,13 @@ def run(args) -> int:
     load_clients = _ints(args.load_clients, "--load-clients") if args.load_clients else []
     if not (shards / "cloud").is_dir():
         raise ConfigError(f"{shards} has no cloud shard; run `splitinfer prepare --out {shards}` first.")
-    pin = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1
-    affinity, threads = (os.sched_getaffinity(0) if pin else None), torch.get_num_threads()
-    try:
-        if pin:
-            os.sched_setaffinity(0, {0})
-        torch.set_num_threads(args.threads)
+    with pinned(0, args.threads):  # a caller in the same process (tests) gets its CPUs and threads back
         half = load_cloud(shards / "cloud", device=args.device, dtype=args.dtype)
         print(f"cloud side: batches {sizes}, context ~{args.context} rows, {args.repeats} repeats", flush=True)
         cloud = cloud_side(half, sizes, args.context, args.repeats)
         torch.set_num_threads(1)
         load = server_under_load(shards, load_clients, args.rtt_ms, args.load_steps, args.context) if load_clients else []
         e2e = end_to_end(shards, clients, args.rtt_ms, args.max_new_tokens) if clients else []
-    finally:  # a caller in the same process (tests) gets its CPUs and threads back
-        if pin:
-            os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
     rows = {r["batch"]: r for r in cloud["rows"] if r["kind"] == "decode"}
     targets = {}
     if 16 in rows:

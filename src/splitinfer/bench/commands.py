@@ -213,7 +213,12 @@ def cmd_plan(args) -> int:
 def cmd_bench_spec(args) -> int:
     from .speculative import run_speculative_bench
 
-    run_speculative_bench(args)
+    if "," in str(args.shards):
+        from .spec_formats import run_spec_formats
+
+        run_spec_formats(args, run_speculative_bench)
+    else:
+        run_speculative_bench(args)
     return 0
 
 
@@ -353,7 +358,11 @@ def register(sub) -> None:
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for speculative.json and speculative.md")))
+    add_options(s, Shared, (
+        Opt("shards", help="a prepared OUT directory, or several separated by commas (weight formats, `prepare "
+                           "--weights`): each runs in turn and OUT/formats.md compares them against the first"),
+        Opt("out", help="directory for speculative.json and speculative.md"),
+    ))
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench for MT-Bench's first turns (`make chat-data`; default: "
                    "the packaged benchmark prompts)")
     add_options(s, SpecBenchOptions, (

@@ -27,7 +27,7 @@ import torch
 from .. import __version__
 from ..cloud.server import ServerThread
 from ..errors import ProtocolError
-from ..local.client import SplitClient
+from ..clients import open_client
 from ..local.session import ClientConfig
 from ..model.shards import load_cloud
 from ..model.source import SourceModel, load_source
@@ -66,9 +66,8 @@ def crosscheck(
     results = []
     with ServerThread(load_cloud(shards / "cloud")) as server:
         clients = {
-            dtype: SplitClient.connect(
-                shards / "local", server.url, ClientConfig(wire_dtype=dtype), allow_public_weights=True
-            )
+            dtype: open_client(shards / "local", server.url, ClientConfig(wire_dtype=dtype), allow_public_weights=True,
+                                checks=False)
             for dtype in wire_dtypes
         }
         encoder = next(iter(clients.values()))

@@ -60,17 +60,12 @@ class Clients:
         return self.halves[(role, dtype)]
 
     def get(self, local_dtype: str, cloud_dtype: str):
-        from ..inprocess import InProcessMiddle
-        from ..local.client import SplitClient, load_draft_head
-        from ..local.session import ClientConfig
+        from ..clients import open_client
 
         key = (local_dtype, cloud_dtype)
         if key not in self.clients:
-            local, cloud = self.half("local", local_dtype), self.half("cloud", cloud_dtype)
-            client = SplitClient(local, lambda: InProcessMiddle(cloud), ClientConfig(wire_dtype="float32"))
-            client.draft_head = load_draft_head(local, self.shards / "local", "auto")
-            client.mode = "local-only"
-            self.clients[key] = client
+            halves = (self.half("local", local_dtype), self.half("cloud", cloud_dtype))
+            self.clients[key] = open_client(local_only=True, shards=self.shards, halves=halves)
         return self.clients[key]
 
 

@@ -173,11 +173,10 @@ def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: Fo
                 gguf: Path | None = None) -> dict:
     """Sequential local-only greedy decoding per format, transformers float32 and llama.cpp on the GGUF
     where it is installed: decode ms per token."""
-    from ..inprocess import local_only_client
     from ..model.shards import load_whole_hf
     from .step import _decode_ms_per_token, greedy_transformers
 
-    clients = {spec: local_only_client(path, drafter="off") for spec, path in dirs.items()}
+    clients = {spec: _local_only(path) for spec, path in dirs.items()}
     whole = load_whole_hf(dirs["float32"])
     llm = llamacpp(gguf, log)
     names = list(clients) + ["transformers"] + (["llama.cpp"] if llm is not None else [])
@@ -264,13 +263,20 @@ class _Whole:
         return float(-logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
 
 
+def _local_only(shards: Path):
+    """The whole model of `shards` in this process, without a draft head (formats are compared on their own)."""
+    from ..clients import open_client
+    from ..local.config import ClientConfig
+
+    return open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off"), checks=False)
+
+
 def exactness(dirs: dict[str, Path], prompts: dict[str, list[int]], replies: dict, tokens: int) -> dict:
     """Each format's tree (no draft head) reply against its own sequential reply, per prompt."""
-    from ..inprocess import local_only_client
 
     out = {}
     for spec, path in dirs.items():
-        client = local_only_client(path, drafter="off")
+        client = _local_only(path)
         same = [client.generate(ids, tokens, strategy="tree-nohead", stop_ids=set()).token_ids == replies[f"{spec}|{pid}"]
                 for pid, ids in prompts.items()]
         out[spec] = f"{sum(same)} of {len(same)}"
@@ -278,7 +284,6 @@ def exactness(dirs: dict[str, Path], prompts: dict[str, list[int]], replies: dic
 
 
 def run(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> dict:
-    from ..inprocess import local_only_client
     from .runtime import load_prompts
 
     if config.cpu >= 0 and hasattr(os, "sched_setaffinity"):
@@ -291,7 +296,7 @@ def run(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> 
     medians = time_steps(steps, config.rows, config.repeats)
     step_table = step_rows(steps, medians, gbps)
     del steps
-    encoder = local_only_client(dirs["float32"], drafter="off")
+    encoder = _local_only(dirs["float32"])
     prompts = {p["id"]: encoder.encode_prompt(p["prompt"], p.get("chat", True))
                for p in load_prompts(None, 1)[: config.prompts]}
     from ..model.source import default_model_path

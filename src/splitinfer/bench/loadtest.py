@@ -62,7 +62,6 @@ def run_load(local, server, prompts: list[list[int]], expected: list[list[int]],
     report = LoadReport(sessions, max_sessions=table.config.max_sessions, max_cached_tokens=table.config.max_cached_tokens)
     lock = threading.Lock()
     done = threading.Event()
-    split = local.manifest["split"]
 
     def sample() -> None:
         while not done.is_set():
@@ -75,8 +74,8 @@ def run_load(local, server, prompts: list[list[int]], expected: list[list[int]],
         prompt = prompts[i % len(prompts)]
         deadline = time.monotonic() + max_wait_s
         while True:
-            middle = RemoteMiddle(server.url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size,
-                                  client_config.wire_dtype, auth=auth or ClientAuth())
+            middle = RemoteMiddle.for_shard(server.url, local.manifest, local.config.hidden_size,
+                                            client_config.wire_dtype, auth=auth or ClientAuth())
             session = SplitSession(local, middle, client_config)
             tokens: list[int] = []
             try:
@@ -126,11 +125,10 @@ def solo_outputs(local, cloud, prompts: list[list[int]], max_new_tokens: int, cl
     from ..local.session import SplitSession
 
     out = []
-    split = local.manifest["split"]
     with ServerThread(cloud) as server:
         for prompt in prompts:
-            middle = RemoteMiddle(server.url, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size,
-                                  client_config.wire_dtype)
+            middle = RemoteMiddle.for_shard(server.url, local.manifest, local.config.hidden_size,
+                                            client_config.wire_dtype)
             session = SplitSession(local, middle, client_config)
             tokens: list[int] = []
             decode(session, prompt, session.prefill(prompt), max_new_tokens, set(), lambda t, _lp: tokens.append(t), Sequential())

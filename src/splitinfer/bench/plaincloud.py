@@ -57,16 +57,23 @@ def read_shard(directory: Path) -> tuple[object, dict, dict]:
     return AutoConfig.from_pretrained(str(directory)), load_file(str(directory / WEIGHTS)), manifest
 
 
+def layers_config(config, layers: list[int]):
+    """A copy of a model config for a plain transformers model holding only the decoder layers `layers` (HF
+    indices, renumbered from 0): the one place the baselines (here and bench/step.py) cut a config down."""
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = len(layers)
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [config.layer_types[i] for i in layers]
+    return cfg
+
+
 def plain_part(config, weights: dict, layers: range, embed: bool, tail: bool, dtype: torch.dtype) -> nn.Module:
     """A transformers causal LM holding layers `layers` of the model (renumbered from 0), with the token
     embedding when `embed` and the final norm and LM head when `tail`; what a side does not hold is an
     identity. Built by transformers from the config, then loaded with exactly the weights it needs."""
     from transformers import AutoModelForCausalLM
 
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = len(layers)
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [config.layer_types[i] for i in layers]
+    cfg = layers_config(config, list(layers))
     if not (embed or tail):
         cfg.vocab_size, cfg.pad_token_id = 1, None  # the middle holds no vocabulary: build no 49k-row embedding
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
@@ -187,8 +194,7 @@ class PlainSplitClient:
         self.head = plain_part(config, weights, range(0, k), True, False, torch_dtype)
         self.tail = plain_part(config, weights, range(n - m, n), False, True, torch_dtype)
         self.dtype, self.wire_dtype = torch_dtype, wire_dtype
-        self.middle = RemoteMiddle(url, manifest["cloud_fingerprint"], tuple(split["cloud_layers"]),
-                                   config.hidden_size, wire_dtype)
+        self.middle = RemoteMiddle.for_shard(url, manifest, config.hidden_size, wire_dtype)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:

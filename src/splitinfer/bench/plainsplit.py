@@ -23,7 +23,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..options import Opt, Shared, add_options
 from ..tables import table
+from ..telemetry import median
 from ..wire.dtypes import DTYPE_NAMES
 
 IMPLS = ("splitinfer", "transformers")
@@ -50,42 +50,30 @@ class PlainSplitOptions:
 @contextmanager
 def plain_cloud_server(shard: Path, cpu: int | None, threads: int):
     """Yields the ws:// URL of a plain transformers cloud process (bench/plaincloud.py) on a loopback port."""
-    from ..launch import free_port, wait_for_port
+    from ..launch import free_port, spawn, stop, wait_for_port
 
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    preexec = None
-    if cpu is not None and hasattr(os, "sched_setaffinity") and cpu < (os.cpu_count() or 1):
-        preexec = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
-    proc = subprocess.Popen([sys.executable, "-m", "splitinfer.bench.plaincloud", "--shard", str(shard), "--port",
-                             str(port), "--threads", str(threads)], env=env, preexec_fn=preexec,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = spawn(["--shard", str(shard), "--port", str(port)], cpu, threads, quiet=True,
+                 module="splitinfer.bench.plaincloud")
     try:
         wait_for_port(port, proc)
         yield f"ws://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def record(impl: str, rtt: float, rep: int, p: dict, tokens: list[int], stats: dict, steps: list[dict]) -> dict:
     """One generation: tokens, rate, and medians over its decode steps of what a step is made of."""
     decode = [s for s in steps if s["kind"] == "decode"]
-
-    def med(field: str) -> float:
-        return round(statistics.median(s[field] for s in decode), 3) if decode else 0.0
-
     n = len(tokens)
     return {
         "impl": impl, "rtt_ms": rtt, "repeat": rep, "prompt_id": p["id"], "category": p["category"],
         "token_ids": tokens, "tokens_per_s": stats["tokens_per_s"], "decode_s": stats["decode_s"],
         "ms_per_token": round(stats["decode_s"] * 1e3 / max(n - 1, 1), 3), "decode_steps": len(decode),
         "round_trips": len(decode) + stats["prefill_messages"],
-        "bytes_per_step": statistics.median(s["bytes_up"] + s["bytes_down"] for s in decode) if decode else 0,
-        "median_ms": {f: med(f + "_ms") for f in ("round_trip", "cloud_compute", "local", "serialize")},
+        "bytes_per_step": median([s["bytes_up"] + s["bytes_down"] for s in decode]) if decode else 0,
+        "median_ms": {f: median([s[f + "_ms"] for s in decode], 3)
+                      for f in ("round_trip", "cloud_compute", "local", "serialize")},
     }
 
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from ..launch import wan_proxy
+from ..clients import open_client
 from ..local.client import SplitClient
 from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
@@ -56,7 +57,7 @@ def floors_ms(chunks: list[dict], rtt_ms: float, bandwidth_mbit: float) -> dict:
 
 def wire_prefill(url: str, tokens: int, hidden: int, rtt_ms: float, bandwidth_mbit: float) -> dict:
     chunks = chunk_plan(tokens, hidden)
-    middle = RemoteMiddle(url, "-", (0, 0), hidden_size=1)
+    middle = RemoteMiddle.prober(url)
     try:
         middle.probe(16, 16)  # connect first: the handshake is not part of a prefill
         t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def run_prefill(shards: Path, url: str, sizes: tuple[int, ...], rtt_ms: float, b
     """Wire prefill for every size, and a real one for sizes up to `real_max_tokens`, behind one limited link."""
     results = []
     with wan_proxy(url, rtt_ms, cpu=1, bandwidth_mbit=bandwidth_mbit) as limited:
-        client = SplitClient.connect(shards / "local", limited, ClientConfig(), allow_public_weights=True)
+        client = open_client(shards / "local", limited, ClientConfig(), allow_public_weights=True, checks=False)
         hidden = client.local.config.hidden_size
         for n in sizes:
             results.append(wire_prefill(limited, n, hidden, rtt_ms, bandwidth_mbit))

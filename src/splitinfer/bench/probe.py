@@ -35,7 +35,7 @@ def _stats(values: list[float]) -> dict:
 def measure(url: str, small: int = 50, large: int = 3, large_bytes: int = 1 << 20, auth: ClientAuth = ClientAuth()) -> dict:
     if small < 2 or large < 1 or large_bytes < 1024:
         raise ConfigError("probe needs --small >= 2, --large >= 1 and --large-kb >= 1.")
-    middle = RemoteMiddle(url, "-", (0, 0), hidden_size=1, auth=auth)  # a probe needs no shard
+    middle = RemoteMiddle.prober(url, auth)  # a probe needs no shard
     try:
         middle.probe(SMALL_BYTES, SMALL_BYTES)  # connection and code paths warm
         rtts = [middle.probe(SMALL_BYTES, SMALL_BYTES) for _ in range(small)]

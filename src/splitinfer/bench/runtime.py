@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..launch import cloud_server, pin_self, wan_proxy
-from ..inprocess import local_only_client
+from ..clients import open_client
 from ..local.client import SplitClient
 from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
@@ -148,7 +148,7 @@ class PromptLookupRunner:
 
 def probe_rtt(url: str, count: int, size: int = 1300) -> list[float]:
     """Round trips (ms) of `count` decode-sized probe messages each way on an idle connection."""
-    middle = RemoteMiddle(url, "-", (0, 0), hidden_size=1)
+    middle = RemoteMiddle.prober(url)
     try:
         middle.probe(size, size)  # connection warm-up
         return [middle.probe(size, size) for _ in range(count)]
@@ -159,7 +159,7 @@ def probe_rtt(url: str, count: int, size: int = 1300) -> list[float]:
 def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print) -> dict:
     """Every configuration, interleaved per repetition; returns raw per-generation runs and probe RTTs."""
     pin_self(0)
-    local_only = local_only_client(shards)
+    local_only = open_client(local_only=True, shards=shards)
     pld = PromptLookupRunner(shards, local_only, config.pld_tokens) if "local-only-pld" in config.modes else None
     runs: list[dict] = []
     probes: dict[str, list[float]] = {}
@@ -171,7 +171,8 @@ def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print)
         for rtt in config.rtts_ms if split_modes else ():
             target = url if rtt == 0 else stack.enter_context(wan_proxy(url, rtt, cpu=1))
             probes[f"{rtt:g}"] = probe_rtt(target, config.probes)
-            clients[rtt] = SplitClient.connect(shards / "local", target, ClientConfig(), allow_public_weights=True)
+            clients[rtt] = open_client(shards / "local", target, ClientConfig(), allow_public_weights=True,
+                                       checks=False)
             configs += [(m, rtt) for m in split_modes]
 
         def one(mode: str, rtt: float, prompt: dict, max_new_tokens: int) -> tuple[list[int], dict]:

@@ -266,7 +266,7 @@ def run_soak(shards: Path, options: SoakOptions, logs: Path | None = None) -> di
 
     from ..api.engine import Engine
     from ..api.server import ApiServer
-    from ..local.client import SplitClient
+    from ..clients import open_client
     from ..local.session import ClientConfig
     from .loadtest import packaged_prompt_texts
 
@@ -275,8 +275,8 @@ def run_soak(shards: Path, options: SoakOptions, logs: Path | None = None) -> di
     jobs = [(text, n) for text in texts for n in lengths]
     with ExitStack() as stack:
         servers = Servers(stack, shards / "cloud", options.servers, logs)
-        client = SplitClient.connect(shards / "local", servers.urls, ClientConfig(wire_dtype=options.wire_dtype),
-                                     allow_public_weights=True)
+        client = open_client(shards / "local", servers.urls, ClientConfig(wire_dtype=options.wire_dtype),
+                             allow_public_weights=True, checks=False)
         engine = Engine(client, MODEL_ID, max_concurrent=options.clients, memory_tokens=0)
         api = stack.enter_context(ApiServer(engine, port=0))
         processes = {**servers.processes(), "api": (os.getpid, lambda: {"sessions": float(api.app.pending), "cached_rows": 0.0,

@@ -11,23 +11,23 @@ def results_table(report: dict) -> list[str]:
     """The headline table, one row per mode, every figure from this report's one run."""
     summary = report["summary"]
     header = ["mode", "added RTT ms", "tok/s, whole set", "x sequential, whole set (median prompt)", "x local-only, whole set",
-              "emitted tokens/step, pooled (mean over prompts)", "bound tok/s"]
+              "emitted tokens/step, pooled (mean over prompts)", "bound tok/s", "RTT efficiency"]
     rows = []
     local = summary.get("local_only")
     anchor = (local or {}).get("transformers")
     if anchor:
         vs = round(anchor["tokens_per_s_whole_set"] / local["tokens_per_s_whole_set"], 3)
         rows.append(["plain transformers greedy (whole model, own cache, same core)", "-",
-                     anchor["tokens_per_s_whole_set"], "-", f"{vs}x", "1.0", "-"])
+                     anchor["tokens_per_s_whole_set"], "-", f"{vs}x", "1.0", "-", "-"])
     if local:
         rows.append(["local-only (whole model, one process)", "-", local["tokens_per_s_whole_set"], "-", "1.0x", "1.0",
-                     local["bound"]["tokens_per_s"]])
+                     local["bound"]["tokens_per_s"], "-"])
     for r in summary["rows"]:
         vs_local = f"{r['vs_local_only_whole_set']}x" if r.get("vs_local_only_whole_set") else "-"
         rows.append([f"split, {r['strategy']}", f"{r['rtt_ms']:g}", r.get("tokens_per_s_whole_set", "-"),
                      f"{r['speedup_whole_set']}x ({r['speedup_vs_sequential_median']}x)", vs_local,
                      f"{r['mean_accepted_pooled']} ({r['mean_accepted_per_step']})",
-                     r["bound"]["tokens_per_s"] if r.get("bound") else "-"])
+                     r["bound"]["tokens_per_s"] if r.get("bound") else "-", r.get("rtt_efficiency") or "-"])
     return table(header, rows)
 
 

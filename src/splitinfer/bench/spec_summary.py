@@ -85,8 +85,20 @@ def _config_row(strategy: str, rtt: float, mine: list[dict], sequential_tps: dic
             first, lambda rs: statistics.mean(_emitted_per_step(r) for r in rs)),
         "per_category_pooled": _by_category(mine, _pooled),
         "bound": bound(mine, rtt) if all("time_ms" in r for r in mine) else None,
+        "rtt_efficiency": rtt_efficiency(mine),
         "draft_head": head_share(mine),
     }
+
+
+def rtt_efficiency(runs: list[dict]) -> float | None:
+    """Network time over step time, summed over the decode steps of `runs`: 1.0 when compute is free, so it
+    says how much of a step the project still owns. Network = round trips less the server's compute; step =
+    local compute and serialization + round trips + drafting between blocks."""
+    if not runs or not all("time_ms" in r for r in runs):
+        return None
+    t = {k: sum(r["time_ms"][k] for r in runs) for k in ("local", "cloud", "round_trip", "drafting")}
+    step = t["local"] + t["round_trip"] + t["drafting"]
+    return round((t["round_trip"] - t["cloud"]) / step, 3) if step else None
 
 
 def head_share(runs: list[dict]) -> dict | None:

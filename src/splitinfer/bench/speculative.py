@@ -111,14 +111,14 @@ def run_speculative_bench(args) -> dict:
     local = open_client(local_only=True, shards=shards)
     reference = prompt_lookup_reference(shards, prompts, local, args.max_new_tokens)
     print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()}, file=sys.stderr)
-    depths = parse_depths(str(getattr(args, "in_flight", "1")))
+    depths = parse_depths(str(args.in_flight))
     runs, local_runs = _measure(args, shards, prompts, strategies, rtts, local, depths)
     divergences = find_divergences(runs, local)
     device = args.cloud_device or "cpu"
-    pass_ms = getattr(args, "cloud_pass_ms", 0) or 0
+    pass_ms = args.cloud_pass_ms or 0
     if pass_ms:
         device += f", every pass padded to at least {pass_ms:g} ms (the fast-cloud scenario)"
-    if getattr(args, "cloud_compile_rows", 0):
+    if args.cloud_compile_rows:
         device += f", blocks of {args.cloud_compile_rows}+ rows through torch.compile (serve --compile-rows)"
     manifest = json.loads((shards / "local" / "manifest.json").read_text())
     dtype = manifest["dtype"]
@@ -150,7 +150,7 @@ def run_speculative_bench(args) -> dict:
         "prompt_lookup": reference,
         "in_flight": depths,
         "pad_rows": [s.key for s in pad_settings(args)],  # wire/padding.py's PadSetting names
-        "pad_prompt_rows": getattr(args, "pad_prompt_rows", 0),  # with every padded configuration
+        "pad_prompt_rows": args.pad_prompt_rows,  # with every padded configuration
         "summary": summarize(runs, reference, local_runs),
         "divergences": divergences,
         "runs": runs,
@@ -192,12 +192,12 @@ def label(strategy: str, depth: int, pad: PadSetting = PadSetting()) -> str:
 
 def pad_settings(args) -> list[PadSetting]:
     """--pad-rows: comma-separated PadSetting names (0 for none, which always runs), e.g. 0,33,33+s64."""
-    return list(dict.fromkeys([PadSetting(), *parse_pad_settings(getattr(args, "pad_rows", "0"))]))
+    return list(dict.fromkeys([PadSetting(), *parse_pad_settings(args.pad_rows)]))
 
 
 def _client_config(args, depth: int, pad: PadSetting) -> ClientConfig:
     """A configuration's client settings: a padded one also pads prompts where asked."""
-    prompts = getattr(args, "pad_prompt_rows", 0) if pad.rows else 0
+    prompts = args.pad_prompt_rows if pad.rows else 0
     return ClientConfig(wire_dtype=args.wire_dtype, in_flight=depth, pad_prompt_rows=prompts, **pad.client_fields())
 
 
@@ -210,9 +210,9 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
     runs: list[dict] = []
     local_runs: list[dict] = []
     extra = ("--device", args.cloud_device) if args.cloud_device else ()
-    if getattr(args, "cloud_pass_ms", 0):
+    if args.cloud_pass_ms:
         extra += ("--min-pass-ms", str(args.cloud_pass_ms))
-    compile_rows = getattr(args, "cloud_compile_rows", 0)
+    compile_rows = args.cloud_compile_rows
     if compile_rows:
         extra += ("--compile-rows", str(compile_rows))
     with ExitStack() as stack:
@@ -232,7 +232,7 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
         greedy_transformers(whole, local.encode_prompt(prompts[0]["prompt"]), 16)
         for strategy, rtt, d, pad in configs:
             clients[(rtt, d, pad)].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
-        turns = getattr(args, "turns", 1)
+        turns = args.turns
         for rep in range(args.repeats):
             for p in prompts:
                 for q, result in zip(turn_rows(p, turns), generations(local, p, args.max_new_tokens, "sequential", turns)):

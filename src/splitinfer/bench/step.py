@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import platform
 import random
 import shlex
@@ -46,6 +45,7 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ..launch import pin_self
 from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
 from ..model.stack import LayerStack
 from ..tables import table
@@ -77,11 +77,10 @@ def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, wit
     """A plain transformers causal LM over the layers of `stacks` (renumbered 0..n-1), sharing their weights."""
     from transformers import AutoModelForCausalLM
 
+    from .plaincloud import layers_config
+
     layers = [layer for stack in stacks for layer in stack.layers]
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = len(layers)
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [config.layer_types[s.start + i] for s in stacks for i in range(len(s.layers))]
+    cfg = layers_config(config, [s.start + i for s in stacks for i in range(len(s.layers))])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     body = model.model
@@ -274,10 +273,11 @@ def greedy_transformers(model: nn.Module, prompt_ids: list[int], tokens: int) ->
 
 def e2e(shards: Path, config: StepBenchConfig, log) -> dict:
     """Local-only sequential generation against transformers greedy on the first benchmark prompts."""
-    from ..inprocess import local_only_client
+    from ..clients import open_client
+    from ..local.config import ClientConfig
     from .runtime import load_prompts
 
-    client = local_only_client(shards, drafter="off")
+    client = open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off"))
     prompts = load_prompts(None, 1)[: config.e2e_prompts]
     ids = {p["id"]: client.encode_prompt(p["prompt"], p.get("chat", True)) for p in prompts}
     return generations(client, load_whole_hf(shards), ids, config.e2e_tokens, config.repeats // 2 + 2, log)
@@ -314,9 +314,7 @@ def _decode_ms_per_token(g) -> float:
 
 
 def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
-    if config.cpu >= 0 and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {config.cpu})
-    torch.set_num_threads(config.threads)
+    pin_self(config.cpu if config.cpu >= 0 else None, config.threads)
     gbps = bandwidth_gbps()
     log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
     sides = build_sides(shards, config.contexts, config.rows, config.dtype)

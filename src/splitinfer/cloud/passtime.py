@@ -8,7 +8,7 @@ server's own pass (sessions.py) knows nothing of this: `serve` wraps its passes 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,20 +20,22 @@ class MinPassTime:
     """`passes` (LocalPasses or a stand-in with the same two methods), each `run` padded to `min_ms`: the
     compute thread waits out the rest after the pass (and, on a GPU, after it has finished)."""
 
-    def __init__(self, passes: LocalPasses, min_ms: float):
+    def __init__(self, passes: LocalPasses, min_ms: float, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
         if min_ms < 0:
             raise ValueError("the minimum pass time must not be negative.")
         self.passes, self.min_s = passes, min_ms / 1e3
+        self.clock, self.sleep = clock, sleep  # seconds; tests pass a fake pair
 
     def new_cache(self, head_layers: int) -> KVCache:
         return self.passes.new_cache(head_layers)
 
     def run(self, head_layers: int, blocks: Sequence[Block]) -> list[torch.Tensor]:
-        start = time.perf_counter()
+        start = self.clock()
         outs = self.passes.run(head_layers, blocks)
         if outs and outs[0].device.type == "cuda":
             torch.cuda.synchronize(outs[0].device)
-        left = self.min_s - (time.perf_counter() - start)
+        left = self.min_s - (self.clock() - start)
         if outs and left > 0:
-            time.sleep(left)
+            self.sleep(left)
         return outs

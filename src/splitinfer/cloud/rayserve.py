@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .server import ServerConfig
@@ -46,17 +47,18 @@ HEALTH_CHECK_PERIOD_S = 5.0
 class ReplicaDirectory:
     """The URLs of the replicas that are up, by heartbeat (a Ray actor body; see `deploy`)."""
 
-    def __init__(self, ttl_s: float = 3 * HEALTH_CHECK_PERIOD_S):
+    def __init__(self, ttl_s: float = 3 * HEALTH_CHECK_PERIOD_S, clock: Callable[[], float] = time.monotonic):
         self.ttl_s = ttl_s
-        self._seen: dict[str, float] = {}  # url -> last report (monotonic seconds)
+        self.clock = clock  # seconds, monotonic; tests pass a fake one
+        self._seen: dict[str, float] = {}  # url -> last report (clock seconds)
 
     def report(self, url: str) -> list[str]:
         """Record that `url` is up; returns every URL reported within the TTL."""
-        self._seen[url] = time.monotonic()
+        self._seen[url] = self.clock()
         return self.urls()
 
     def urls(self) -> list[str]:
-        horizon = time.monotonic() - self.ttl_s
+        horizon = self.clock() - self.ttl_s
         self._seen = {url: t for url, t in self._seen.items() if t >= horizon}
         return sorted(self._seen)
 

@@ -81,9 +81,11 @@ class _Item:
 class Scheduler:
     """One compute thread over a SessionTable; `submit` from any thread, `run` from an event loop."""
 
-    def __init__(self, table: SessionTable, config: BatchConfig = BatchConfig(), finish: Callable = lambda r: r):
+    def __init__(self, table: SessionTable, config: BatchConfig = BatchConfig(), finish: Callable = lambda r: r,
+                 clock: Callable[[], float] = time.monotonic):
         self.table = table
         self.config = config
+        self.clock = clock  # seconds, monotonic: the batch window and the active horizon; tests pass a fake one
         self._finish = finish  # runs on the compute thread (e.g. encoding the reply off the event loop)
         self._queue: list[_Item] = []
         self._cond = threading.Condition()
@@ -103,7 +105,7 @@ class Scheduler:
                 self.table.release(session)
                 raise RuntimeError("the scheduler is closed")
             self._queue.append(item)
-            self._recent[session.id] = time.monotonic()
+            self._recent[session.id] = self.clock()
             self._cond.notify()
         return item.future
 
@@ -135,9 +137,9 @@ class Scheduler:
             batch: list[_Item] = []
             self._take_locked(batch)
             if self.config.window_ms > 0 and self.config.max_batch > 1:
-                deadline = time.monotonic() + self.config.window_ms / 1e3
-                while len(batch) < min(self._expected_locked(time.monotonic()), self.config.max_batch):
-                    left = deadline - time.monotonic()
+                deadline = self.clock() + self.config.window_ms / 1e3
+                while len(batch) < min(self._expected_locked(self.clock()), self.config.max_batch):
+                    left = deadline - self.clock()
                     if left <= 0 or self._closed:
                         break
                     self._cond.wait(left)

@@ -42,7 +42,7 @@ from websockets.exceptions import ConnectionClosed
 from ..errors import MessageTooLarge, SplitInferError
 from .security import TokenSet, server_ssl_context
 from ..model.shards import CloudHalf
-from ..wire.link import DRAINING_CLOSE
+from ..wire.link import DRAINING_CLOSE, PING_INTERVAL_S, PING_TIMEOUT_S
 from ..wire.serverlink import ServerLink, dropped
 from ..wire.messages import Close, Error, Hello, Limits, Probe, ProbeReply, Step, decode_client_message
 from .batch import LocalPasses
@@ -215,8 +215,8 @@ class CloudServer:
             max_size=self.config.sessions.max_message_bytes,
             process_request=self._authorize,
             ssl=self._ssl_context(),
-            ping_interval=20,
-            ping_timeout=60,
+            ping_interval=PING_INTERVAL_S,
+            ping_timeout=PING_TIMEOUT_S,
         )
         self.port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self.config.port
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep())

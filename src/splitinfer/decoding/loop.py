@@ -65,6 +65,7 @@ def decode(
     choose: Callable[[torch.Tensor], int] = greedy,
     controller: AheadController | None = None,
     top_logprobs: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> str:
     """Decode after prefill; `emit(token, logprob)` per token. Returns "stop" or "length".
 
@@ -74,6 +75,7 @@ def decode(
     of the row that predicted the token, before any temperature or truncation).
 
     prompt_logits: [r, vocab] logits of the prompt's last r rows (r >= 1; the strategy asked for r).
+    clock: seconds, what the ahead controller's measurements read (tests pass one that a slow middle moves).
     """
     strategy.start(prompt, prompt_logits)
     if strategy.uses_features:
@@ -106,7 +108,8 @@ def decode(
     # where blocks go without waiting it drafts the next tree while one is out (`Strategy.draft_ahead`)
     depth = 1 if strategy.uses_features else verifier.in_flight
     ahead = strategy.drafts_ahead and verifier.in_flight > 1
-    return _decode_blocks(verifier, history, emit_all, strategy, choose, depth, controller or AheadController(), ahead)
+    return _decode_blocks(verifier, history, emit_all, strategy, choose, depth, controller or AheadController(), ahead,
+                          clock)
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class _Flying:
     alone: bool = True  # sent with nothing in flight before it
     chosen: int | None = 0  # which root the block before it chose; None while that one is unresolved
     make_ms: float = 0.0  # drafting and head compute, sending included
-    sent_at: float = 0.0  # perf_counter when it went
+    sent_at: float = 0.0  # clock time when it went
     kept: list[int] | None = None  # the rows the next block in flight assumes it keeps
     guess: Guess | None = None  # what the next block assumes (or would have), by `_guess`
     guessed_for: int = -1  # the root `guess` was made for (-1: none made yet)
@@ -185,13 +188,13 @@ def _make(strategy: Strategy, prefix: list[int], roots: list[int], scores: list[
 
 def _fill(
     verifier: Verifier, strategy: Strategy, history: list[int], flying: list[_Flying], depth: int,
-    controller: AheadController, ahead: bool = False,
+    controller: AheadController, ahead: bool = False, clock: Callable[[], float] = time.perf_counter,
 ) -> None:
     """Send blocks until `depth` are in flight, the strategy has no guess, or (unless pinned) the controller
     judges the next one not worth sending ahead. ahead: a block sent alone goes without waiting either (the
     strategy drafts while it is out)."""
     while len(flying) < depth:
-        start = time.perf_counter()
+        start = clock()
         if not flying:
             nxt = _make(strategy, history[:-1], history[-1:], [1.0], [Draft()])
         else:
@@ -210,7 +213,7 @@ def _fill(
         if not verifier.send_block(block.tokens, block.structure, block.depths, assume, wait=depth == 1 and not ahead):
             flying.clear()  # the link was lost with everything in flight: send again from the committed state
             continue
-        nxt.sent_at = time.perf_counter()
+        nxt.sent_at = clock()
         nxt.make_ms = (nxt.sent_at - start) * 1e3
         flying.append(nxt)
 
@@ -231,16 +234,17 @@ def _accept(flying: _Flying, logits: torch.Tensor, choose: Callable[[torch.Tenso
 def _decode_blocks(
     verifier: Verifier, history: list[int], emit_all: Emit, strategy: Strategy,
     choose: Callable[[torch.Tensor], int], depth: int, controller: AheadController, ahead: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> str:
     """Decode with up to `depth` blocks in flight after the first token was emitted (history ends with it;
     emit_all appends to it); ahead: one block at a time, the strategy drafting while it is out. Returns
     "stop" or "length"."""
     flying: list[_Flying] = []
     finish = None
-    last = time.perf_counter()
+    last = clock()
     try:
         while finish is None:
-            _fill(verifier, strategy, history, flying, depth, controller, ahead)
+            _fill(verifier, strategy, history, flying, depth, controller, ahead, clock)
             waited_alone = len(flying) == 1 and flying[0].alone and not ahead
             if ahead and flying:
                 strategy.draft_ahead(history, flying[0].drafts[0])
@@ -248,7 +252,7 @@ def _decode_blocks(
             if logits is None:
                 flying.clear()
                 continue
-            back = time.perf_counter()
+            back = clock()
             current = flying.pop(0)
             path, root, (tokens, parents, own_logits, own_path) = _accept(current, logits, choose)
             _resolve(verifier, controller, current, path, root, flying)
@@ -257,11 +261,11 @@ def _decode_blocks(
             emitted = [tokens[r] for r in own_path[1:]] + [root]
             # A token is predicted by its parent's row: path[i] by path[i-1], the next root by path[-1].
             finish = emit_all(emitted, [logits[r] for r in path])
-            now = time.perf_counter()
+            now = clock()
             strategy.recall(current.drafts[current.chosen])
             strategy.observe(tokens, parents, own_logits, own_path, emitted, (now - last) * 1e3)
             last = now
-            _measure(controller, verifier, current, back, waited_alone)
+            _measure(controller, verifier, current, back, waited_alone, clock)
     finally:
         verifier.settle()
     return finish
@@ -285,11 +289,12 @@ def _resolve(
         flying[0].chosen = flying[0].roots.index(root)
 
 
-def _measure(controller: AheadController, verifier: Verifier, block: _Flying, back: float, alone: bool) -> None:
+def _measure(controller: AheadController, verifier: Verifier, block: _Flying, back: float, alone: bool,
+             clock: Callable[[], float] = time.perf_counter) -> None:
     """Feed a resolved block's costs to the controller. Its latency counts only when it went alone and was
     waited for at once: a block behind others, or one whose reply waited while the client made the next,
     measures queueing, not latency."""
     cloud_ms, tail_ms = verifier.block_costs()
-    settle_ms = (time.perf_counter() - back) * 1e3
+    settle_ms = (clock() - back) * 1e3
     latency = (back - block.sent_at) * 1e3 - tail_ms if alone else None
     controller.observe_block(cloud_ms, block.make_ms + tail_ms + settle_ms, block.make_ms, latency)

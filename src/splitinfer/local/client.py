@@ -1,6 +1,7 @@
 """The public client API: text in, text out, with the split model underneath.
 
-    client = SplitClient.connect("shards/smollm2/local", "ws://127.0.0.1:8765", allow_public_weights=True)
+    from splitinfer.clients import open_client
+    client = open_client("shards/smollm2/local", "ws://127.0.0.1:8765", allow_public_weights=True)
     result = client.generate("Explain KV caches.", max_new_tokens=64, on_text=print)
 
 The client owns the tokenizer and chat template; only hidden states leave the process. Each
@@ -8,9 +9,9 @@ The client owns the tokenizer and chat template; only hidden states leave the pr
 it at the end, freeing the server's cache. `client.conversation()` keeps one session across turns.
 With a randomised split (`prepare --split-range`) each session (each `make_middle()`) draws its head
 depth uniformly from the shard's range with a secret RNG (`ClientConfig.split_seed` only for tests).
-The whole model in this process (the middle run here, no server) is `inprocess.local_only_client`.
-Given several servers (`connect(shard, [url, ...])`), each session picks its server by rendezvous hashing
-and moves to the next one when its server is gone (failover.py).
+`open_client` (clients.py) makes every client: remote, in-process (the middle run here, no server) or
+local-only. Given several servers (`open_client(shard, [url, ...])`), each session picks its server by
+rendezvous hashing and moves to the next one when its server is gone (failover.py).
 """
 
 from __future__ import annotations
@@ -23,18 +24,21 @@ from pathlib import Path
 
 from ..decoding.controller import StepCosts
 from ..decoding.sampling import SamplingConfig
-from ..decoding.strategies import Strategy
-from ..decoding.warm import shipped_recycling_table
+from ..decoding.strategies import Strategy, make_strategy
+from ..decoding.warm import SuffixMemory, shipped_recycling_table
 from ..errors import ConfigError
 from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_shard_head, read_head_info
 from ..model.manifest import local_weights_are_public, model_identity
 from ..model.shards import LocalHalf, load_local
 from ..public_weights import acknowledged
+from ..wire.transport import Middle
 from .auth import ClientAuth
+from .backend import Backend, stop_ids_of
+from .config import CLIENT_DEFAULTS, ClientConfig, with_shard_wire_dtype
 from .conversation import Conversation
 from .failover import FailoverMiddle, ReplicaSet, fetch_replicas, server_list
 from .middle import RemoteMiddle
-from .session import ClientConfig, with_shard_wire_dtype
+from .session import SplitSession
 from .text import chat_prompt_ids
 
 log = logging.getLogger("splitinfer.local")
@@ -107,18 +111,47 @@ def load_draft_head(local: LocalHalf, local_dir: str | Path, mode: str, device: 
     return load_shard_head(directory, local, device)
 
 
+def remote_middles(local: LocalHalf, url: str | Sequence[str], config: ClientConfig,
+                   auth: ClientAuth = ClientAuth()) -> Callable[[], Middle]:
+    """`make_middle` for a client of cloud servers: each call draws the session's head depth, then builds a
+    RemoteMiddle to the one server, or a FailoverMiddle over several (rendezvous hashing, failover.py)."""
+    config = with_shard_wire_dtype(config, local.manifest)
+    draw = head_depth_drawer(local, config.split_seed)
+    urls = server_list(url)
+    replicas = ReplicaSet(urls, fetch=lambda server: fetch_replicas(server, auth))  # the sessions' servers
+
+    def remote(server: str, head_layers: int | None) -> RemoteMiddle:
+        return RemoteMiddle.for_shard(server, local.manifest, local.config.hidden_size, config.wire_dtype,
+                                      auth=auth, head_layers=head_layers)
+
+    def make_middle() -> Middle:
+        k = draw()
+        if len(urls) == 1:
+            return remote(urls[0], k)
+        return FailoverMiddle(replicas, lambda server: remote(server, k), head_layers=k)
+
+    return make_middle
+
+
 class SplitClient:
-    def __init__(self, local: LocalHalf, make_middle: Callable[[], object], config: ClientConfig = ClientConfig()):
+    """The public front: text or token ids in, a Generation out; `conversation()` for several turns.
+
+    Made by `splitinfer.clients.open_client` (remote, in-process or local-only), the one factory; its
+    arguments are the pieces that factory assembles. mode: "split" or "local-only", reported in the stats.
+    """
+
+    def __init__(self, local: LocalHalf, make_middle: Callable[[], Middle], config: ClientConfig = ClientConfig(),
+                 mode: str = "split", draft_head=None):
         self.local = local
         self.make_middle = make_middle
         self.config = with_shard_wire_dtype(config, local.manifest)
-        self.mode = "split"
+        self.mode = mode
         # What a verified block costs on this deployment, measured by every tree generation and shared by
         # the next ones (the cost of a row is a property of the machines and the link, not of the text).
         self.step_costs = StepCosts()
         # The successor table shipped for this model (decoding/warm.py), or None: every tree starts from it.
         self.recycling_table = shipped_recycling_table(model_identity(local.manifest))
-        self.draft_head = None  # a learned draft head (model/drafthead.py), see `load_draft_head`
+        self.draft_head = draft_head  # a learned draft head (model/drafthead.py), see `load_draft_head`
 
     @classmethod
     def connect(
@@ -130,29 +163,24 @@ class SplitClient:
         auth: ClientAuth = ClientAuth(),
         allow_public_weights: bool = False,
     ) -> "SplitClient":
+        """A client of cloud servers: the remote kind of `clients.open_client`, which calls this after its
+        start-up checks (entry points go through open_client; this is the Python API's own front door)."""
         local = load_local(local_shard, device=device)
         check_local_weights(local.manifest, allow_public_weights)
         config = with_shard_wire_dtype(config, local.manifest)
-        split = local.manifest["split"]
-        draw = head_depth_drawer(local, config.split_seed)
-        urls = server_list(url)
-        replicas = ReplicaSet(urls, fetch=lambda server: fetch_replicas(server, auth))  # the sessions' servers
+        return cls(local, remote_middles(local, url, config, auth), config,
+                   draft_head=load_draft_head(local, local_shard, config.drafter, device))
 
-        def remote(server: str, head_layers: int | None) -> RemoteMiddle:
-            return RemoteMiddle(
-                server, local.fingerprint, tuple(split["cloud_layers"]), local.config.hidden_size, config.wire_dtype,
-                auth=auth, head_layers=head_layers,
-            )
+    def backend(self) -> Backend:
+        """What a conversation needs from this client, read now (a draft head set later is seen by later ones)."""
+        return Backend(
+            self.local, lambda: SplitSession(self.local, self.make_middle(), self.config), self._make_strategy,
+            stop_ids_of(self.local), self.mode,
+        )
 
-        def make_middle():
-            k = draw()
-            if len(urls) == 1:
-                return remote(urls[0], k)
-            return FailoverMiddle(replicas, lambda server: remote(server, k), head_layers=k)
-
-        client = cls(local, make_middle, config)
-        client.draft_head = load_draft_head(local, local_shard, config.drafter, device)
-        return client
+    def _make_strategy(self, name: str, memory: SuffixMemory | None) -> Strategy:
+        return make_strategy(name, costs=self.step_costs, memory=memory, recycling_table=self.recycling_table,
+                             head=self.draft_head)
 
     # -- prompts and text --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
@@ -167,28 +195,21 @@ class SplitClient:
         return self.local.tokenizer
 
     def stop_ids(self) -> set[int]:
-        ids: set[int] = set()
-        # a model config without generation fields has no eos_token_id (transformers 5's base config)
-        tokenizer_eos = self.local.tokenizer.eos_token_id if self.local.tokenizer is not None else None
-        for source in (self.local.config.to_dict().get("eos_token_id"), tokenizer_eos):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(i) for i in source)
-        return ids
+        return set(stop_ids_of(self.local))
 
     # -- generation --------------------------------------------------------------------------------
-    def conversation(self, strategy: str | Strategy = "tree", metrics=None, memory=None) -> Conversation:
+    def conversation(self, strategy: str | Strategy = CLIENT_DEFAULTS.strategy, metrics=None,
+                     memory=None) -> Conversation:
         """A conversation over this client: one cloud session kept across turns (use it in a `with`);
         `memory`: a SuffixMemory of earlier outputs to draft from (decoding/warm.py)."""
-        return Conversation(self, strategy, metrics, memory)
+        return Conversation(self.backend(), strategy, metrics, memory)
 
     def generate(
         self,
         prompt: str | list[int],
-        max_new_tokens: int = 128,
+        max_new_tokens: int = CLIENT_DEFAULTS.max_new_tokens,
         chat: bool = True,
-        strategy: str | Strategy = "tree",
+        strategy: str | Strategy = CLIENT_DEFAULTS.strategy,
         on_text: Callable[[str], None] | None = None,
         stop_ids: set[int] | None = None,
         sampling: SamplingConfig | None = None,

@@ -1,29 +1,28 @@
-"""What every client command shares: its options, the public-weights gate, the split-path loader, the stats table.
+"""What every client command shares: its options, the split path's start-up checks, the stats table.
 
 `add_client_options` gives generate, chat and api the same way to name a model (a local shard and a
-server, or --local-only); `connect_client` opens the split path after the cheap checks that end in one
-clear line. Choosing between that and the local-only path (whose middle runs a cloud piece in this
-process) is clients.py's job, above local/ and cloud/. Options that mirror ClientConfig, SamplingConfig
-and LookaheadConfig are derived from them (options.py). Nothing heavy is imported at module level.
+server, or --local-only); `check_servers` and `public_weights_gate` are the split path's cheap checks that
+end in one clear line. Making the client (split, or local-only with a cloud piece in this process) is
+clients.py's job (`open_client`, the one factory), above local/ and cloud/. Options that mirror ClientConfig,
+SamplingConfig and LookaheadConfig are derived from them (options.py). Nothing heavy is imported at module level.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..configfile import Repeated
-from ..errors import ConfigError, TransportError
+from ..errors import TransportError
 from ..options import Opt, Shared, add_options, config_from_args
 from ..wire.dtypes import DTYPE_NAMES
-from .auth import ClientAuth, add_client_auth_args
+from .auth import add_client_auth_args
 
 
 def in_flight_option(value: str) -> int:
     """--in-flight: 1-3 pins the blocks in flight; auto (ClientConfig's AUTO_IN_FLIGHT) lets the controller choose."""
-    from .session import AUTO_IN_FLIGHT, MAX_IN_FLIGHT
+    from .config import AUTO_IN_FLIGHT, MAX_IN_FLIGHT
 
     if value.strip().lower() == "auto":
         return AUTO_IN_FLIGHT
@@ -71,20 +70,13 @@ LOOKAHEAD_OPTIONS = (
 )
 
 
-@dataclass(frozen=True)
-class ClientOptions:
-    """The client commands' defaults beyond ClientConfig's."""
-
-    strategy: str = "tree"  # decoding strategy (decoding/strategies.py STRATEGIES); all give the same greedy output
-
-
 ALLOW_PUBLIC_HELP = "run even though the local layers are the stock public weights (the cloud can invert them)"
 
 
 def add_client_options(s: argparse.ArgumentParser) -> None:
     """The options naming a model and how to reach it; needs torch-importing modules, so call it deferred."""
     from ..decoding.strategies import STRATEGIES
-    from .session import ClientConfig
+    from .config import ClientConfig, ClientOptions
 
     s.add_argument("--shard", help="the local shard directory (OUT/local)")
     s.add_argument("--server", action=Repeated, help="ws://HOST:PORT (or wss://) of `splitinfer serve`, or of a "
@@ -124,35 +116,7 @@ def public_weights_gate(local_dir: str | Path, allow: bool) -> None:
         print(PUBLIC_WEIGHTS_WARNING, file=sys.stderr)
 
 
-def connect_client(
-    shard: str | Path | None,
-    server: str | list[str] | None,
-    config=None,
-    device: str = "cpu",
-    auth: ClientAuth = ClientAuth(),
-    allow_public_weights: bool = False,
-    handshake: bool = False,
-):
-    """A SplitClient over cloud servers (`shard` + `server`, one URL or a list), after the cheap checks that
-    end in one clear line. `handshake` opens one cloud session now, so a wrong shard or refused credentials
-    fail at start-up rather than at the first request."""
-    from ..preflight import check_handshake, check_local_memory, check_reachable
-    from .client import SplitClient
-    from .session import ClientConfig
-
-    if not shard or not server:
-        raise ConfigError("give --shard (the local shard) and --server (ws://HOST:PORT), or use --local-only.")
-    _check_servers(server, check_reachable)  # one clear line now rather than a failed connect after loading
-    check_local_memory(shard)
-    public_weights_gate(shard, allow_public_weights)
-    client = SplitClient.connect(shard, server, config or ClientConfig(), device=device, auth=auth,
-                                 allow_public_weights=allow_public_weights)
-    if handshake:
-        check_handshake(client)
-    return client
-
-
-def _check_servers(servers: str | list[str], check_reachable) -> None:
+def check_servers(servers: str | list[str], check_reachable) -> None:
     """Every URL well formed, and at least one server reachable: the others may be down for now, since
     sessions move past a server that is gone."""
     from .failover import server_list

@@ -17,22 +17,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..decoding.loop import decode
 from ..decoding.sampling import SamplingConfig, make_chooser
-from ..decoding.strategies import STRATEGIES, Strategy, make_strategy
+from ..decoding.strategies import STRATEGIES, Strategy
 from ..decoding.warm import SuffixMemory
 from ..errors import ConfigError
 from ..progress import progress, progress_enabled
 from ..telemetry import StepRecord, summarize
+from .backend import Backend, context_limit_of
+from .config import CLIENT_DEFAULTS
 from .session import SplitSession
 from .text import TextStream
-
-if TYPE_CHECKING:
-    from .client import SplitClient
 
 PROGRESS_MIN_ROWS = 2048  # prefills longer than this show a progress bar (on a terminal)
 
@@ -78,11 +76,11 @@ class Conversation:
     commands share one per process; `SplitClient.generate` and the benchmarks use none.
     """
 
-    def __init__(self, client: SplitClient, strategy: str | Strategy = "tree", metrics=None,
+    def __init__(self, backend: Backend, strategy: str | Strategy = CLIENT_DEFAULTS.strategy, metrics=None,
                  memory: SuffixMemory | None = None):
         if isinstance(strategy, str) and strategy not in STRATEGIES:
             raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-        self.client = client
+        self.backend = backend
         self.strategy = strategy
         self.metrics = metrics
         self.memory = memory
@@ -142,10 +140,10 @@ class Conversation:
         cached = self.session.length
         self.history.extend(new_ids)
         to_prefill = self.history[cached:]
-        stops = self.client.stop_ids() if stop_ids is None else stop_ids
+        stops = set(self.backend.stop_ids) if stop_ids is None else stop_ids
         strategy = self._strategy()
         first_record = len(self.session.records)
-        text = TextStream(self.client.local.tokenizer, on_text, stops, stop)
+        text = TextStream(self.backend.local.tokenizer, on_text, stops, stop)
         try:
             t0 = time.perf_counter()
             logits = self._prefill(to_prefill, strategy.prompt_logits_rows)
@@ -174,16 +172,14 @@ class Conversation:
     def _strategy(self) -> Strategy:
         if not isinstance(self.strategy, str):
             return self.strategy
-        client = self.client
-        return make_strategy(self.strategy, costs=client.step_costs, memory=self.memory,
-                             recycling_table=client.recycling_table, head=client.draft_head)
+        return self.backend.make_strategy(self.strategy, self.memory)
 
     def _check(self, new_ids: list[int], max_new_tokens: int) -> None:
         if not new_ids and not self.history:
             raise ConfigError("the prompt is empty; give at least one token.")
         if max_new_tokens < 1:
             raise ConfigError("ask for at least one new token (max_new_tokens, or max_tokens in the API).")
-        limit = self.client.local.config.to_dict().get("max_position_embeddings")  # not every architecture has one
+        limit = context_limit_of(self.backend.local)
         total = len(self.history) + len(new_ids)
         if limit is not None and total + max_new_tokens > limit:
             raise ConfigError(
@@ -192,7 +188,7 @@ class Conversation:
             )
 
     def _open(self) -> SplitSession:
-        session = SplitSession(self.client.local, self.client.make_middle(), self.client.config)
+        session = self.backend.open_session()
         if self.metrics is not None:
             self.metrics.track_session(
                 id(self), lambda: (session.length, session.head_cache.nbytes() + session.tail_cache.nbytes())
@@ -201,7 +197,7 @@ class Conversation:
 
     def _prefill(self, tokens: list[int], logits_rows: int) -> torch.Tensor:
         session = self.session
-        chunk = max(1, self.client.config.prefill_chunk)
+        chunk = max(1, session.config.prefill_chunk)
         if len(tokens) <= PROGRESS_MIN_ROWS or not progress_enabled():
             return session.prefill(tokens, logits_rows=logits_rows)
         logits = None
@@ -232,12 +228,11 @@ class Conversation:
 
     def _stats(self, records: list[StepRecord], decoded: _Decoded, strategy: Strategy, decode_s: float,
                prefill_s: float, prefilled: int, cached: int) -> dict:
-        client = self.client
         stats = summarize(records, len(decoded.tokens), decode_s=decode_s, prefill_s=prefill_s)
         stats.update(
-            mode=client.mode,
+            mode=self.backend.label,
             strategy=strategy.name,
-            wire_dtype=client.config.wire_dtype if client.mode == "split" else None,
+            wire_dtype=self.session.config.wire_dtype if self.backend.label == "split" else None,
             head_layers=self.session.head_layers,
             prefilled_tokens=prefilled,
             cached_tokens=cached,

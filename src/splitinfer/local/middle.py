@@ -27,7 +27,7 @@ from ..wire.messages import (
     Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_server_message,
 )
 from ..wire.cover import cover_probe
-from ..wire.link import DRAINING_CLOSE
+from ..wire.link import DRAINING_CLOSE, PING_INTERVAL_S, PING_TIMEOUT_S
 from ..wire.transport import StepIO
 from .auth import ClientAuth
 
@@ -71,6 +71,20 @@ class RemoteMiddle:
         # audit (privacy/metadata.py, threat T6). None: off.
         self.tap: list[tuple[str, float, int]] | None = None
 
+    @classmethod
+    def for_shard(cls, url: str, manifest: dict, hidden_size: int, wire_dtype: str = "float16",
+                  auth: ClientAuth = ClientAuth(), head_layers: int | None = None) -> "RemoteMiddle":
+        """The middle that a shard's `manifest` (local or cloud: both name the cloud shard and the split) pins:
+        the one way to build a RemoteMiddle that runs steps."""
+        cloud_layers = tuple(manifest["split"]["cloud_layers"])
+        return cls(url, manifest["cloud_fingerprint"], cloud_layers, hidden_size, wire_dtype, auth=auth,
+                   head_layers=head_layers)
+
+    @classmethod
+    def prober(cls, url: str, auth: ClientAuth = ClientAuth()) -> "RemoteMiddle":
+        """A middle that only sends probes (`probe`): it needs no shard and opens no session."""
+        return cls(url, "-", (0, 0), hidden_size=1, auth=auth)
+
     def _exchange(self, payload: bytes):
         reply = self._exchange_raw(payload)
         message = decode_server_message(reply, self.limits)
@@ -100,8 +114,8 @@ class RemoteMiddle:
                 compression=None,
                 max_size=self.max_message_bytes,
                 open_timeout=self.open_timeout_s,
-                ping_interval=20,
-                ping_timeout=60,
+                ping_interval=PING_INTERVAL_S,
+                ping_timeout=PING_TIMEOUT_S,
                 additional_headers=self.auth.headers(),
                 ssl=self.auth.ssl_context(self.url),
             )

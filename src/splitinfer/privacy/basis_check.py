@@ -46,13 +46,12 @@ def _generate(client, prompt: str, new_tokens: int):
 
 def compare(public: Path, keyed: Path, new_tokens: int = 32, prompts: tuple[str, ...] = PROMPTS) -> dict:
     from ..cloud.server import ServerThread
-    from ..inprocess import local_only_client
-    from ..local.client import SplitClient
+    from ..clients import open_client
     from ..local.session import ClientConfig
     from ..model.shards import load_cloud, load_whole_hf
 
     reference = load_whole_hf(public)
-    clients = {"public": local_only_client(public), "keyed": local_only_client(keyed)}
+    clients = {"public": open_client(local_only=True, shards=public), "keyed": open_client(local_only=True, shards=keyed)}
     records, rates, references = [], {"public": [], "keyed": []}, {}
     for prompt in prompts:
         got = {}
@@ -69,7 +68,7 @@ def compare(public: Path, keyed: Path, new_tokens: int = 32, prompts: tuple[str,
     config = ClientConfig(wire_dtype="float16")
     for name, shards in (("public", public), ("keyed", keyed)):
         with ServerThread(load_cloud(shards / "cloud")) as server:
-            client = SplitClient.connect(shards / "local", server.url, config, allow_public_weights=True)
+            client = open_client(shards / "local", server.url, config, allow_public_weights=True, checks=False)
             for record, prompt in zip(records, prompts):
                 got, _ = _generate(client, prompt, new_tokens)
                 ref = references[prompt]

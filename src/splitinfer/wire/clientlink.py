@@ -71,11 +71,16 @@ class _Flight:
     answered: bool = False
 
 
+# The defaults of the client's link, written once: ClientConfig (local/config.py) takes its own from these.
+MAX_RETRIES = 5  # reconnects per block before a loss is raised
+ROWS_PER_MESSAGE = 512  # rows per prompt chunk and per re-sent history chunk, bounded further by the server
+
+
 class ClientLink:
     """The client's side of one cloud session. See the module docstring for what it decides."""
 
-    def __init__(self, wire_dtype: str = "float16", max_retries: int = 5, replay_rows: int = 512, pad_rows: int = 0,
-                 pad_prompt_rows: int = 0, hold_ms: int = 0):
+    def __init__(self, wire_dtype: str = "float16", max_retries: int = MAX_RETRIES, replay_rows: int = ROWS_PER_MESSAGE,
+                 pad_rows: int = 0, pad_prompt_rows: int = 0, hold_ms: int = 0):
         self.wire_dtype = wire_dtype
         self.pad_rows = pad_rows  # every step and its reply padded to multiples of this many rows (padding.py); 0: off
         self.pad_prompt_rows = pad_prompt_rows  # the same for prompt chunks and replayed history; 0: as pad_rows

@@ -35,6 +35,10 @@ class Server(Enum):
 # going away, so the client opens its session elsewhere at once, without backoff (errors.Draining). In the
 # 4000-4999 range that RFC 6455 leaves to applications.
 DRAINING_CLOSE = 4001
+# WebSocket keepalive, the same on both ends: a ping every PING_INTERVAL_S, the link dropped when none is
+# answered within PING_TIMEOUT_S (a long pass on a loaded server must not look like a dead peer).
+PING_INTERVAL_S = 20
+PING_TIMEOUT_S = 60
 
 # a reply is due: only here can a loss show
 AWAITING = (Client.OPENING, Client.REPLAY_SENT, Client.BLOCK_SENT, Client.FLYING)
