@@ -1,0 +1,211 @@
+"""Synthetic shards: seeded random weights in the shape of a known config, for timing and nothing else.
+
+    splitinfer prepare --synthetic mistral-7b-v0.1 --seed 0 --out shards/synthetic-mistral-7b [--sides local]
+
+A decode step's cost depends on the shapes, the weight format and the kernels, not on the weights' values
+(DESIGN.md, "Timing needs the shape"), so a shard of random weights in the shape of Mistral-7B times the
+trusted half of the paper's configuration exactly, on a machine that has never seen its 14 GB of weights.
+Text and acceptance need the real model: a synthetic shard has no tokenizer, its manifest says
+`"synthetic": true`, and `generate`, `api` and `chat` refuse it (`refuse_synthetic`).
+
+The shards are written tensor by tensor (a 7B model in float32 is 28 GB; its local half is 4.5 GB): each
+tensor's values are windows of one seeded pool of random values at offsets drawn from the seed and the
+tensor's name (`ValuePool`), written in chunks of rows straight into a safetensors file whose header is
+computed from the shapes first, and hashed on the way. Peak memory is one chunk, whatever the model. The cloud fingerprint is a hash of the model, split, dtype,
+config and seed rather than of the cloud file, so a local shard and a cloud shard made separately (on the
+trusted machine and on a GPU host, say) with the same arguments still shake hands.
+
+Values: weight matrices (and embeddings) uniform with the config's initializer_range as standard deviation (HF's own
+initialisation scale, so activations stay finite and never denormal through every layer), norm weights
+one, biases zero. This module knows the layouts only through the HF model skeleton (the meta device).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..errors import ModelError
+from ..wire.frame import default_wire_dtype
+from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, read_manifest
+from .prepare import _clean_config, _owners
+from .stack import config_from_dict, skeleton
+
+SIDES = ("local", "cloud")
+CHUNK_ELEMENTS = 1 << 24  # values generated and written at a time (64 MiB of float32)
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def synthetic_config(name_or_path: str) -> tuple[str, dict]:
+    """(label, config dict) for a name `bench plan` knows or a config.json path; fields starting with '_'
+    (the packaged configs' provenance notes) left out."""
+    from ..bench.plan import load_config  # the one list of packaged configs
+
+    label, data = load_config(name_or_path)
+    return label, {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def tensor_layout(config) -> dict[str, tuple[int, ...]]:
+    """{state-dict key: shape} of the whole model, from the meta-device skeleton (no storage)."""
+    model = skeleton(config)
+    shapes = {key: tuple(t.shape) for key, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)  # the embedding's; re-tied on load, as prepare leaves it out
+    return shapes
+
+
+class ValuePool:
+    """2^24 seeded uniform values in (-b, b), b = std * sqrt(3) (standard deviation `std`). A tensor's values
+    are windows of the pool at offsets drawn from the seed and the tensor's name: random-looking, different
+    in every tensor, and as fast to write as a copy (a generator per value ran at ~20 ns a value here, minutes
+    for a 7B cloud shard; a step's cost does not depend on the values)."""
+
+    size = CHUNK_ELEMENTS
+
+    def __init__(self, seed: int, std: float):
+        self.seed = seed
+        bound = std * 3**0.5
+        generator = torch.Generator().manual_seed(seed)
+        self.values = torch.empty(self.size).uniform_(-bound, bound, generator=generator)
+
+    def window(self, key: str, index: int, n: int) -> torch.Tensor:
+        """n values (n <= size) for chunk `index` of tensor `key`, float32."""
+        # crc32: stable across processes and Python versions (hash() is salted per process)
+        offset = zlib.crc32(f"{self.seed}/{key}/{index}".encode()) % self.size
+        end = offset + n
+        if end <= self.size:
+            return self.values[offset:end]
+        return torch.cat((self.values[offset:], self.values[: end - self.size]))
+
+
+def tensor_chunks(key: str, shape: tuple[int, ...], dtype: torch.dtype, pool: ValuePool):
+    """The tensor's values in `dtype`, as contiguous 1-D chunks of whole rows (first dimension), in order:
+    norm weights one, biases zero, everything else windows of the pool."""
+    rows = shape[0] if shape else 1
+    width = max(1, int(torch.Size(shape[1:]).numel())) if shape else 1
+    is_norm = len(shape) == 1 and "norm" in key
+    is_bias = key.endswith(".bias")
+    step = max(1, pool.size // width)
+    for index, start in enumerate(range(0, rows, step)):
+        n = min(step, rows - start) * width
+        if is_norm:
+            chunk = torch.ones(n)
+        elif is_bias:
+            chunk = torch.zeros(n)
+        else:
+            chunk = pool.window(key, index, n)
+        yield chunk.to(dtype)
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, pool: ValuePool) -> str:
+    """Write the tensors of `shapes` to a safetensors file chunk by chunk; its sha256."""
+    item = torch.empty((), dtype=dtype).element_size()
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key in sorted(shapes):
+        size = int(torch.Size(shapes[key]).numel()) * item
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shapes[key]), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for part in (struct.pack("<Q", len(text)), text):
+            f.write(part)
+            digest.update(part)
+        for key in sorted(shapes):
+            for chunk in tensor_chunks(key, shapes[key], dtype, pool):
+                data = chunk.view(torch.uint8).numpy()
+                f.write(data)
+                digest.update(data)
+    return digest.hexdigest()
+
+
+def prepare_synthetic(
+    name_or_path: str,
+    out: str | Path,
+    seed: int = 0,
+    head_layers: int = 2,
+    tail_layers: int = 2,
+    dtype: str = "float32",
+    cloud_dtype: str | None = None,
+    sides: tuple[str, ...] = SIDES,
+    split_range: tuple[int, int] | None = None,
+) -> Path:
+    """Write OUT/local and/or OUT/cloud with seeded random weights in the shape of the config. Returns OUT.
+
+    dtype: the local shard's weights (and the cloud's unless cloud_dtype); sides: which shards to write."""
+    cloud_dtype = cloud_dtype or dtype
+    for name in (dtype, cloud_dtype):
+        if name not in DTYPES:
+            raise ModelError(f"synthetic shards are written in {', '.join(DTYPES)}, not {name!r}.")
+    if not sides or any(s not in SIDES for s in sides):
+        raise ModelError(f"--sides takes local, cloud or both (local,cloud); got {','.join(sides) or 'none'}.")
+    label, data = synthetic_config(name_or_path)
+    config = config_from_dict(data)
+    layers = config.num_hidden_layers
+    split = (Split(layers, split_range[0], tail_layers, head_max=split_range[1]) if split_range
+             else Split(layers, head_layers, tail_layers))
+    shapes = tensor_layout(config)
+    parts: dict[str, dict] = {side: {} for side in SIDES}
+    for key, shape in shapes.items():
+        for owner in _owners(key, split):
+            parts[owner][key] = shape
+    config_text = json.dumps(_clean_config(config), indent=2, sort_keys=True)
+    config_sha = hashlib.sha256(config_text.encode()).hexdigest()
+    model_id = f"synthetic/{label}"
+    source = {"config": label, "seed": seed, "config_sha256": config_sha}
+    # Not over the cloud file: made the same way, a local and a cloud shard match wherever each was written.
+    cloud_fp = fingerprint(model_id, split, cloud_dtype, {"config.json": config_sha, "synthetic_seed": str(seed)})
+    pool = ValuePool(seed, float(getattr(config, "initializer_range", 0.02) or 0.02))
+    out = Path(out)
+    for side in sides:
+        side_dtype = dtype if side == "local" else cloud_dtype
+        directory = out / side
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(config_text)
+        weights_sha = write_safetensors(directory / WEIGHTS, parts[side], DTYPES[side_dtype], pool)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "role": side,
+            "model_id": model_id,
+            "architecture": (config.architectures or [type(skeleton(config)).__name__])[0],
+            "model_type": config.model_type,
+            "hidden_size": config.hidden_size,
+            "split": split.as_dict(),
+            "dtype": side_dtype,
+            "wire_dtype": default_wire_dtype(config.model_type),
+            "files": {WEIGHTS: weights_sha, "config.json": config_sha},
+            "cloud_fingerprint": cloud_fp,
+            "has_tokenizer": False,
+            "synthetic": True,  # random weights: for timing only (module docstring)
+            "synthetic_source": source,
+            "created_by": f"splitinfer {__version__}",
+        }
+        (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return out
+
+
+def is_synthetic(manifest: dict) -> bool:
+    return bool(manifest.get("synthetic"))
+
+
+def refuse_synthetic(local_shard: str | Path | None, command: str) -> None:
+    """Raise when `local_shard` (a local shard directory) holds synthetic weights: their text is noise."""
+    if local_shard is None or not (Path(local_shard) / "manifest.json").is_file():
+        return
+    manifest = read_manifest(Path(local_shard), "local")
+    if is_synthetic(manifest):
+        source = manifest.get("synthetic_source", {})
+        raise ModelError(
+            f"{local_shard} holds synthetic weights (random, in the shape of {source.get('config', '?')}, seed "
+            f"{source.get('seed', '?')}): they time a step but generate noise, so `splitinfer {command}` refuses them. "
+            "Use them with `splitinfer bench step` or `bench batch`; prepare a real model for text."
+        )
