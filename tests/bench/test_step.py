@@ -57,3 +57,22 @@ def test_generations_compare_local_only_with_transformers_greedy(tmp_path):
     client = local_only_client(shards, drafter="off")
     out = step.generations(client, load_whole_hf(shards), {"a": [1, 5, 7], "b": [3, 3]}, 6, 1, log=lambda _: None)
     assert out["identical"] == "2 of 2" and len(out["runs"]) == 2 and out["ratio"] > 0
+
+
+def test_one_side_of_a_synthetic_shard(tmp_path):
+    """A synthetic shard (random weights in a config's shape) is timed like a model's; only the shards of the
+    sides asked for are loaded, so a shard directory may hold one side."""
+    from splitinfer.model.synthetic import prepare_synthetic
+    from tiny import COMMON
+
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model_type": "llama", **COMMON}))
+    shards = prepare_synthetic(str(config), tmp_path / "s", seed=0, sides=("local",))
+    run = StepBenchConfig(rows=(1, 4), contexts=(8,), repeats=1, cpu=-1, sides=("local",), dtype="bfloat16")
+    report = step.run_step_bench(shards, tmp_path / "out", run, log=lambda _: None)
+    assert {r["side"] for r in report["rows"]} == {"local"} and report["dtype"] == "bfloat16"
+    assert report["synthetic"]["config"] == "cfg" and "Synthetic weights" in (tmp_path / "out" / "step.md").read_text()
+    cloud = prepare_synthetic(str(config), tmp_path / "c", seed=0, sides=("cloud",))  # no local shard: random inputs
+    sides = step.build_sides(cloud, (5,), (3,), sides=("cloud",))
+    assert [s.name for s in sides] == ["cloud"]
+    torch.testing.assert_close(sides[0].ours(3, sides[0].block(3)), sides[0].anchor(3, sides[0].block(3)), rtol=1e-4, atol=1e-4)

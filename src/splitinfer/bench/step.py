@@ -68,6 +68,7 @@ class StepBenchConfig:
     e2e_prompts: int = 0  # whole generations: local-only vs transformers greedy on this many prompts (0 = off)
     e2e_tokens: int = 64
     e2e_max_ratio: float = 0.0  # guard on the generations' ms per token; 0 = off
+    sides: tuple[str, ...] = ("cloud", "local")  # the sides timed; a shard directory may hold only these
 
 
 # -- the two implementations of a side -----------------------------------------------------------------
@@ -179,22 +180,32 @@ class Side:
         return weights + sum(s.kv_bytes_per_token() for s in self.stacks) * self.context
 
 
-def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], dtype: str | None = None) -> list[Side]:
-    local = load_local(shards / "local", dtype=dtype, verify=False)
-    cloud = load_cloud(shards / "cloud", dtype=dtype, verify=False)
-    embedded, activations = real_inputs(local, max(contexts) + max(rows))
-    sides = []
+def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], dtype: str | None = None,
+                sides: tuple[str, ...] = ("cloud", "local")) -> list[Side]:
+    """Only the shards of `sides` are loaded (a 7B cloud half need not fit beside the local one). The cloud
+    side's inputs are the local head's output where the local shard is there, else seeded random rows."""
+    n = max(contexts) + max(rows)
+    local = load_local(shards / "local", dtype=dtype, verify=False) if (shards / "local").is_dir() else None
+    cloud = load_cloud(shards / "cloud", dtype=dtype, verify=False) if "cloud" in sides else None
+    if local is not None:
+        embedded, activations = real_inputs(local, n, head="cloud" in sides)
+    else:
+        d, param = cloud.config.hidden_size, next(cloud.stack.parameters())
+        activations = torch.randn(1, n, d, generator=torch.Generator().manual_seed(0)).to(param.dtype)
+    built = []
     for context in contexts:
-        sides.append(Side("cloud", [cloud.stack], None, context, activations))
-        sides.append(Side("local", [local.head, local.tail], (local.norm, local.lm_head), context, embedded))
-    return sides
+        if "cloud" in sides:
+            built.append(Side("cloud", [cloud.stack], None, context, activations))
+        if "local" in sides:
+            built.append(Side("local", [local.head, local.tail], (local.norm, local.lm_head), context, embedded))
+    return built
 
 
 @torch.inference_mode()
-def real_inputs(local: LocalHalf, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def real_inputs(local: LocalHalf, n: int, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token embeddings [1, n, d] of the benchmark prompts' text, and the local head's output for them (what
     the cloud receives): real activations, as a step sees them. Without a tokenizer (test models), seeded
-    random ids."""
+    random ids. head=False: the embeddings only (no cloud side to feed)."""
     from .runtime import load_prompts
 
     if local.tokenizer is not None:
@@ -204,9 +215,10 @@ def real_inputs(local: LocalHalf, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         ids = torch.randint(0, local.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     embedded = local.embed(torch.tensor([ids]))
-    head = local.head
-    out = head(embedded, torch.arange(n), np.tril(np.ones((n, n), dtype=bool)), head.new_cache())
-    return embedded, out
+    if not head:
+        return embedded, None
+    stack = local.head
+    return embedded, stack(embedded, torch.arange(n), np.tril(np.ones((n, n), dtype=bool)), stack.new_cache())
 
 
 # -- measuring -----------------------------------------------------------------------------------------
@@ -319,7 +331,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
     torch.set_num_threads(config.threads)
     gbps = bandwidth_gbps()
     log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
-    sides = build_sides(shards, config.contexts, config.rows, config.dtype)
+    sides = build_sides(shards, config.contexts, config.rows, config.dtype, config.sides)
     peak = product_gflops(sides[0].dtype)
     log(f"product peak, one thread: {peak:.1f} GFLOP/s ({str(sides[0].dtype).removeprefix('torch.')})")
     times = time_configs(sides, config.rows, config.repeats)
@@ -346,11 +358,22 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(), "config": asdict(config),
         "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2),
         "product_peak_gflops": round(peak, 1), "rows": rows,
+        "synthetic": synthetic_source(shards),  # random weights in a config's shape (model/synthetic.py), or None
     }
     if config.e2e_prompts:
         report["e2e"] = e2e(shards, config, log)
     report["guard"] = guard(report, config)
     return report
+
+
+def synthetic_source(shards: Path) -> dict | None:
+    """What a synthetic shard was made from (config name, seed), None for a real model's shards."""
+    for side in ("local", "cloud"):
+        path = shards / side / "manifest.json"
+        if path.is_file():
+            manifest = json.loads(path.read_text())
+            return manifest.get("synthetic_source") if manifest.get("synthetic") else None
+    return None
 
 
 def guard(report: dict, config: StepBenchConfig) -> dict:
@@ -369,6 +392,9 @@ def guard(report: dict, config: StepBenchConfig) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"# One decode step: splitinfer against plain transformers ({report['dtype']})", "",
              f"`{report['command']}`", "",
+             *([f"Synthetic weights: seeded random values in the shape of {report['synthetic']['config']} (seed "
+                f"{report['synthetic']['seed']}); a step's cost depends on the shapes, not the values.", ""]
+               if report.get("synthetic") else []),
              f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}), {report['config']['threads']} thread(s) pinned to "
              f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s and product peak "
              f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product). Medians of "
