@@ -1,0 +1,148 @@
+"""The trusted half of the paper's configuration on this CPU: `bench step` on a synthetic 7B-shaped local shard.
+
+    python scripts/bench_trusted_half.py --out notes/bench/trusted-7b          # the whole measurement
+    python scripts/bench_trusted_half.py --out notes/bench/trusted-7b --report-only
+    python scripts/bench_trusted_half.py --config tiny.json --out /tmp/t --rows 1,4 --contexts 8 --repeats 1
+
+Makes the local shard once (`prepare --synthetic CONFIG --sides local`: embedding, 2 + 2 layers, final norm,
+LM head; 4.5 GB in float32 for mistral-7b-v0.1, under --shards, which should be gitignored or /tmp), then
+runs `splitinfer bench step --sides local` once per weight format and thread count, each in its own process
+(one thread pinned to core 0; two threads unpinned), and writes OUT/<format>-<threads>t/step.{json,md,png}
+and, over all of them, OUT/trusted-half.json, OUT/trusted-half.md and OUT/trusted-half.png: ms a step against
+rows, beside the bytes bound (the side's weights plus the cached keys/values it reads, over the bandwidth
+measured in the same process with the same threads).
+
+Nothing else should run on the machine meanwhile. On the project's 2-core CPU the default sweep (float32 and
+bfloat16, 1 and 2 threads, rows 1-64, contexts 64 and 2048, 3 repetitions) is estimated at 7-9 minutes:
+~2 of them prefilling the 2,048-token contexts in float32, the rest ~24 steps a repetition of 0.2-1.2 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from splitinfer.tables import table  # noqa: E402
+
+FORMATS = ("float32", "bfloat16")  # every weight format `bench step --dtype` takes today
+
+
+def run(argv: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    print("+ splitinfer " + " ".join(argv), file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "splitinfer", *argv], check=True, env=env)
+
+
+def measure(args) -> None:
+    shards = Path(args.shards)
+    if not (shards / "local" / "manifest.json").is_file():
+        run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "local", "--out", str(shards),
+             "--head-layers", "2", "--tail-layers", "2", "--dtype", "float32"])
+    for fmt in args.formats.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            run(["bench", "step", "--shards", str(shards), "--sides", "local", "--out", str(Path(args.out) / f"{fmt}-{threads}t"),
+                 "--rows", args.rows, "--contexts", args.contexts, "--dtype", fmt, "--threads", str(threads),
+                 "--cpu", "0" if threads == 1 else "-1", "--repeats", str(args.repeats)])
+
+
+def combine(out: Path) -> dict:
+    """One table over every run under OUT: a row per format, threads, context and block rows."""
+    runs, rows = [], []
+    for path in sorted(out.glob("*/step.json")):
+        report = json.loads(path.read_text())
+        threads = report["config"]["threads"]
+        command = "splitinfer " + report["command"].split("__main__.py ", 1)[1] if "__main__.py " in report["command"] \
+            else report["command"]  # run() starts `python -m splitinfer`
+        runs.append({"run": path.parent.name, "command": command, "dtype": report["dtype"], "threads": threads,
+                     "bandwidth_gbps": report["bandwidth_gbps"], "product_peak_gflops": report["product_peak_gflops"],
+                     "synthetic": report.get("synthetic")})
+        for r in report["rows"]:
+            rows.append({"format": report["dtype"], "threads": threads, "context": r["context"], "rows": r["rows"],
+                         "splitinfer_ms": r["splitinfer_ms"], "transformers_ms": r["transformers_ms"],
+                         "bound_ms": r["bound_ms"], "compute_bound_ms": r["compute_bound_ms"],
+                         "bandwidth_gbps": report["bandwidth_gbps"],
+                         "over_bound": round(r["splitinfer_ms"] / r["bound_ms"], 2) if r["bound_ms"] else None})
+    return {"runs": runs, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    synthetic = next((r["synthetic"] for r in result["runs"] if r["synthetic"]), None)
+    what = (f"synthetic weights in the shape of {synthetic['config']} (seed {synthetic['seed']})" if synthetic
+            else "the shards' own weights")
+    lines = [f"# The trusted half on this CPU ({what})", "",
+             "Local side only: embedding lookup, head and tail layers, final norm and the LM head over every row. "
+             "Medians of ms a step (`bench step`); bound: the side's weights plus the cached keys/values it reads, "
+             "over the bandwidth measured in the same process with the same threads. One thread: pinned to core 0; "
+             "two threads: unpinned.", "", "Runs:", ""]
+    lines += [f"- `{r['run']}`: `{r['command']}` ({r['bandwidth_gbps']} GB/s, product peak {r['product_peak_gflops']} "
+              "GFLOP/s)" for r in result["runs"]]
+    body = [[r["format"], r["threads"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], r["bound_ms"],
+             f"{r['over_bound']}x", r["compute_bound_ms"]] for r in result["rows"]]
+    lines += ["", *table(["format", "threads", "context", "rows", "splitinfer ms", "transformers ms", "bytes bound ms",
+                          "over the bound", "compute bound ms"], body)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    contexts = sorted({r["context"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 3.8), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        for key in sorted({(r["format"], r["threads"]) for r in result["rows"]}):
+            rs = [r for r in result["rows"] if r["context"] == context and (r["format"], r["threads"]) == key]
+            line, = ax.plot([r["rows"] for r in rs], [r["splitinfer_ms"] for r in rs], marker="o",
+                            label=f"{key[0]}, {key[1]} thread(s)")
+            ax.plot([r["rows"] for r in rs], [r["bound_ms"] for r in rs], linestyle=":", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"trusted half, context {context} (dotted: bytes bound)")
+        ax.set_xlabel("block rows")
+        ax.set_ylabel("ms per step")
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="directory for the runs and trusted-half.{json,md,png}")
+    parser.add_argument("--config", default="mistral-7b-v0.1", help="a name `bench plan` knows, or a config.json")
+    parser.add_argument("--shards", help="where the synthetic local shard is made once (default shards/synthetic-CONFIG)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weight formats")
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--rows", default="1,4,8,16,32,64")
+    parser.add_argument("--contexts", default="64,2048")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--report-only", action="store_true", help="rebuild the combined table from the stored runs")
+    args = parser.parse_args()
+    args.shards = args.shards or str(ROOT / "shards" / f"synthetic-{Path(args.config).stem}")
+    out = Path(args.out)
+    started = time.monotonic()
+    if not args.report_only:
+        measure(args)
+    result = {"command": "python scripts/bench_trusted_half.py " + " ".join(sys.argv[1:]), **combine(out)}
+    if not args.report_only:
+        result["elapsed_s"] = round(time.monotonic() - started, 1)
+    (out / "trusted-half.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "trusted-half.md").write_text(markdown(result))
+    plot(result, out / "trusted-half.png")
+    print(f"wrote {out}/trusted-half.json, .md, .png ({result.get('elapsed_s', 0)} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
