@@ -41,20 +41,36 @@ def run(argv: list[str]) -> None:
     subprocess.run([sys.executable, "-m", "splitinfer", *argv], check=True, env=env)
 
 
+def model_layers(config: str) -> int:
+    from splitinfer.model.synthetic import synthetic_config
+
+    return int(synthetic_config(config)[1]["num_hidden_layers"])
+
+
 def measure(args) -> None:
     shards = Path(args.shards)
     if not (shards / "local" / "manifest.json").is_file():
         run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "local", "--out", str(shards),
              "--head-layers", "2", "--tail-layers", "2", "--dtype", "float32"])
-    for fmt in args.formats.split(","):
+    steps = [("local", shards, fmt) for fmt in args.formats.split(",")]
+    if args.cloud_layers:  # a few of the cloud's layers in bfloat16: the whole cloud half does not fit in memory
+        cloud = Path(f"{shards}-cloud{args.cloud_layers}")
+        if not (cloud / "cloud" / "manifest.json").is_file():
+            tail = model_layers(args.config) - 2 - args.cloud_layers
+            run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "cloud", "--out", str(cloud),
+                 "--head-layers", "2", "--tail-layers", str(tail), "--dtype", "bfloat16"])
+        steps.append(("cloud", cloud, "bfloat16"))
+    for side, directory, fmt in steps:
         for threads in (int(t) for t in args.threads.split(",")):
-            run(["bench", "step", "--shards", str(shards), "--sides", "local", "--out", str(Path(args.out) / f"{fmt}-{threads}t"),
+            name = f"{fmt}-{threads}t" if side == "local" else f"cloud-{fmt}-{threads}t"
+            run(["bench", "step", "--shards", str(directory), "--sides", side, "--out", str(Path(args.out) / name),
                  "--rows", args.rows, "--contexts", args.contexts, "--dtype", fmt, "--threads", str(threads),
                  "--cpu", "0" if threads == 1 else "-1", "--repeats", str(args.repeats)])
 
 
-def combine(out: Path) -> dict:
-    """One table over every run under OUT: a row per format, threads, context and block rows."""
+def combine(out: Path, cloud_layers: int | None = None) -> dict:
+    """One table over every run under OUT: a row per side, format, threads, context and block rows. Cloud rows
+    measured on a few layers are also scaled to `cloud_layers` (per-layer cost times layers; labelled)."""
     runs, rows = [], []
     for path in sorted(out.glob("*/step.json")):
         report = json.loads(path.read_text())
@@ -65,7 +81,10 @@ def combine(out: Path) -> dict:
                      "bandwidth_gbps": report["bandwidth_gbps"], "product_peak_gflops": report["product_peak_gflops"],
                      "synthetic": report.get("synthetic")})
         for r in report["rows"]:
-            rows.append({"format": report["dtype"], "threads": threads, "context": r["context"], "rows": r["rows"],
+            scale = cloud_layers / r["layers"] if r["side"] == "cloud" and cloud_layers and r.get("layers") else None
+            rows.append({"side": r["side"], "layers": r.get("layers"), "format": report["dtype"], "threads": threads,
+                         "context": r["context"], "rows": r["rows"],
+                         "scaled_to_side_ms": round(r["splitinfer_ms"] * scale, 1) if scale else None,
                          "splitinfer_ms": r["splitinfer_ms"], "transformers_ms": r["transformers_ms"],
                          "bound_ms": r["bound_ms"], "compute_bound_ms": r["compute_bound_ms"],
                          "bandwidth_gbps": report["bandwidth_gbps"],
@@ -78,16 +97,20 @@ def markdown(result: dict) -> str:
     what = (f"synthetic weights in the shape of {synthetic['config']} (seed {synthetic['seed']})" if synthetic
             else "the shards' own weights")
     lines = [f"# The trusted half on this CPU ({what})", "",
-             "Local side only: embedding lookup, head and tail layers, final norm and the LM head over every row. "
+             "Local side: embedding lookup, head and tail layers, final norm and the LM head over every row; cloud "
+             "side (with --cloud-layers N): N of the cloud's layers in bfloat16 on this CPU, a CPU figure, scaled to all "
+             "of the cloud's layers by per-layer cost (the whole cloud half does not fit in this machine's memory). "
              "Medians of ms a step (`bench step`); bound: the side's weights plus the cached keys/values it reads, "
              "over the bandwidth measured in the same process with the same threads. One thread: pinned to core 0; "
              "two threads: unpinned.", "", "Runs:", ""]
     lines += [f"- `{r['run']}`: `{r['command']}` ({r['bandwidth_gbps']} GB/s, product peak {r['product_peak_gflops']} "
               "GFLOP/s)" for r in result["runs"]]
-    body = [[r["format"], r["threads"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], r["bound_ms"],
-             f"{r['over_bound']}x", r["compute_bound_ms"]] for r in result["rows"]]
-    lines += ["", *table(["format", "threads", "context", "rows", "splitinfer ms", "transformers ms", "bytes bound ms",
-                          "over the bound", "compute bound ms"], body)]
+    body = [[r["side"], r["layers"], r["format"], r["threads"], r["context"], r["rows"], r["splitinfer_ms"],
+             r["transformers_ms"], r["bound_ms"], f"{r['over_bound']}x", r["compute_bound_ms"],
+             r["scaled_to_side_ms"] if r["scaled_to_side_ms"] is not None else "-"] for r in result["rows"]]
+    lines += ["", *table(["side", "layers", "format", "threads", "context", "rows", "splitinfer ms", "transformers ms",
+                          "bytes bound ms", "over the bound", "compute bound ms",
+                          "cloud: scaled to all its layers ms (a CPU figure)"], body)]
     return "\n".join(lines) + "\n"
 
 
@@ -102,8 +125,9 @@ def plot(result: dict, path: Path) -> None:
     contexts = sorted({r["context"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 3.8), squeeze=False)
     for ax, context in zip(axes[0], contexts):
-        for key in sorted({(r["format"], r["threads"]) for r in result["rows"]}):
-            rs = [r for r in result["rows"] if r["context"] == context and (r["format"], r["threads"]) == key]
+        local = [r for r in result["rows"] if r["side"] == "local"]
+        for key in sorted({(r["format"], r["threads"]) for r in local}):
+            rs = [r for r in local if r["context"] == context and (r["format"], r["threads"]) == key]
             line, = ax.plot([r["rows"] for r in rs], [r["splitinfer_ms"] for r in rs], marker="o",
                             label=f"{key[0]}, {key[1]} thread(s)")
             ax.plot([r["rows"] for r in rs], [r["bound_ms"] for r in rs], linestyle=":", color=line.get_color())
@@ -128,6 +152,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,32,64")
     parser.add_argument("--contexts", default="64,2048")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cloud-layers", type=int, default=0,
+                        help="also time this many of the cloud's layers in bfloat16 (a second synthetic shard), scaled "
+                             "to all of them; 0: the trusted half only")
     parser.add_argument("--report-only", action="store_true", help="rebuild the combined table from the stored runs")
     args = parser.parse_args()
     args.shards = args.shards or str(ROOT / "shards" / f"synthetic-{Path(args.config).stem}")
@@ -135,7 +162,8 @@ def main() -> None:
     started = time.monotonic()
     if not args.report_only:
         measure(args)
-    result = {"command": "python scripts/bench_trusted_half.py " + " ".join(sys.argv[1:]), **combine(out)}
+    cloud_layers = model_layers(args.config) - 4  # the cloud's share of the 2 + 2 split
+    result = {"command": "python scripts/bench_trusted_half.py " + " ".join(sys.argv[1:]), **combine(out, cloud_layers)}
     if not args.report_only:
         result["elapsed_s"] = round(time.monotonic() - started, 1)
     (out / "trusted-half.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -73,6 +73,7 @@ def trusted_variants(args, sizing: dict, context: float) -> list[dict]:
     fastest one scaled to a laptop by bandwidth; without a measurement, the bytes bound per format."""
     if args.trusted:
         data = json.loads(Path(args.trusted).read_text())
+        data["rows"] = [r for r in data["rows"] if r.get("side", "local") == "local"]  # cloud rows: a CPU's cloud
         variants = []
         for fmt in sorted({r["format"] for r in data["rows"]}):
             threads = min({r["threads"] for r in data["rows"] if r["format"] == fmt},

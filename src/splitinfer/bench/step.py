@@ -342,7 +342,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
             anchor = statistics.median(times[(i, q, "anchor")])
             shares = breakdown(side, q)
             rows.append({
-                "side": side.name, "context": side.context, "rows": q,
+                "side": side.name, "context": side.context, "rows": q, "layers": sum(len(s.layers) for s in side.stacks),
                 "splitinfer_ms": round(ours, 2), "transformers_ms": round(anchor, 2), "ratio": round(ours / anchor, 3),
                 "bound_ms": round(side.streamed_bytes() / gbps / 1e6, 2),
                 "compute_bound_ms": float(f"{side.product_flops(q) / peak / 1e6:.4g}"),
