@@ -12,9 +12,15 @@ and, over all of them, OUT/trusted-half.json, OUT/trusted-half.md and OUT/truste
 rows, beside the bytes bound (the side's weights plus the cached keys/values it reads, over the bandwidth
 measured in the same process with the same threads).
 
-Nothing else should run on the machine meanwhile. On the project's 2-core CPU the default sweep (float32 and
-bfloat16, 1 and 2 threads, rows 1-64, contexts 64 and 2048, 3 repetitions) is estimated at 7-9 minutes:
-~2 of them prefilling the 2,048-token contexts in float32, the rest ~24 steps a repetition of 0.2-1.2 s.
+`--cloud-layers 4` adds the cloud side as a CPU figure: 4 of its 28 layers in bfloat16 (a second synthetic
+shard, 1.75 GB; the whole cloud half, 12.2 GB in bfloat16, does not fit beside its loading copy in 24 GiB),
+scaled to all 28 by per-layer cost; `--formats '' --cloud-layers 4` runs that part alone into the same OUT.
+
+Nothing else should run on the machine meanwhile. Estimated on the project's 2-core CPU (from a smoke run of
+the 7B shard: 36 s to make it, ~30 s to load it, 0.32 / 0.41 s a float32 step at 1 / 4 rows, 9.3 GB resident):
+the default sweep (float32 and bfloat16, 1 and 2 threads, rows 1-64, contexts 64 and 2048, 3 repetitions)
+about 9-10 minutes, ~4 of them float32 on one thread (its 2,048-token contexts prefilled twice, ~100 s);
+`--cloud-layers 4` alone about 2-3 minutes more. `--repeats 2` saves about a minute.
 """
 
 from __future__ import annotations
@@ -49,10 +55,10 @@ def model_layers(config: str) -> int:
 
 def measure(args) -> None:
     shards = Path(args.shards)
-    if not (shards / "local" / "manifest.json").is_file():
+    if args.formats and not (shards / "local" / "manifest.json").is_file():
         run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "local", "--out", str(shards),
              "--head-layers", "2", "--tail-layers", "2", "--dtype", "float32"])
-    steps = [("local", shards, fmt) for fmt in args.formats.split(",")]
+    steps = [("local", shards, fmt) for fmt in args.formats.split(",") if fmt]  # '': the cloud layers only
     if args.cloud_layers:  # a few of the cloud's layers in bfloat16: the whole cloud half does not fit in memory
         cloud = Path(f"{shards}-cloud{args.cloud_layers}")
         if not (cloud / "cloud" / "manifest.json").is_file():
