@@ -148,6 +148,28 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+DOC_MARKERS = ("<!-- trusted-half:start -->", "<!-- trusted-half:end -->")
+
+
+def update_docs(docs: Path, out: Path, result: dict) -> None:
+    """Put the 7B step table (one thread, float32 and bfloat16 beside their bounds) and the plot between the
+    markers of `docs`."""
+    start, end = DOC_MARKERS
+    text = docs.read_text()
+    if start not in text or end not in text:
+        raise SystemExit(f"{docs} has no {start} ... {end} markers")
+    rel = os.path.relpath(out, docs.parent)
+    local = [r for r in result["rows"] if r["side"] == "local"]
+    body = [[r["format"], r["threads"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], r["bound_ms"],
+             f"{r['over_bound']}x"] for r in local]
+    block = [f"Stored run: [{rel}/trusted-half.md]({rel}/trusted-half.md) (`{result['command']}`; every run's "
+             "command, bandwidth and the cloud layers, where measured, are there).", "",
+             *table(["format", "threads", "context", "rows", "splitinfer ms", "transformers ms", "bytes bound ms",
+                     "over the bound"], body), "", f"![the trusted half's step against rows]({rel}/trusted-half.png)"]
+    head, rest = text.split(start, 1)
+    docs.write_text(head + start + "\n" + "\n".join(block) + "\n" + end + rest.split(end, 1)[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for the runs and trusted-half.{json,md,png}")
@@ -162,6 +184,8 @@ def main() -> None:
                         help="also time this many of the cloud's layers in bfloat16 (a second synthetic shard), scaled "
                              "to all of them; 0: the trusted half only")
     parser.add_argument("--report-only", action="store_true", help="rebuild the combined table from the stored runs")
+    parser.add_argument("--docs", help="also put the table and plot between the trusted-half markers of this file "
+                                       "(docs/benchmarks.md)")
     args = parser.parse_args()
     args.shards = args.shards or str(ROOT / "shards" / f"synthetic-{Path(args.config).stem}")
     out = Path(args.out)
@@ -172,9 +196,14 @@ def main() -> None:
     result = {"command": "python scripts/bench_trusted_half.py " + " ".join(sys.argv[1:]), **combine(out, cloud_layers)}
     if not args.report_only:
         result["elapsed_s"] = round(time.monotonic() - started, 1)
+    elif (out / "trusted-half.json").is_file():  # the command that measured, not the one that re-tabled
+        stored = json.loads((out / "trusted-half.json").read_text())
+        result.update({k: stored[k] for k in ("command", "elapsed_s") if k in stored})
     (out / "trusted-half.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "trusted-half.md").write_text(markdown(result))
     plot(result, out / "trusted-half.png")
+    if args.docs:
+        update_docs(Path(args.docs), out, result)
     print(f"wrote {out}/trusted-half.json, .md, .png ({result.get('elapsed_s', 0)} s)", file=sys.stderr)
 
 
