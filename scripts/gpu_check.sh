@@ -21,7 +21,9 @@
 #               beside its bytes bound at the measured copy bandwidth      -> device-step.json
 #   batch       bench batch on DEVICE: SESSIONS one-row sessions batched vs one at a time   -> batch.json
 #   split       serve on DEVICE behind an emulated RTT_MS round trip, the trusted half on this host's CPU
-#               (LOCAL_THREADS threads), sequential and tree on token ids, checked identical -> split.json
+#               (LOCAL_THREADS threads), sequential and tree on token ids, checked identical: the cloud in
+#               SPLIT_DTYPE (float32, from the bfloat16 shard) and a float32 wire, since bfloat16 kernels
+#               round blocks of different rows differently (bench/splitcheck.py says why) -> split.json
 # OUT_DIR then holds summary.json (steps, device, travelling size), device-step.json, batch.json, split.json
 # and check.log: five files, no folders. It exits non-zero naming any step that failed or could not run.
 #
@@ -31,7 +33,7 @@
 # Knobs (environment): DEVICE (cuda), CONFIG (mistral-7b-v0.1), SHARDS (/tmp/gpu-check-shards), PYTHON
 # (python3), WHEELS (.gpu-wheels), LOCAL_DTYPE (float32), CLOUD_DTYPE (bfloat16), ROWS (1,2,4,8,16,32,64),
 # CONTEXTS (64,2048), SESSIONS (1,4,16,64), REPEATS (20), RTT_MS (80), PROMPTS (3), MAX_NEW_TOKENS (32),
-# LOCAL_THREADS (8), LIMIT_SCALE (1).
+# LOCAL_THREADS (8), SPLIT_DTYPE (float32), LIMIT_SCALE (1).
 set -u -o pipefail
 
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -51,6 +53,7 @@ RTT_MS=${RTT_MS:-80}
 PROMPTS=${PROMPTS:-3}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-32}
 LOCAL_THREADS=${LOCAL_THREADS:-8}
+SPLIT_DTYPE=${SPLIT_DTYPE:-float32}
 LIMIT_SCALE=${LIMIT_SCALE:-1}
 SITE=/tmp/gpu-check-site
 mkdir -p "$OUT"
@@ -104,7 +107,7 @@ step batch 240 "${SPLITINFER[@]}" bench batch --shards "$SHARDS" --out "$SCRATCH
     && cp "$SCRATCH/batch/batching.json" "$OUT/batch.json"
 
 # split: the cloud on DEVICE, the trusted half on this CPU, an emulated round trip, token ids, exact
-step split 360 "$PYTHON" -m splitinfer.bench.splitcheck --shards "$SHARDS" --device "$DEVICE" --dtype "$CLOUD_DTYPE" \
+step split 360 "$PYTHON" -m splitinfer.bench.splitcheck --shards "$SHARDS" --device "$DEVICE" --dtype "$SPLIT_DTYPE" \
     --rtt-ms "$RTT_MS" --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" --threads "$LOCAL_THREADS" \
     --strategies sequential,tree-nohead --out "$OUT/split.json"
 

@@ -72,10 +72,10 @@ class Block:
         param = next(stack.parameters())
         self.stack, self.cache, self.context = stack, cache, context
         self.hidden = torch.randn(1, q, stack.config.hidden_size, generator=generator).to(param)  # [1, q, d]
-        positions = torch.arange(context, context + q)
+        positions = torch.arange(context, context + q, device=param.device)  # on the device, as a server's are
         allowed = np.tril(np.ones((q, q), dtype=bool))
-        self.position_ids = positions[None].to(param.device)  # [1, q]
-        self.masks = {w: attention_mask(context, positions, allowed, param.dtype, window=w).to(param.device)
+        self.position_ids = positions[None]  # [1, q]
+        self.masks = {w: attention_mask(context, positions, allowed, param.dtype, window=w)
                       for w in set(stack.windows)}  # [1, 1, q, context + q]
         kv_heads, head_dim = stack.kv_heads_and_dim()
         cache.reserve(context + q, torch.empty((1, kv_heads, 0, head_dim), dtype=param.dtype, device=param.device))
@@ -103,7 +103,7 @@ def prefill(stack: LayerStack, context: int, generator: torch.Generator):
     param = next(stack.parameters())
     cache = stack.new_cache()
     hidden = torch.randn(1, context, stack.config.hidden_size, generator=generator).to(param)
-    stack(hidden, torch.arange(context), np.tril(np.ones((context, context), dtype=bool)), cache)
+    stack(hidden, torch.arange(context, device=param.device), np.tril(np.ones((context, context), dtype=bool)), cache)
     cache.commit_all()
     return cache
 

@@ -9,6 +9,12 @@ holds the cloud shard on `--device`, behind a `splitinfer wan` child adding the 
 the client (the local shard on the CPU, `--threads` torch threads). Every strategy runs on every prompt
 after one warm-up generation; each generation's tokens are compared with sequential's on the same prompt
 (greedy decoding must be token-identical; a difference is reported with its position, never hidden).
+
+The defaults are float32 on both sides and on the wire: a block of many rows and one of a single row round
+differently in bfloat16 (GPU matrix kernels are chosen by shape), and random weights spread their logits
+thin (near-uniform over the vocabulary, so the top two are often close), so a bfloat16 split would flip
+near-ties that say nothing about the split; float32 leaves only last-bit differences. The bfloat16 step is
+timed by bench/devicestep.py.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ def compare(runs: list[dict]) -> list[dict]:
 
 
 def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prompt_tokens: int, tokens: int,
-        strategies: list[str], threads: int, log=print) -> dict:
+        strategies: list[str], threads: int, wire_dtype: str = "float32", log=print) -> dict:
     from ..clients import open_client
     from ..launch import cloud_server, wan_proxy
     from ..local.session import ClientConfig
@@ -61,7 +67,7 @@ def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prom
     t0 = time.monotonic()
     with cloud_server(shards / "cloud", extra=extra, ready_timeout_s=900.0) as (url, _), wan_proxy(url, rtt_ms) as wan:
         log(f"split: server ready in {time.monotonic() - t0:.0f} s")
-        client = open_client(shard=shards / "local", server=wan, allow_public_weights=True, config=ClientConfig())
+        client = open_client(shard=shards / "local", server=wan, allow_public_weights=True, config=ClientConfig(wire_dtype=wire_dtype))
         ids = random_prompt_ids(client.local.config.vocab_size, [prompt_tokens] * prompts, seed=1)
         client.generate(ids[0], max_new_tokens=4, strategy="sequential", stop_ids=set())  # warm-up, discarded
         for i, prompt in enumerate(ids):
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", required=True, help="a prepared OUT directory (OUT/local and OUT/cloud)")
     parser.add_argument("--device", default="cuda", help="the cloud server's device")
-    parser.add_argument("--dtype", default="bfloat16", help="the cloud server's compute dtype")
+    parser.add_argument("--dtype", default="float32", help="the cloud server's compute dtype")
+    parser.add_argument("--wire-dtype", default="float32", help="hidden states on the wire")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=48)
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if "sequential" not in strategies:
         strategies.insert(0, "sequential")
     result = run(Path(args.shards), args.device, args.dtype, args.rtt_ms, args.prompts, args.prompt_tokens,
-                 args.max_new_tokens, strategies, args.threads, log=lambda line: print(line, file=sys.stderr, flush=True))
+                 args.max_new_tokens, strategies, args.threads, args.wire_dtype, log=lambda line: print(line, file=sys.stderr, flush=True))
     result["command"] = "python -m splitinfer.bench.splitcheck " + " ".join(sys.argv[1:] if argv is None else argv)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"split: {result['identical']} identical to sequential", file=sys.stderr)
