@@ -33,7 +33,8 @@
 # Knobs (environment): DEVICE (cuda), CONFIG (mistral-7b-v0.1), SHARDS (/tmp/gpu-check-shards), PYTHON
 # (python3), WHEELS (.gpu-wheels), LOCAL_DTYPE (float32), CLOUD_DTYPE (bfloat16), ROWS (1,2,4,8,16,32,64),
 # CONTEXTS (64,2048), SESSIONS (1,4,16,64), REPEATS (20), RTT_MS (80), PROMPTS (3), MAX_NEW_TOKENS (32),
-# LOCAL_THREADS (8), SPLIT_DTYPE (float32), LIMIT_SCALE (1).
+# LOCAL_THREADS (8), SPLIT_DTYPE (float32), BUDGET_S (540: every step's limit is cut to what is left of it),
+# LIMIT_SCALE (1: multiplies every limit and the budget).
 set -u -o pipefail
 
 OUT=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -55,6 +56,7 @@ MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-32}
 LOCAL_THREADS=${LOCAL_THREADS:-8}
 SPLIT_DTYPE=${SPLIT_DTYPE:-float32}
 LIMIT_SCALE=${LIMIT_SCALE:-1}
+BUDGET_S=${BUDGET_S:-540}  # the whole check, so that it ends inside one 10-minute device call
 SITE=/tmp/gpu-check-site
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -74,6 +76,9 @@ record() {  # name status seconds rc detail
 step() {  # name limit_s command...: run it, its output appended to check.log; record ok/failed
     local name=$1 limit=$(( $2 * LIMIT_SCALE ))
     shift 2
+    local left=$(( BUDGET_S * LIMIT_SCALE - ($(date +%s) - START) ))
+    if [ "$left" -le 5 ]; then record "$name" failed 0 - "not started: the check's $BUDGET_S s budget is spent"; return 1; fi
+    [ "$limit" -gt "$left" ] && limit=$left  # the whole check fits one device call
     echo "=== $name: $*" >> "$LOG"
     local t0=$(date +%s)
     timeout "$limit" "$@" >> "$LOG" 2>&1
@@ -94,20 +99,20 @@ else
 fi
 
 # shards: synthetic, made here (nothing large travels)
-step shards 300 "${SPLITINFER[@]}" prepare --synthetic "$CONFIG" --seed 0 --out "$SHARDS" --head-layers 2 \
+step shards 240 "${SPLITINFER[@]}" prepare --synthetic "$CONFIG" --seed 0 --out "$SHARDS" --head-layers 2 \
     --tail-layers 2 --dtype "$LOCAL_DTYPE" --cloud-dtype "$CLOUD_DTYPE"
 
 # cloud-step: eager and CUDA graphs against the bytes bound
-step cloud-step 300 "$PYTHON" -m splitinfer.bench.devicestep --shard "$SHARDS/cloud" --device "$DEVICE" \
+step cloud-step 180 "$PYTHON" -m splitinfer.bench.devicestep --shard "$SHARDS/cloud" --device "$DEVICE" \
     --dtype "$CLOUD_DTYPE" --rows "$ROWS" --contexts "$CONTEXTS" --repeats "$REPEATS" --out "$OUT/device-step.json"
 
 # batch: sessions batched into one pass vs one at a time (cloud side only: the host's clients would time the CPU)
-step batch 240 "${SPLITINFER[@]}" bench batch --shards "$SHARDS" --out "$SCRATCH/batch" --device "$DEVICE" \
+step batch 150 "${SPLITINFER[@]}" bench batch --shards "$SHARDS" --out "$SCRATCH/batch" --device "$DEVICE" \
     --dtype "$CLOUD_DTYPE" --sizes "$SESSIONS" --load-clients '' --clients '' --repeats 3 \
     && cp "$SCRATCH/batch/batching.json" "$OUT/batch.json"
 
 # split: the cloud on DEVICE, the trusted half on this CPU, an emulated round trip, token ids, exact
-step split 360 "$PYTHON" -m splitinfer.bench.splitcheck --shards "$SHARDS" --device "$DEVICE" --dtype "$SPLIT_DTYPE" \
+step split 240 "$PYTHON" -m splitinfer.bench.splitcheck --shards "$SHARDS" --device "$DEVICE" --dtype "$SPLIT_DTYPE" \
     --rtt-ms "$RTT_MS" --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" --threads "$LOCAL_THREADS" \
     --strategies sequential,tree-nohead --out "$OUT/split.json"
 
