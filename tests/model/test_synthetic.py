@@ -82,7 +82,8 @@ def test_cli_prepares_and_text_commands_refuse(tmp_path, capsys):
     assert "synthetic local shard" in capsys.readouterr().out
     for argv in (["generate", "--prompt", "hi", "--shard", str(out / "local"), "--server", "ws://127.0.0.1:9"],
                  ["generate", "--prompt", "hi", "--local-only", "--shards", str(out)],
-                 ["chat", "--shard", str(out / "local"), "--server", "ws://127.0.0.1:9"]):
+                 ["chat", "--shard", str(out / "local"), "--server", "ws://127.0.0.1:9"],
+                 ["demo", "--shards", str(out)]):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "synthetic weights" in err and f"splitinfer {argv[0]}` refuses" in err
