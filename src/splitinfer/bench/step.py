@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ..errors import ConfigError
 from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
 from ..model.stack import LayerStack
 from ..tables import table
@@ -185,6 +186,9 @@ def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], 
     """Only the shards of `sides` are loaded (a 7B cloud half need not fit beside the local one). The cloud
     side's inputs are the local head's output where the local shard is there, else seeded random rows."""
     n = max(contexts) + max(rows)
+    missing = [side for side in sides if not (shards / side).is_dir()]
+    if missing:
+        raise ConfigError(f"{shards} holds no {' or '.join(missing)} shard; prepare it, or leave it out of --sides.")
     local = load_local(shards / "local", dtype=dtype, verify=False) if (shards / "local").is_dir() else None
     cloud = load_cloud(shards / "cloud", dtype=dtype, verify=False) if "cloud" in sides else None
     if local is not None:
