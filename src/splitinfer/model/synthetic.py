@@ -26,6 +26,8 @@ import hashlib
 import json
 import struct
 import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +41,8 @@ from .stack import config_from_dict, skeleton
 
 SIDES = ("local", "cloud")
 CHUNK_ELEMENTS = 1 << 24  # values generated and written at a time (64 MiB of float32)
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+                      torch.uint8: "U8"}
 
 
 def synthetic_config(name_or_path: str) -> tuple[str, dict]:
@@ -103,15 +106,33 @@ def tensor_chunks(key: str, shape: tuple[int, ...], dtype: torch.dtype, pool: Va
         yield chunk.to(dtype)
 
 
-def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, pool: ValuePool) -> str:
-    """Write the tensors of `shapes` to a safetensors file chunk by chunk; its sha256."""
-    item = torch.empty((), dtype=dtype).element_size()
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a shard file: its name, dtype and shape, and its values as 1-D chunks in order."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: Callable[[], Iterator[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def float_entries(key: str, shape: tuple[int, ...], dtype: torch.dtype, pool: ValuePool) -> list[Stored]:
+    return [Stored(key, dtype, shape, lambda: tensor_chunks(key, shape, dtype, pool))]
+
+
+def write_safetensors(path: Path, entries: list[Stored]) -> str:
+    """Write `entries` to a safetensors file, header first (offsets from the shapes), then each tensor's
+    chunks in the same order; its sha256, computed on the way."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for key in sorted(shapes):
-        size = int(torch.Size(shapes[key]).numel()) * item
-        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shapes[key]), "data_offsets": [offset, offset + size]}
-        offset += size
+    for entry in entries:
+        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     digest = hashlib.sha256()
@@ -119,11 +140,14 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: tor
         for part in (struct.pack("<Q", len(text)), text):
             f.write(part)
             digest.update(part)
-        for key in sorted(shapes):
-            for chunk in tensor_chunks(key, shapes[key], dtype, pool):
-                data = chunk.view(torch.uint8).numpy()
+        for entry in entries:
+            written = 0
+            for chunk in entry.chunks():
+                data = chunk.contiguous().view(torch.uint8).numpy()
                 f.write(data)
                 digest.update(data)
+                written += data.size
+            assert written == entry.nbytes, (entry.name, written, entry.nbytes)
     return digest.hexdigest()
 
 
@@ -170,7 +194,8 @@ def prepare_synthetic(
         directory = out / side
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(config_text)
-        weights_sha = write_safetensors(directory / WEIGHTS, parts[side], DTYPES[side_dtype], pool)
+        entries = [e for key in sorted(parts[side]) for e in float_entries(key, parts[side][key], DTYPES[side_dtype], pool)]
+        weights_sha = write_safetensors(directory / WEIGHTS, entries)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
