@@ -25,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from ..masks import attention_mask
 from ..model.shards import load_cloud
 from ..model.stack import LayerStack
+from ..options import Opt, add_options
 
 
 def device_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
@@ -139,14 +141,24 @@ def measure(stack: LayerStack, rows: list[int], contexts: list[int], repeats: in
             "weight_bytes": weights, "bandwidth_gbps": round(gbps, 1), "repeats": repeats, "rows": results}
 
 
+@dataclass(frozen=True)
+class DeviceStepOptions:
+    """The defaults of `python -m splitinfer.bench.devicestep`."""
+
+    device: str = "cuda"  # where the cloud layers run
+    dtype: str = "bfloat16"  # their compute dtype (float16, bfloat16, float32)
+    rows: str = "1,2,4,8,16,32,64"  # block rows, comma-separated
+    contexts: str = "64,2048"  # cached tokens before the block, comma-separated
+    repeats: int = 20  # timed steps of each configuration after a warm-up (median reported)
+
+
+OPTIONS = (Opt("device"), Opt("dtype"), Opt("rows"), Opt("contexts"), Opt("repeats"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shard", required=True, help="a cloud shard directory (OUT/cloud)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16", help="compute dtype (float16, bfloat16, float32)")
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64")
-    parser.add_argument("--contexts", default="64,2048")
-    parser.add_argument("--repeats", type=int, default=20)
+    add_options(parser, DeviceStepOptions, OPTIONS)
     parser.add_argument("--out", required=True, help="the JSON file to write")
     args = parser.parse_args(argv)
     half = load_cloud(args.shard, device=args.device, dtype=args.dtype, verify=False)

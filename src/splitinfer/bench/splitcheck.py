@@ -23,9 +23,12 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..options import Opt, add_options
 
 STAT_KEYS = ("cloud_compute", "local_compute", "round_trip")
 
@@ -85,18 +88,29 @@ def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prom
             "exact": all(c["identical"] for c in checks)}
 
 
+@dataclass(frozen=True)
+class SplitCheckOptions:
+    """The defaults of `python -m splitinfer.bench.splitcheck` (module docstring: why float32)."""
+
+    device: str = "cuda"  # the cloud server's device
+    dtype: str = "float32"  # the cloud server's compute dtype
+    wire_dtype: str = "float32"  # hidden states on the wire
+    rtt_ms: float = 80.0  # the emulated round trip
+    prompts: int = 3  # seeded random prompts
+    prompt_tokens: int = 48  # tokens in each
+    max_new_tokens: int = 32  # tokens generated for each, by every strategy
+    strategies: str = "sequential,tree-nohead"  # comma-separated; sequential always runs
+    threads: int = 1  # torch threads of this process (the trusted half)
+
+
+OPTIONS = tuple(Opt(f) for f in ("device", "dtype", "wire_dtype", "rtt_ms", "prompts", "prompt_tokens", "max_new_tokens",
+                                 "strategies", "threads"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", required=True, help="a prepared OUT directory (OUT/local and OUT/cloud)")
-    parser.add_argument("--device", default="cuda", help="the cloud server's device")
-    parser.add_argument("--dtype", default="float32", help="the cloud server's compute dtype")
-    parser.add_argument("--wire-dtype", default="float32", help="hidden states on the wire")
-    parser.add_argument("--rtt-ms", type=float, default=80.0)
-    parser.add_argument("--prompts", type=int, default=3)
-    parser.add_argument("--prompt-tokens", type=int, default=48)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--strategies", default="sequential,tree-nohead")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of this process (the trusted half)")
+    add_options(parser, SplitCheckOptions, OPTIONS)
     parser.add_argument("--out", required=True, help="the JSON file to write")
     args = parser.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]

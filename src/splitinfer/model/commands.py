@@ -24,6 +24,14 @@ class SplitOptions:
     dtype: str = "float32"  # the weights' dtype in prepared shards
 
 
+@dataclass(frozen=True)
+class SyntheticOptions:
+    """`prepare --synthetic`'s defaults (model/synthetic.py)."""
+
+    seed: int = 0  # the random weights' seed: the same seed, the same shards
+    sides: str = "local,cloud"  # the shards written: local, cloud or both
+
+
 def parse_split_range(text: str) -> tuple[int, int]:
     """'K1-K2' -> (K1, K2) with 1 <= K1 < K2."""
     low, sep, high = text.partition("-")
@@ -126,7 +134,7 @@ def register(subparsers) -> None:
     s.add_argument("--synthetic", metavar="NAME|CONFIG",
                    help="seeded random weights in the shape of a config (a name `bench plan` knows, e.g. "
                         "mistral-7b-v0.1, or a config.json), for timing only: no tokenizer, refused by generate/api/chat")
-    s.add_argument("--seed", type=int, default=0, help="with --synthetic: the weights' seed")
-    s.add_argument("--sides", default="local,cloud", help="with --synthetic: the shards to write (local, cloud or both)")
+    add_options(s, SyntheticOptions, (Opt("seed", help="with --synthetic: the weights' seed"),
+                                      Opt("sides", help="with --synthetic: the shards to write (local, cloud or both)")))
     s.add_argument("--cloud-dtype", choices=DTYPE_NAMES, help="with --synthetic: the cloud shard's dtype (default --dtype)")
     s.set_defaults(func=cmd_prepare)

@@ -28,6 +28,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -45,12 +46,30 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
                       torch.uint8: "U8"}
 
 
-def synthetic_config(name_or_path: str) -> tuple[str, dict]:
-    """(label, config dict) for a name `bench plan` knows or a config.json path; fields starting with '_'
-    (the packaged configs' provenance notes) left out."""
-    from ..bench.plan import load_config  # the one list of packaged configs
+def packaged_configs() -> list[str]:
+    """The config names shipped in the package (data/configs; the ones `bench plan` knows too)."""
+    folder = resources.files("splitinfer.data").joinpath("configs")
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
 
-    label, data = load_config(name_or_path)
+
+def synthetic_config(name_or_path: str) -> tuple[str, dict]:
+    """(label, config dict) for a packaged name or a config.json path (or its folder); fields starting with
+    '_' (the packaged configs' provenance notes) left out."""
+    names = packaged_configs()
+    if name_or_path in names:
+        label, text = name_or_path, resources.files("splitinfer.data").joinpath(f"configs/{name_or_path}.json").read_text()
+    else:
+        path = Path(name_or_path)
+        path = path / "config.json" if path.is_dir() else path
+        label = path.parent.name if path.name == "config.json" else path.stem
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ModelError(f"cannot read {path} ({exc.strerror}); give a config.json or one of {', '.join(names)}.") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{name_or_path} is not JSON ({exc}).") from exc
     return label, {k: v for k, v in data.items() if not k.startswith("_")}
 
 
