@@ -24,9 +24,11 @@ $(VENV)/.installed: pyproject.toml
 
 prepare: $(SHARDS)/local/manifest.json
 
+# --allow-public-weights: the demo runs the stock public weights; recorded once in the local shard, so client
+# commands on it need no flag (they still warn). Privatize before relying on the split (docs/privacy.md).
 # Remade when the shipped drafting files change too: prepare installs the shipped head into the shards.
 $(SHARDS)/local/manifest.json: $(VENV)/.installed $(wildcard src/splitinfer/data/drafters/*/*)
-	$(VENV)/bin/splitinfer prepare --out $(SHARDS)
+	$(VENV)/bin/splitinfer prepare --out $(SHARDS) --allow-public-weights
 
 demo: prepare
 	$(VENV)/bin/splitinfer demo --shards $(SHARDS) --rtt-ms $(RTT_MS) --prompt "$(PROMPT)" --allow-public-weights

@@ -73,6 +73,7 @@ EXAMPLES: dict[str, str] = {
     "bench sweep": "splitinfer bench sweep --shards shards/smollm2 --out bench-out --quick",
     "bench spec": "splitinfer bench spec --shards shards/smollm2 --out bench-out --rtt-ms 0,80 --max-new-tokens 64",
     "bench step": "splitinfer bench step --shards shards/smollm2 --out bench-out/step --e2e-prompts 3 --max-ratio 1.2",
+    "bench formats": "splitinfer bench formats --out bench-out/formats --prompts 5 --tokens 64",
     "bench plain-split": "splitinfer bench plain-split --shards shards/smollm2 --out bench-out/plain --rtt-ms 0,80",
     "bench dtype": "splitinfer bench dtype --shards shards/smollm2 --out bench-out/bf16 --dtype bfloat16",
     "bench batch": "splitinfer bench batch --shards shards/smollm2 --out bench-out/batch --sizes 1,4,16",

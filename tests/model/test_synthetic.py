@@ -4,6 +4,7 @@ synthetic, match across separate makes, and are refused by the commands that pro
 import json
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -91,3 +92,30 @@ def test_cli_prepares_and_text_commands_refuse(tmp_path, capsys):
     assert "--sides takes local, cloud or both" in capsys.readouterr().err
     assert main(["prepare", "--synthetic", "no-such-model", "--out", str(out)]) == 2
     assert "mistral-7b-v0.1" in capsys.readouterr().err  # the names it knows
+
+
+@pytest.mark.parametrize("spec, tied", [("int8", False), ("int4,lm_head=int8", True), ("bfloat16,lm_head=float32", False)])
+def test_weight_formats(tmp_path, spec, tied):
+    """`--weights` as prepare lays it out (model/formats.py): integer state under the linears' names, the LM
+    head in its own format (stored for a tied model too), loaded into the modules that multiply by them."""
+    from splitinfer.model import formats
+
+    config = str(tiny_config(tmp_path, tie_word_embeddings=tied))
+    weights = formats.WeightFormats.parse(spec)
+    out = prepare_synthetic(config, tmp_path / "s", seed=0, weights=weights)
+    manifest = json.loads((out / "cloud" / "manifest.json").read_text())
+    assert manifest["weights"] == weights.as_dict() and manifest["dtype"] == "float32"
+    stored = load_file(str(out / "local" / WEIGHTS))
+    head_format = formats.stored_format(stored, "lm_head.") or str(stored["lm_head.weight"].dtype).removeprefix("torch.")
+    assert head_format == weights.lm_head
+    layer_format = formats.stored_format(stored, "model.layers.0.mlp.up_proj.")
+    assert (layer_format or str(stored["model.layers.0.mlp.up_proj.weight"].dtype).removeprefix("torch.")) == weights.local
+    assert stored["model.embed_tokens.weight"].dtype == torch.float32  # the embedding stays in the compute dtype
+    local, cloud = load_local(out / "local"), load_cloud(out / "cloud")
+    with torch.inference_mode():
+        n = 5
+        causal = np.tril(np.ones((n, n), dtype=bool))
+        hidden = local.head(local.embed(torch.arange(n)[None]), torch.arange(n), causal, local.head.new_cache())
+        hidden = cloud.stack(hidden, torch.arange(n), causal, cloud.stack.new_cache())
+        logits = local.logits(local.tail(hidden, torch.arange(n), causal, local.tail.new_cache()))
+    assert torch.isfinite(logits).all()

@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..errors import CapacityError, ConfigError, ShardMismatch, SplitInferError, TransportError
 from ..metrics import CONTENT_TYPE_LATEST
+from . import logprobs as lp
 from . import protocol as p
 from .engine import Engine
 
@@ -97,8 +98,10 @@ class ClientGone(Exception):
 class _Generation:
     """One request's prompt preparation and generation on a thread, reporting to the event loop.
 
-    Events on `events`, in order: ("ready", None) once the prompt is tokenized, then ("text", str) per
-    streamed piece, then ("done", Turn) or ("error", exception); ("gone", None) when the client left.
+    Events on `events`, in order: ("ready", None) once the prompt is tokenized, then ("text", (str, entries))
+    per streamed piece, then ("done", Turn) or ("error", exception); ("gone", None) when the client left.
+    With logprobs asked for, `entries` are the logprob entries of the tokens behind that piece (logprobs.py),
+    and `kept` collects them for a reply that is not streamed.
     """
 
     def __init__(self, engine: Engine, prepare: Callable[[], list[int]], params: p.Params,
@@ -108,6 +111,8 @@ class _Generation:
         self.events: asyncio.Queue = asyncio.Queue()  # unbounded: at most max_tokens small strings
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="splitinfer-api-generate", daemon=True)
+        self.recorder = (lp.TokenRecorder(engine.token_text, engine.client.stop_ids()) if params.logprobs else None)
+        self.kept: list[dict] = []  # logprob entries of the text generated so far (a reply that is not streamed)
 
     def start(self) -> "_Generation":
         self._thread.start()
@@ -128,8 +133,11 @@ class _Generation:
     def _on_text(self, text: str) -> None:
         if self.cancelled.is_set():
             raise ClientGone  # the engine closes the cloud session as this unwinds
+        entries = self.recorder.take() if self.recorder is not None else []
         if self.params.stream:
-            self._put("text", text)
+            self._put("text", (text, entries))
+        else:
+            self.kept.extend(entries)
 
     def _run(self) -> None:
         try:
@@ -137,7 +145,8 @@ class _Generation:
             self._put("ready", None)
             if self.cancelled.is_set():
                 raise ClientGone
-            last = ("done", self.engine.generate(prompt_ids, self.params, self._on_text))
+            on_token = self.recorder.on_token if self.recorder is not None else None
+            last = ("done", self.engine.generate(prompt_ids, self.params, self._on_text, on_token))
         except BaseException as exc:  # noqa: BLE001 - every failure is handed to the request's task
             last = ("error", exc)
         # Leave before the reply goes out: a client that sends its next request on reading this one's end
@@ -308,7 +317,7 @@ class _Completions:
         if model != engine.model_id:
             raise p.APIError(404, f"the model {p.show(model)} does not exist here; this server serves {engine.model_id!r}.",
                              param="model", code="model_not_found")
-        params = p.parse_params(body, engine.default_max_tokens, engine.strategy)
+        params = p.parse_params(body, engine.default_max_tokens, engine.strategy, chat=self.chat)
         if self.chat:
             messages = p.chat_messages(body)
             prepare = lambda: engine.chat_ids(messages)  # noqa: E731 - tokenizing runs on the generation's thread
@@ -333,7 +342,11 @@ class _Completions:
             stats = {k: turn.stats[k] for k in ("tokens_per_s", "mean_accepted_per_step", "steps", "strategy")}
             use = p.usage(turn.prompt_tokens, len(turn.token_ids))
             rid = p.new_id("chatcmpl" if self.chat else "cmpl")
-            await _answer(JSONResponse(make(rid, model, turn.text, turn.finish_reason, use, stats)), scope, receive, send)
+            logprobs = None
+            if generation.params.logprobs:
+                logprobs = lp.chat_logprobs(generation.kept) if self.chat else lp.completion_logprobs(generation.kept)
+            body = make(rid, model, turn.text, turn.finish_reason, use, stats, logprobs)
+            await _answer(JSONResponse(body), scope, receive, send)
 
 
 async def _answer(response: Response, scope: Scope, receive: Receive, send: Send) -> None:
@@ -357,11 +370,17 @@ class _Stream:
     def __init__(self, api: ApiApp, generation: _Generation, model: str, chat: bool):
         self.api, self.generation, self.model, self.chat = api, generation, model, chat
         self.rid = p.new_id("chatcmpl" if chat else "cmpl")
+        self.offset = 0  # where the next chunk's text starts in the reply (the completions' text_offset)
 
-    def _chunk(self, text: str | None = None, finish: str | None = None, use: dict | None = None) -> dict:
+    def _chunk(self, text: str | None = None, finish: str | None = None, use: dict | None = None,
+               entries: list[dict] | None = None) -> dict:
+        logprobs = None
+        if self.generation.params.logprobs and use is None:
+            logprobs = lp.chat_logprobs(entries or []) if self.chat else lp.completion_logprobs(entries or [], self.offset)
+        self.offset += len(text or "")
         if self.chat:
-            return p.chat_chunk(self.rid, self.model, {} if text is None else {"content": text}, finish, use)
-        return p.completion_chunk(self.rid, self.model, text or "", finish, use)
+            return p.chat_chunk(self.rid, self.model, {} if text is None else {"content": text}, finish, use, logprobs)
+        return p.completion_chunk(self.rid, self.model, text or "", finish, use, logprobs)
 
     async def send(self, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
@@ -376,7 +395,8 @@ class _Stream:
             while True:
                 kind, value = await self.generation.events.get()
                 if kind == "text":
-                    await event(self._chunk(value))
+                    text, entries = value
+                    await event(self._chunk(text, entries=entries))
                     continue
                 if kind == "gone":
                     log.info("client went away mid-stream; its generation stops and closes its cloud session")

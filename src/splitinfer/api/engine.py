@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..local.client import SplitClient
 from ..local.conversation import Conversation, Turn
 from ..local.text import chat_prompt_ids
+from .logprobs import TokenText
 from .protocol import Params
 
 __all__ = ["Conversation", "Engine", "Turn"]
@@ -40,6 +41,14 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.memory = suffix_memory(memory_tokens)  # earlier replies, searched by every request's tree
+        self._token_text: TokenText | None = None
+
+    @property
+    def token_text(self) -> TokenText:
+        """Each token's text and bytes, for logprobs (built once)."""
+        if self._token_text is None:
+            self._token_text = TokenText(self.client.local.tokenizer)
+        return self._token_text
 
     @property
     def tokenizer(self):
@@ -62,6 +71,10 @@ class Engine:
             raise ConfigError(f"token ids must lie in [0, {vocab}).")
         return prompt
 
-    def generate(self, prompt_ids: list[int], params: Params, on_text: Callable[[str], None] | None = None) -> Turn:
+    def generate(self, prompt_ids: list[int], params: Params, on_text: Callable[[str], None] | None = None,
+                 on_token: Callable[[int, float, list], None] | None = None) -> Turn:
+        """on_token(token, logprob, top): each generated token, before its text reaches on_text, with the
+        `params.top_logprobs` likeliest alternatives (Conversation.send)."""
         with self._slots, self.client.conversation(params.strategy, self.metrics, self.memory) as conversation:
-            return conversation.send(prompt_ids, params.max_tokens, params.sampling(), params.stop, on_text)
+            return conversation.send(prompt_ids, params.max_tokens, params.sampling(), params.stop, on_text,
+                                     on_token=on_token, top_logprobs=params.top_logprobs)

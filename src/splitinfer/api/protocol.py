@@ -2,9 +2,14 @@
 and error bodies. Stop strings are matched where the text is made (local/text.py; StopMatcher is
 re-exported here for its importers).
 
-Only what the engine supports is accepted: one choice per request (`n` = 1), text content. Parameters the
-API defines but this server ignores (logprobs, presence_penalty ...) are accepted and ignored, as other
-local servers do, so existing tools keep working; anything malformed is refused with OpenAI's error body.
+Every request parameter is either honoured or refused, never ignored: `PARAMETERS` names what each endpoint
+takes; a parameter OpenAI defines that this server does not implement is accepted only at its no-op value
+(`NO_OP`: null, or e.g. `presence_penalty: 0`, `n: 1`, `echo: false`) and otherwise refused with OpenAI's
+error body (400, code "unsupported_parameter"); a name OpenAI does not define is refused too (code
+"unknown_parameter"). docs/api.md lists them all.
+
+`logprobs`/`top_logprobs` are computed on the trusted side from the same logits rows that chose each token
+(decoding/loop.py), so they cost nothing on the wire and hold for every strategy.
 """
 
 from __future__ import annotations
@@ -19,6 +24,36 @@ from ..decoding.strategies import STRATEGIES
 from ..local.text import StopMatcher  # noqa: F401  (re-exported)
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's bound
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI's bound
+
+# What each endpoint honours (besides `model` and `messages` / `prompt`).
+COMMON = ("max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "logprobs",
+          "user", "top_k", "strategy")
+PARAMETERS = {
+    True: ("model", "messages", *COMMON, "max_completion_tokens", "top_logprobs"),
+    False: ("model", "prompt", *COMMON),
+}
+# Parameters OpenAI defines that this server does not implement, with the values that ask for nothing (null is
+# always one). Any other value is refused, with why in UNSUPPORTED where there is more to say.
+NO_OP = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "echo": (False,), "best_of": (1,),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "store": (False,),
+    "metadata": ({},), "modalities": (["text"],), "service_tier": ("auto", "default"), "audio": (),
+    "prediction": (), "reasoning_effort": (), "web_search_options": (), "verbosity": (), "prompt_cache_key": (),
+    "safety_identifier": (),
+}
+UNSUPPORTED = {
+    "presence_penalty": "the penalties are not implemented: a penalised draft token's distribution depends on the "
+                        "tokens before it in the draft, which the verifier does not condition on yet, and an "
+                        "approximation would break speculation's exactness. Send 0 or leave it out.",
+    "frequency_penalty": "the penalties are not implemented: a penalised draft token's distribution depends on the "
+                         "tokens before it in the draft, which the verifier does not condition on yet, and an "
+                         "approximation would break speculation's exactness. Send 0 or leave it out.",
+    "tools": "this server has no tool calling; leave 'tools' out.",
+    "response_format": "only {\"type\": \"text\"} is supported (no JSON mode or schemas).",
+}
 # Below this a temperature divides logits past float32's range (inf - inf = nan in the softmax); 0 is greedy.
 MIN_TEMPERATURE = 1e-4
 # top_p is compared in float32, where a smaller value rounds to 0 and keeps no token at all; this keeps the best.
@@ -63,6 +98,8 @@ class Params:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
     strategy: str  # splitinfer extension: the decoding strategy
+    logprobs: bool = False  # return each generated token's log-probability
+    top_logprobs: int = 0  # and this many likeliest alternatives per position
 
     def sampling(self) -> SamplingConfig | None:
         if self.temperature == 0:
@@ -94,7 +131,48 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int | N
     return value
 
 
-def parse_params(body: dict, default_max_tokens: int, default_strategy: str) -> Params:
+def check_parameters(body: dict, chat: bool) -> None:
+    """Refuse every parameter this endpoint does not honour, unless it asks for nothing (module doc)."""
+    honoured = PARAMETERS[chat]
+    for name, value in body.items():
+        if name in honoured:
+            continue
+        if name in NO_OP:
+            if value is None or any(_same(value, v) for v in NO_OP[name]):
+                continue
+            why = UNSUPPORTED.get(name, f"this server does not implement '{name}'; leave it out.")
+            raise APIError(400, f"unsupported value {show(value)} for '{name}': {why}", param=name,
+                           code="unsupported_parameter")
+        other = PARAMETERS[not chat]
+        where = f" (it belongs to /v1/{'completions' if chat else 'chat/completions'})" if name in other else ""
+        raise APIError(400, f"unrecognized request argument supplied: {show(name)}{where}.", param=name[:80].encode("utf-8", "backslashreplace").decode(),
+                       code="unknown_parameter")
+
+
+def _same(value, no_op) -> bool:
+    """JSON equality that keeps true apart from 1 (0 and 0.0 are the same number)."""
+    if isinstance(value, bool) or isinstance(no_op, bool):
+        return value is no_op
+    return type(value) in (int, float) and type(no_op) is int and value == no_op or (
+        type(value) is type(no_op) and value == no_op)
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """(logprobs wanted, alternatives per position) from chat's logprobs/top_logprobs or completions' logprobs."""
+    if not chat:  # the legacy form: logprobs is the number of alternatives, null for none
+        value = _integer(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+        return value is not None, value or 0
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _bad("logprobs", "'logprobs' must be true or false.")
+    top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+    if body.get("top_logprobs") is not None and not wanted:
+        raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true.")
+    return bool(wanted), top
+
+
+def parse_params(body: dict, default_max_tokens: int, default_strategy: str, chat: bool = True) -> Params:
+    check_parameters(body, chat)
     if _integer(body, "n", 1, 1) != 1:
         raise _bad("n", "this server returns one choice per request; set 'n' to 1.")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -116,6 +194,13 @@ def parse_params(body: dict, default_max_tokens: int, default_strategy: str) -> 
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise _bad("stream_options", "'stream_options' must be an object.")
+    if any(key != "include_usage" for key in options) or not isinstance(options.get("include_usage", False), bool):
+        raise APIError(400, "'stream_options' takes only include_usage (true or false).", param="stream_options",
+                       code="unsupported_parameter")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("user", "'user' must be a string.")
+    logprobs, top_logprobs = _logprobs(body, chat)
     strategy = body.get("strategy", default_strategy)
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise _bad("strategy", f"unknown strategy {show(strategy)}; choose one of {', '.join(STRATEGIES)}.")
@@ -133,6 +218,8 @@ def parse_params(body: dict, default_max_tokens: int, default_strategy: str) -> 
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         strategy=strategy,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -145,6 +232,10 @@ def chat_messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
             raise _bad(f"messages[{i}]", f"messages[{i}] needs a role of system, user or assistant.")
+        for key, value in m.items():  # name, tool_calls ...: refused unless empty (an SDK echoes nulls back)
+            if key not in ("role", "content") and value not in (None, [], {}):
+                raise APIError(400, f"messages[{i}].{p_key(key)} is not supported here (text messages only); leave it "
+                                    "out.", param=f"messages[{i}].{p_key(key)}", code="unsupported_parameter")
         content = m.get("content")
         if isinstance(content, list):
             parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -159,6 +250,11 @@ def chat_messages(body: dict) -> list[dict]:
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _text(content, f"messages[{i}].content")})
     return out
+
+
+def p_key(key: str) -> str:
+    """A peer's key, printable in an error body (no lone surrogates), at most 40 characters."""
+    return key[:40].encode("utf-8", "backslashreplace").decode()
 
 
 def completion_prompt(body: dict) -> str | list[int]:
@@ -193,35 +289,38 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def chat_body(rid: str, model: str, text: str, finish: str, use: dict, stats: dict) -> dict:
+def chat_body(rid: str, model: str, text: str, finish: str, use: dict, stats: dict, logprobs: dict | None = None) -> dict:
     return {
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                     "logprobs": None}],
+                     "logprobs": logprobs}],
         "usage": use, "splitinfer": stats,
     }
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, use: dict, stats: dict) -> dict:
+def completion_body(rid: str, model: str, text: str, finish: str, use: dict, stats: dict,
+                    logprobs: dict | None = None) -> dict:
     return {
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
         "usage": use, "splitinfer": stats,
     }
 
 
-def _chunk(rid: str, model: str, obj: str, choice: dict, use: dict | None) -> dict:
+def _chunk(rid: str, model: str, obj: str, choice: dict, use: dict | None, logprobs: dict | None = None) -> dict:
     # The last chunk of a stream carries only usage, with no choices (OpenAI's stream_options form).
     chunk = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-             "choices": [] if use is not None else [{"index": 0, **choice, "logprobs": None}]}
+             "choices": [] if use is not None else [{"index": 0, **choice, "logprobs": logprobs}]}
     if use is not None:
         chunk["usage"] = use
     return chunk
 
 
-def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None) -> dict:
-    return _chunk(rid, model, "chat.completion.chunk", {"delta": delta, "finish_reason": finish}, use)
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, use: dict | None = None,
+               logprobs: dict | None = None) -> dict:
+    return _chunk(rid, model, "chat.completion.chunk", {"delta": delta, "finish_reason": finish}, use, logprobs)
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None) -> dict:
-    return _chunk(rid, model, "text_completion", {"text": text, "finish_reason": finish}, use)
+def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, use: dict | None = None,
+                     logprobs: dict | None = None) -> dict:
+    return _chunk(rid, model, "text_completion", {"text": text, "finish_reason": finish}, use, logprobs)

@@ -379,7 +379,7 @@ def run(args) -> int:
             ratio = round(batched[16]["steps_served_per_s"] / batched[1]["steps_served_per_s"], 2)
             targets[f"{name}_steps16_vs_lone"], targets[f"{name}_steps16_met"] = ratio, ratio >= 5.0
     report = {
-        "model_id": half.manifest["model_id"], "device": args.device, "dtype": str(next(half.stack.parameters()).dtype),
+        "model_id": half.manifest["model_id"], "device": args.device, "dtype": str(half.stack.compute_dtype),
         "how": (f"Cloud side: this process pinned to core 0, {args.threads} torch thread(s), device {args.device}. "
                 "End to end: server child on core 1 (1 thread) behind the WAN proxy; clients are threads of this "
                 "process on core 0 (1 torch thread), sequential decoding, float16 wire, "

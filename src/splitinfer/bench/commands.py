@@ -234,6 +234,39 @@ def cmd_bench_step(args) -> int:
     return 0
 
 
+def cmd_bench_formats(args) -> int:
+    from .formats import FormatsBenchConfig, run_formats_bench
+
+    config = FormatsBenchConfig(
+        formats=tuple(f for f in args.formats.split(";") if f),
+        rows=tuple(int(x) for x in _floats(args.rows, "--rows")),
+        contexts=tuple(int(x) for x in _floats(args.contexts, "--contexts")),
+        **{f: getattr(args, f) for f in ("prompts", "tokens", "repeats", "cpu", "threads")},
+    )
+    if "float32" not in config.formats:
+        raise ConfigError("bench formats compares against float32: include it in --formats.")
+    report = run_formats_bench(args.model, Path(args.out), config, log=lambda line: print(line, file=sys.stderr))
+    print((Path(args.out) / "formats.md").read_text())
+    return 0 if report else 1
+
+
+def _formats_options(s) -> None:
+    from .formats import FormatsBenchConfig
+
+    d = FormatsBenchConfig()
+    s.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--out", required=True, help="directory for formats.json, formats.md and the prepared shards")
+    s.add_argument("--formats", default=";".join(d.formats),
+                   help="semicolon-separated `prepare --weights` specs (float32 is the reference and must be one)")
+    s.add_argument("--rows", default=_listed(d.rows), help="comma-separated block row counts")
+    s.add_argument("--contexts", default=_listed(d.contexts), help="comma-separated cached rows before the block")
+    add_options(s, FormatsBenchConfig, (
+        Opt("prompts", help="benchmark prompts to generate from"), Opt("tokens", help="new tokens a generation"),
+        Opt("repeats", help="timed rounds after a warm-up round"), Opt("cpu", help="core to pin to (-1: none)"),
+        Opt("threads", help="torch threads"),
+    ))
+
+
 def _bench_options(s) -> None:
     from .runtime import MODES, QUICK, SweepConfig
 
@@ -367,3 +400,8 @@ def register(sub) -> None:
                        "and the memory-bandwidth bound; a release guard on the ratio")
     defer(s, _step_options)
     s.set_defaults(func=cmd_bench_step)
+
+    s = sub.add_parser("formats", help="every weight format side by side: steps against the bytes bound, local-only "
+                       "tok/s against transformers float32, perplexity and agreement with float32")
+    defer(s, _formats_options)
+    s.set_defaults(func=cmd_bench_formats)

@@ -233,7 +233,7 @@ def cmd_serve(args) -> int:
     if args.devices:  # several GPUs of this node: layers placed by memory (model/placement.py)
         from ..model.placement import parse_devices, spread
 
-        device_map = spread(half.stack, parse_devices(args.devices), next(half.stack.parameters()).dtype)
+        device_map = spread(half.stack, parse_devices(args.devices), half.stack.compute_dtype)
         log.info("layer placement: %s", device_map)
     passes = None
     if args.min_pass_ms:  # the fast-cloud benchmark's stand-in for a GPU, never in the server's own pass

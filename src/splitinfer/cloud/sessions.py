@@ -102,7 +102,7 @@ class SessionTable:
         self._lock = threading.Lock()
         device = next(half.stack.parameters()).device
         self._device = device
-        self._dtype = next(half.stack.parameters()).dtype
+        self._dtype = half.stack.compute_dtype
         self.kv_bytes_per_token = half.stack.kv_bytes_per_token()
         self.evictions = 0  # sessions dropped to make room for others
         self.refusals = 0  # steps or sessions refused for lack of room

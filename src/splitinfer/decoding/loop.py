@@ -64,10 +64,14 @@ def decode(
     strategy: Strategy,
     choose: Callable[[torch.Tensor], int] = greedy,
     controller: AheadController | None = None,
+    top_logprobs: int = 0,
 ) -> str:
     """Decode after prefill; `emit(token, logprob)` per token. Returns "stop" or "length".
 
     emit returns True to end decoding after that token ("stop": e.g. its text completed a stop string).
+    top_logprobs > 0: emit is called as `emit(token, logprob, top)`, top being the row's `top_logprobs`
+    likeliest (token, logprob) pairs, likeliest first. Log-probabilities are the model's own (log-softmax
+    of the row that predicted the token, before any temperature or truncation).
 
     prompt_logits: [r, vocab] logits of the prompt's last r rows (r >= 1; the strategy asked for r).
     """
@@ -80,7 +84,12 @@ def decode(
     def emit_all(tokens: list[int], rows: list[torch.Tensor]) -> str | None:
         nonlocal produced
         for token, row in zip(tokens, rows):
-            ended = emit(token, float(torch.log_softmax(row, dim=-1)[token]))
+            logprobs = torch.log_softmax(row, dim=-1)
+            if top_logprobs:
+                values, ids = torch.topk(logprobs, min(top_logprobs, logprobs.numel()))
+                ended = emit(token, float(logprobs[token]), list(zip(ids.tolist(), values.tolist())))
+            else:
+                ended = emit(token, float(logprobs[token]))
             history.append(token)
             produced += 1
             if ended or token in stop_ids:

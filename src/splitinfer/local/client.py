@@ -29,6 +29,7 @@ from ..errors import ConfigError
 from ..model.drafthead import DRAFTER_DIR, HEAD_CONFIG, load_shard_head, read_head_info
 from ..model.manifest import local_weights_are_public, model_identity
 from ..model.shards import LocalHalf, load_local
+from ..public_weights import acknowledged
 from .auth import ClientAuth
 from .conversation import Conversation
 from .failover import FailoverMiddle, ReplicaSet, fetch_replicas, server_list
@@ -46,13 +47,15 @@ PUBLIC_WEIGHTS_WARNING = (
 
 
 def check_local_weights(manifest: dict, allow_public_weights: bool) -> bool:
-    """True when the local weights are stock public ones (and that was allowed); raises when not allowed."""
+    """True when the local weights are stock public ones (and that was allowed, here or once for the shard:
+    public_weights.py); raises when not allowed."""
     public = local_weights_are_public(manifest)
-    if public and not allow_public_weights:
+    if public and not (allow_public_weights or acknowledged(manifest)):
         raise ConfigError(
             "refusing to connect: the local layers are the stock public weights, which let the cloud recover "
-            "your text from what it sees. Make them private with `splitinfer privacy privatize`, or pass "
-            "--allow-public-weights (allow_public_weights=True) to accept that."
+            "your text from what it sees. Make them private with `splitinfer privacy privatize`, or accept that "
+            "once for this shard (`splitinfer prepare --allow-public-weights` records it), or per command with "
+            "--allow-public-weights (allow_public_weights=True)."
         )
     return public
 

@@ -122,11 +122,15 @@ class Conversation:
         stop: tuple[str, ...] = (),
         on_text: Callable[[str], None] | None = None,
         stop_ids: set[int] | None = None,
+        on_token: Callable[[int, float, list[tuple[int, float]]], None] | None = None,
+        top_logprobs: int = 0,
     ) -> Turn:
         """Append `new_ids` to the conversation and generate a reply of at most `max_new_tokens` tokens.
 
         stop: strings that end the reply (cut before them); stop_ids: tokens that end it (default: the
-        model's end-of-sequence tokens).
+        model's end-of-sequence tokens). on_token(token, logprob, top) is called for each generated token
+        before its text goes to on_text; top holds the `top_logprobs` likeliest (token, logprob) pairs of the
+        row that predicted it (empty for 0).
         """
         self._check(new_ids, max_new_tokens)
         if self._stale:
@@ -146,7 +150,7 @@ class Conversation:
             t0 = time.perf_counter()
             logits = self._prefill(to_prefill, strategy.prompt_logits_rows)
             t1 = time.perf_counter()
-            decoded = self._decode(logits, max_new_tokens, stops, text, strategy, sampling)
+            decoded = self._decode(logits, max_new_tokens, stops, text, strategy, sampling, on_token, top_logprobs)
             self.session.pad_exchanges(first_record)  # counted in the decode time: it is what the padding costs
             t2 = time.perf_counter()
             reply = text.finish()
@@ -210,18 +214,20 @@ class Conversation:
         return logits
 
     def _decode(self, logits: torch.Tensor, max_new_tokens: int, stops: set[int], text: TextStream,
-                strategy: Strategy, sampling: SamplingConfig | None) -> _Decoded:
+                strategy: Strategy, sampling: SamplingConfig | None, on_token=None, top_logprobs: int = 0) -> _Decoded:
         tokens: list[int] = []
         logprobs: list[float] = []
 
-        def emit(token: int, logprob: float) -> bool:
+        def emit(token: int, logprob: float, top: list[tuple[int, float]] = ()) -> bool:
             tokens.append(token)
             logprobs.append(logprob)
             self.history.append(token)
+            if on_token is not None:
+                on_token(token, logprob, list(top))
             return text.push(token)
 
         finish = decode(self.session, list(self.history), logits, max_new_tokens, stops, emit, strategy,
-                        make_chooser(sampling))
+                        make_chooser(sampling), top_logprobs=top_logprobs)
         return _Decoded(finish, tokens, logprobs)
 
     def _stats(self, records: list[StepRecord], decoded: _Decoded, strategy: Strategy, decode_s: float,

@@ -35,6 +35,8 @@ def grouped_sdpa(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if getattr(module, "exact_rows", False):
+        return exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs)
     batch, heads, rows, dim = query.shape
     groups = heads // key.shape[1]
     plain = (groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1
@@ -46,6 +48,29 @@ def grouped_sdpa(
     mask = attention_mask[:, :, :, : key.shape[2]].repeat(1, 1, groups, 1)  # row (g, i) sees row i's keys
     out = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None  # [B, q, H, d]
+
+
+def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None]:
+    """Attention whose rows do not depend on the block around them: computed in float64 and rounded back.
+
+    SDPA's float32 result for one query row changes in the last bits with the number of query rows and of
+    (masked) keys beside it, so a tree's row and the same row decoded alone differ; after a bfloat16 or
+    int8 cast of the next product that difference can become a different token. In float64 the two
+    orders differ by ~1e-16 relative, far below float32's rounding step (6e-8), so both round to the same
+    float32 unless a value lies within ~1e-16 of a rounding boundary. Layers with row-invariant products
+    (int8/int4 weights) attend this way; tests/model/test_formats.py checks whole steps bit for bit.
+    """
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("exact-rows attention does not take soft-capping or sink tokens")
+    batch, heads, rows, dim = query.shape  # [B, H, q, d]
+    groups = heads // key.shape[1]
+    wide = torch.float64
+    stacked = query.to(wide).reshape(batch, heads // groups, groups * rows, dim)
+    mask = attention_mask
+    if mask is not None:
+        mask = mask[:, :, :, : key.shape[2]].to(wide).repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(stacked, key.to(wide), value.to(wide), attn_mask=mask, scale=scaling)
+    return out.to(query.dtype).reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
 def install(config: PretrainedConfig) -> None:

@@ -21,7 +21,10 @@ class SplitOptions:
 
     head_layers: int = 2  # k: decoder layers kept local before the cloud
     tail_layers: int = 2  # m: decoder layers kept local after the cloud
-    dtype: str = "float32"  # the weights' dtype in prepared shards
+    dtype: str = "float32"  # the compute dtype of prepared shards (activations, norms, the embedding)
+    # Each part's weight format (model/formats.py): one format, or PART=FORMAT entries (local, cloud, lm_head);
+    # "" stores every weight in `dtype`.
+    weights: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,12 +83,16 @@ def cmd_prepare(args) -> int:
     from .prepare import prepare
     from .source import load_source
 
+    from .formats import WeightFormats
+
     split_range = parse_split_range(args.split_range) if args.split_range else None  # fail before loading
+    weights = WeightFormats.parse(args.weights) if args.weights else None
     with progress(total=2, desc="prepare: loading the model", unit="step") as bar:
         source = load_source(args.model)
         bar.set_description("prepare: writing the shards")
         bar.update(1)
-        out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range)
+        out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range,
+                      weights=weights)
         bar.update(1)
     manifest = json.loads((out / "cloud" / "manifest.json").read_text())
     split = manifest["split"]
@@ -94,9 +101,13 @@ def cmd_prepare(args) -> int:
     print(
         f"prepared {manifest['model_id']}: local layers [0, {high}) + "
         f"[{split['cloud_layers'][1]}, {split['num_layers']}), cloud layers [{split['cloud_layers'][0]}, "
-        f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
+        f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}, weights {weights.spec() if weights else manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
     )
     print(install_shipped_drafter(out / "local"))
+    if args.allow_public_weights:
+        from ..public_weights import RECORDED, acknowledge
+
+        print(RECORDED.format(manifest=acknowledge(out / "local", "splitinfer prepare --allow-public-weights")))
     return 0
 
 
@@ -108,13 +119,16 @@ def cmd_prepare_synthetic(args) -> int:
         raise ConfigError("--synthetic makes random weights in a config's shape; leave out --model.")
     split_range = parse_split_range(args.split_range) if args.split_range else None
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
+    from .formats import WeightFormats
+
+    weights = WeightFormats.parse(args.weights) if args.weights else None
     out = prepare_synthetic(args.synthetic, args.out, args.seed, args.head_layers, args.tail_layers, args.dtype,
-                            args.cloud_dtype, sides, split_range)
+                            args.cloud_dtype, sides, split_range, weights)
     for side in sides:
         manifest = json.loads((out / side / "manifest.json").read_text())
         size = (out / side / "weights.safetensors").stat().st_size
-        print(f"synthetic {side} shard of {manifest['model_id']} (seed {args.seed}, {manifest['dtype']}, "
-              f"{size / 1e9:.2f} GB): {out / side}")
+        print(f"synthetic {side} shard of {manifest['model_id']} (seed {args.seed}, computes in {manifest['dtype']}, "
+              f"weights {', '.join(f'{k}={v}' for k, v in manifest['weights'].items())}, {size / 1e9:.2f} GB): {out / side}")
     print("random weights: for timing (bench step, bench batch); generate, api and chat refuse them")
     return 0
 
@@ -129,8 +143,15 @@ def register(subparsers) -> None:
                         "layers, drawn at random; the local shard holds layers [0, K2), the cloud [K1, N-m)")
     add_options(s, SplitOptions, (
         Opt("tail_layers", help="decoder layers kept local after the cloud (m)"),
-        Opt("dtype", choices=DTYPE_NAMES, help="weights' dtype in the shards"),
+        Opt("dtype", choices=DTYPE_NAMES, help="compute dtype of the shards (activations, norms, embedding)"),
+        Opt("weights", help="weight format of the decoder layers and LM head: float32, bfloat16, int8 or int4, "
+                            "or PART=FORMAT entries for local, cloud, lm_head (e.g. int4,lm_head=int8); "
+                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; default: every weight in --dtype"),
     ))
+    s.add_argument("--allow-public-weights", action="store_true",
+                   help="accept, once for this shard, that its local layers are the stock public weights (the cloud "
+                        "can invert what it sees): recorded in OUT/local/manifest.json, so client commands on it need "
+                        "no --allow-public-weights (they still warn)")
     s.add_argument("--synthetic", metavar="NAME|CONFIG",
                    help="seeded random weights in the shape of a config (a name `bench plan` knows, e.g. "
                         "mistral-7b-v0.1, or a config.json), for timing only: no tokenizer, refused by generate/api/chat")

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from .. import __version__
 from ..errors import ModelError
 from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, sha256_file
+from .formats import PARTS, WeightFormats, int4_state, quantize
 from .source import SourceModel
 from ..wire.frame import default_wire_dtype
 
@@ -45,6 +46,45 @@ def _owners(key: str, split: Split) -> tuple[str, ...]:
     return ("local",)
 
 
+def _parts(source: SourceModel, split: Split, dtype: str, formats: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
+    """{"local": state, "cloud": state}: each shard's tensors, linears in their part's format."""
+    state = source.model.state_dict()
+    tied = bool(getattr(source.config, "tie_word_embeddings", False))
+    blocks = getattr(source, "blocks", None) or {}
+    parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
+    for key, tensor in state.items():
+        if key == "lm_head.weight":
+            continue  # below: its own format, or tied to the embedding
+        for owner in _owners(key, split):
+            fmt = formats[owner]
+            if not _is_layer_linear(source.model, key) or fmt == dtype:
+                # clone: tied or shared storage would make safetensors refuse to save
+                parts[owner][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
+            else:
+                parts[owner].update(stored_linear(key, tensor, fmt, blocks.get(key)))
+    head = state["model.embed_tokens.weight"] if tied else state["lm_head.weight"]
+    if formats["lm_head"] != dtype or not tied:
+        parts["local"].update(stored_linear("lm_head.weight", head, formats["lm_head"], blocks.get("lm_head.weight")))
+    return parts
+
+
+def _is_layer_linear(model: torch.nn.Module, key: str) -> bool:
+    if not (key.startswith("model.layers.") and key.endswith(".weight")):
+        return False
+    return isinstance(model.get_submodule(key[: -len(".weight")]), torch.nn.Linear)
+
+
+def stored_linear(key: str, weight: torch.Tensor, fmt: str, block: tuple | None = None) -> dict[str, torch.Tensor]:
+    """The shard entries of one linear weight ('...q_proj.weight') in `fmt`. `block`: the GGUF's own 4-bit
+    blocks of this weight (q, d, m), kept as they are when `fmt` is int4 instead of quantizing again."""
+    prefix = key[: -len("weight")]
+    if fmt == "int4" and block is not None:
+        state = int4_state(*block)
+    else:
+        state = quantize(weight, fmt)
+    return {prefix + name: value for name, value in state.items()}
+
+
 def prepare(
     source: SourceModel,
     out: str | Path,
@@ -52,10 +92,12 @@ def prepare(
     tail_layers: int = 2,
     dtype: str = "float32",
     split_range: tuple[int, int] | None = None,
+    weights: WeightFormats | None = None,
 ) -> Path:
     """Write OUT/local and OUT/cloud. Returns OUT.
 
     split_range (K1, K2) replaces head_layers: sessions pick their head depth in [K1, K2] (see module doc).
+    weights: each part's weight format (model/formats.py); None stores every weight in `dtype`.
     """
     if dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
@@ -64,15 +106,8 @@ def prepare(
         split = Split(source.config.num_hidden_layers, split_range[0], tail_layers, head_max=split_range[1])
     else:
         split = Split(source.config.num_hidden_layers, head_layers, tail_layers)
-    state = source.model.state_dict()
-    tied = bool(getattr(source.config, "tie_word_embeddings", False))
-    parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
-    for key, tensor in state.items():
-        if tied and key == "lm_head.weight":
-            continue  # the same tensor as the embedding; re-tied on load
-        for owner in _owners(key, split):
-            # clone: tied or shared storage would make safetensors refuse to save
-            parts[owner][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
+    formats = weights.as_dict() if weights is not None else {part: dtype for part in PARTS}
+    parts = _parts(source, split, dtype, formats)
     config = _clean_config(source.config)
 
     cloud_dir, local_dir = out / "cloud", out / "local"
@@ -96,6 +131,7 @@ def prepare(
             "hidden_size": source.config.hidden_size,
             "split": split.as_dict(),
             "dtype": dtype,
+            "weights": formats,
             "wire_dtype": default_wire_dtype(source.config.model_type),  # what clients send unless told
             "files": files[role],
             "cloud_fingerprint": cloud_fp,

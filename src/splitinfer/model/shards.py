@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, PretrainedConfig
 
 from ..errors import ModelError
 from ..kv import KVCache
+from . import formats
 from .keyed_norm import install as install_keyed_norms
 from .manifest import DTYPES, WEIGHTS, read_manifest, sha256_file, split_of
 from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
@@ -50,6 +51,7 @@ class StackView(LayerStack):
         assert 0 <= first <= last <= len(full.layers), (first, last, len(full.layers))
         nn.Module.__init__(self)  # not LayerStack.__init__: it would renumber the shared modules
         self.config, self.rotary, self._cache_kw = full.config, full.rotary, full._cache_kw
+        self.compute_dtype = full.compute_dtype
         self.grad_mode = full.grad_mode  # its sessions' caches are made in the full stack's mode; never compiled
         self.layers = nn.ModuleList(list(full.layers)[first:last])
         self.start, self.end = full.start + first, full.start + last
@@ -158,17 +160,26 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
 
     embed = materialize(model.model.embed_tokens, part("model.embed_tokens."), device, torch_dtype)
     norm = materialize(model.model.norm, part("model.norm."), device, torch_dtype)
-    if getattr(config, "tie_word_embeddings", False):
-        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
-        lm_head = materialize(lm_head, {"weight": weights["model.embed_tokens.weight"]}, device, torch_dtype)
-    else:
-        lm_head = materialize(model.lm_head, part("lm_head."), device, torch_dtype)
+    lm_head = _lm_head(config, model, weights, part("lm_head."), device, torch_dtype)
     head = build_stack(config, model, 0, split.head_range[1], weights, device, torch_dtype)
     tail = build_stack(config, model, split.cloud_end, split.num_layers, weights, device, torch_dtype)
     tokenizer = None
     if manifest.get("has_tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return LocalHalf(manifest, config, embed, head, tail, norm, lm_head, tokenizer)
+
+
+def _lm_head(config, model, weights: dict, stored: dict, device: str, dtype: torch.dtype) -> nn.Module:
+    """The LM head: stored quantized (`prepare --weights lm_head=int8`), or tied to the embedding, or its own."""
+    fmt = formats.stored_format(stored, "")
+    if fmt is not None:
+        with torch.device("meta"):
+            head = formats.QUANT_MODULES[fmt](config.hidden_size, config.vocab_size, bias=False)
+        return materialize(head, stored, device, dtype)
+    if getattr(config, "tie_word_embeddings", False) and not stored:
+        head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+        return materialize(head, {"weight": weights["model.embed_tokens.weight"]}, device, dtype)
+    return materialize(model.lm_head, stored, device, dtype)
 
 
 def load_whole_hf(shards: str | Path) -> nn.Module:

@@ -44,6 +44,8 @@ class SourceModel:
     config: PretrainedConfig
     model: torch.nn.Module  # the whole HF model, float32 on CPU
     tokenizer: object | None
+    # A GGUF's own 4-bit blocks, {HF key: (q, d, m)} (model/gguf_blocks.py): `prepare --weights int4` keeps them.
+    blocks: dict | None = None
 
 
 def load_source(path: str | Path | None = None) -> SourceModel:
@@ -73,4 +75,9 @@ def load_source(path: str | Path | None = None) -> SourceModel:
     except (OSError, ValueError, TypeError) as exc:
         log.warning("no tokenizer found with %s (%s); the shards will work on token ids only", path, exc)
         tokenizer = None
-    return SourceModel(model_id=model_id, config=model.config, model=model.eval(), tokenizer=tokenizer)
+    blocks = None
+    if path.suffix == ".gguf":
+        from .gguf_blocks import read_blocks
+
+        blocks = read_blocks(path, model.state_dict(), model.config)
+    return SourceModel(model_id=model_id, config=model.config, model=model.eval(), tokenizer=tokenizer, blocks=blocks)

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..errors import ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
+from . import formats
 from .attention import install as install_attention
 from .rows import use_row_kernels
 
@@ -57,15 +58,38 @@ def skeleton(config: PretrainedConfig) -> nn.Module:
 
 def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> nn.Module:
     """Allocate `module` on `device` and load exactly `weights` into it (strict: no missing, no extra)."""
-    module = module.to_empty(device=device)
+    formats.install(module, weights)  # int8/int4 linears: the modules that multiply by them
+    module = module.to_empty(device=device).to(dtype)
     expected = set(module.state_dict())
     if set(weights) != expected:
         missing = sorted(expected - set(weights))[:5]
         extra = sorted(set(weights) - expected)[:5]
         raise ModelError(f"shard weights do not match the model structure (missing {missing}, unexpected {extra}).")
-    module.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=True)
+    kept = _kept_dtypes(module, weights, dtype)
+    state = {k: v.to(device) if k in kept else v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    module.load_state_dict(state, strict=True, assign=True)  # assign: kept tensors keep their dtype
+    for name in kept:
+        owner = module.get_submodule(name.rpartition(".")[0])
+        if type(owner) is nn.Linear:
+            owner.__class__ = formats.CastLinear
     _restore_buffers(module)
-    return use_row_kernels(module.to(dtype).eval().requires_grad_(False))
+    formats.finish(module, device)
+    return use_row_kernels(module.eval().requires_grad_(False))
+
+
+def _kept_dtypes(module: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """{state key: stored dtype} for the tensors not cast to the compute dtype: a quantized linear's state,
+    and the bfloat16 weight of a linear in a model that computes in float32 (`prepare --weights bfloat16`)."""
+    kept = {}
+    for key, value in weights.items():
+        owner_name = key.rpartition(".")[0]
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if isinstance(owner, formats.QuantLinear):
+            kept[key] = value.dtype
+        elif (type(owner) is nn.Linear and key.endswith("weight") and value.dtype == torch.bfloat16
+              and dtype == torch.float32):
+            kept[key] = value.dtype
+    return kept
 
 
 def _restore_buffers(module: nn.Module) -> None:
@@ -133,6 +157,7 @@ class LayerStack(nn.Module):
         self.windows = [layer_window(config, start + i) for i in range(len(layers))]
         self.rope_keys = [layer_rope_key(config, rotary, start + i) for i in range(len(layers))]
         self._cache_kw = cache_keyword(self.layers[0]) if len(self.layers) else "cache"
+        self.compute_dtype = compute_dtype(self.layers)
         self.refresh_devices()
 
     def refresh_devices(self) -> None:
@@ -150,7 +175,7 @@ class LayerStack(nn.Module):
     def kv_bytes_per_token(self) -> int:
         """Key + value bytes one token occupies over all layers of this stack (the KV budget's unit)."""
         kv_heads, head_dim = self.kv_heads_and_dim()
-        item = next(self.parameters()).element_size() if len(self.layers) else 0
+        item = self.compute_dtype.itemsize if len(self.layers) else 0
         return len(self.layers) * 2 * kv_heads * head_dim * item
 
     # The autograd mode every pass runs under: inference mode, or no_grad once `compile_passes` is on
@@ -171,7 +196,7 @@ class LayerStack(nn.Module):
         self.grad_mode = torch.no_grad
         self.compile_rows = min_rows
         kv_heads, head_dim = self.kv_heads_and_dim()
-        dtype = next(self.parameters()).dtype
+        dtype = self.compute_dtype
         self._empty_keys = torch.empty((1, kv_heads, 0, head_dim), dtype=dtype)
         self._compiled = torch.compile(self._pass, dynamic=True, options={"freezing": True})
 
@@ -235,6 +260,16 @@ class LayerStack(nn.Module):
         return hidden
 
 
+def compute_dtype(layers) -> torch.dtype:
+    """The dtype activations and the KV cache are in: the norms' (a linear's weight may be stored in
+    another format, model/formats.py)."""
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            if "norm" in name:
+                return param.dtype
+    return next((p.dtype for layer in layers for p in layer.parameters()), torch.float32)
+
+
 def dynamic_rows(hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict) -> tuple:
     """A compiled pass's inputs with their row and key counts marked dynamic (one graph for every size, not
     one per size seen first), as ordinary tensors (an inference tensor's other dispatch keys would be a
@@ -262,6 +297,9 @@ def build_stack(
     for i in range(start, end):
         prefix = f"model.layers.{i}."
         layer_weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-        layers.append(materialize(model.model.layers[i], layer_weights, device, dtype))
+        layer = materialize(model.model.layers[i], layer_weights, device, dtype)
+        # Row-invariant products (int8/int4) need row-invariant attention to keep speculation exact.
+        layer.self_attn.exact_rows = any(isinstance(m, formats.QuantLinear) for m in layer.modules())
+        layers.append(layer)
     rotary = type(model.model.rotary_emb)(config=config).to(device)
     return LayerStack(config, layers, start, rotary).eval()

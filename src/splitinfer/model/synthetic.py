@@ -36,8 +36,9 @@ import torch
 from .. import __version__
 from ..errors import ModelError
 from ..wire.frame import default_wire_dtype
+from .formats import WeightFormats, quantize
 from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, read_manifest
-from .prepare import _clean_config, _owners
+from .prepare import _clean_config, _is_layer_linear, _owners
 from .stack import config_from_dict, skeleton
 
 SIDES = ("local", "cloud")
@@ -143,6 +144,27 @@ def float_entries(key: str, shape: tuple[int, ...], dtype: torch.dtype, pool: Va
     return [Stored(key, dtype, shape, lambda: tensor_chunks(key, shape, dtype, pool))]
 
 
+def weight_entries(key: str, shape: tuple[int, ...], fmt: str, pool: ValuePool) -> list[Stored]:
+    """A linear weight [N, K] stored in `fmt` (model/formats.py): a float weight, or the integer state
+    `quantize` makes of the pool's values, built chunk by chunk of rows (both integer formats scale per
+    row) and held for one weight at a time."""
+    if fmt in DTYPES:
+        return float_entries(key, shape, DTYPES[fmt], pool)
+    n, k = shape
+    probe = quantize(torch.ones(1, k), fmt)  # the stored tensors' names, dtypes and per-row shapes
+    state: dict[str, torch.Tensor] = {}
+
+    def chunks(name: str):
+        if not state:
+            pieces = [quantize(c.view(-1, k), fmt) for c in tensor_chunks(key, shape, torch.float32, pool)]
+            state.update({part: torch.cat([p[part] for p in pieces]) for part in probe})
+        yield state.pop(name).reshape(-1)
+
+    prefix = key[: -len("weight")]
+    return [Stored(prefix + name, t.dtype, (n, *t.shape[1:]), lambda name=name: chunks(name))
+            for name, t in sorted(probe.items())]
+
+
 def write_safetensors(path: Path, entries: list[Stored]) -> str:
     """Write `entries` to a safetensors file, header first (offsets from the shapes), then each tensor's
     chunks in the same order; its sha256, computed on the way."""
@@ -170,6 +192,25 @@ def write_safetensors(path: Path, entries: list[Stored]) -> str:
     return digest.hexdigest()
 
 
+def side_entries(shapes: dict[str, tuple[int, ...]], side: str, dtype: str, formats: dict[str, str], model,
+                 pool: ValuePool) -> list[Stored]:
+    """One shard's stored tensors, as prepare.py's `_parts` lays them out: decoder-layer linears in the side's
+    format, the LM head in its own (stored for a tied model too when its format is not the compute dtype),
+    everything else in the compute dtype."""
+    entries = []
+    for key in sorted(shapes):
+        if key == "lm_head.weight":
+            entries += weight_entries(key, shapes[key], formats["lm_head"], pool)
+        elif _is_layer_linear(model, key) and formats[side] != dtype:
+            entries += weight_entries(key, shapes[key], formats[side], pool)
+        else:
+            entries += float_entries(key, shapes[key], DTYPES[dtype], pool)
+    tied_head = side == "local" and "lm_head.weight" not in shapes and formats["lm_head"] != dtype
+    if tied_head:
+        entries += weight_entries("lm_head.weight", shapes["model.embed_tokens.weight"], formats["lm_head"], pool)
+    return entries
+
+
 def prepare_synthetic(
     name_or_path: str,
     out: str | Path,
@@ -180,14 +221,16 @@ def prepare_synthetic(
     cloud_dtype: str | None = None,
     sides: tuple[str, ...] = SIDES,
     split_range: tuple[int, int] | None = None,
+    weights: WeightFormats | None = None,
 ) -> Path:
     """Write OUT/local and/or OUT/cloud with seeded random weights in the shape of the config. Returns OUT.
 
-    dtype: the local shard's weights (and the cloud's unless cloud_dtype); sides: which shards to write."""
+    dtype: the local shard's compute dtype (and the cloud's unless cloud_dtype); weights: each part's weight
+    format (model/formats.py; None: every weight in its shard's compute dtype); sides: which shards to write."""
     cloud_dtype = cloud_dtype or dtype
     for name in (dtype, cloud_dtype):
         if name not in DTYPES:
-            raise ModelError(f"synthetic shards are written in {', '.join(DTYPES)}, not {name!r}.")
+            raise ModelError(f"synthetic shards compute in {', '.join(DTYPES)}, not {name!r}.")
     if not sides or any(s not in SIDES for s in sides):
         raise ModelError(f"--sides takes local, cloud or both (local,cloud); got {','.join(sides) or 'none'}.")
     label, data = synthetic_config(name_or_path)
@@ -195,46 +238,36 @@ def prepare_synthetic(
     layers = config.num_hidden_layers
     split = (Split(layers, split_range[0], tail_layers, head_max=split_range[1]) if split_range
              else Split(layers, head_layers, tail_layers))
-    shapes = tensor_layout(config)
+    formats = weights.as_dict() if weights is not None else {"local": dtype, "cloud": cloud_dtype, "lm_head": dtype}
     parts: dict[str, dict] = {side: {} for side in SIDES}
-    for key, shape in shapes.items():
+    for key, shape in tensor_layout(config).items():
         for owner in _owners(key, split):
             parts[owner][key] = shape
     config_text = json.dumps(_clean_config(config), indent=2, sort_keys=True)
     config_sha = hashlib.sha256(config_text.encode()).hexdigest()
-    model_id = f"synthetic/{label}"
-    source = {"config": label, "seed": seed, "config_sha256": config_sha}
+    identity = {"config.json": config_sha, "synthetic_seed": str(seed), "cloud_weights": formats["cloud"]}
     # Not over the cloud file: made the same way, a local and a cloud shard match wherever each was written.
-    cloud_fp = fingerprint(model_id, split, cloud_dtype, {"config.json": config_sha, "synthetic_seed": str(seed)})
-    pool = ValuePool(seed, float(getattr(config, "initializer_range", 0.02) or 0.02))
-    out = Path(out)
+    cloud_fp = fingerprint(f"synthetic/{label}", split, cloud_dtype, identity)
+    model, pool = skeleton(config), ValuePool(seed, float(getattr(config, "initializer_range", 0.02) or 0.02))
     for side in sides:
         side_dtype = dtype if side == "local" else cloud_dtype
-        directory = out / side
+        directory = Path(out) / side
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(config_text)
-        entries = [e for key in sorted(parts[side]) for e in float_entries(key, parts[side][key], DTYPES[side_dtype], pool)]
-        weights_sha = write_safetensors(directory / WEIGHTS, entries)
+        weights_sha = write_safetensors(directory / WEIGHTS, side_entries(parts[side], side, side_dtype, formats, model, pool))
         manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "role": side,
-            "model_id": model_id,
-            "architecture": (config.architectures or [type(skeleton(config)).__name__])[0],
-            "model_type": config.model_type,
-            "hidden_size": config.hidden_size,
-            "split": split.as_dict(),
-            "dtype": side_dtype,
+            "format": FORMAT, "format_version": FORMAT_VERSION, "role": side, "model_id": f"synthetic/{label}",
+            "architecture": (config.architectures or [type(model).__name__])[0], "model_type": config.model_type,
+            "hidden_size": config.hidden_size, "split": split.as_dict(), "dtype": side_dtype, "weights": formats,
             "wire_dtype": default_wire_dtype(config.model_type),
-            "files": {WEIGHTS: weights_sha, "config.json": config_sha},
-            "cloud_fingerprint": cloud_fp,
+            "files": {WEIGHTS: weights_sha, "config.json": config_sha}, "cloud_fingerprint": cloud_fp,
             "has_tokenizer": False,
             "synthetic": True,  # random weights: for timing only (module docstring)
-            "synthetic_source": source,
+            "synthetic_source": {"config": label, "seed": seed, "config_sha256": config_sha},
             "created_by": f"splitinfer {__version__}",
         }
         (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    return out
+    return Path(out)
 
 
 def is_synthetic(manifest: dict) -> bool:

@@ -155,6 +155,11 @@ def _basis(shards: Path, out: Path, args) -> int:
         gap = (model(ids).logits - keyed(ids).logits).abs().max().item()
     record["self_check_max_logit_difference"] = gap
     _, head_note = write_basis_shards(keyed, secret, shards, out, record)
+    if args.allow_public_weights:  # the host can undo the key, so client commands still need the acceptance
+        from ..public_weights import RECORDED, acknowledge
+
+        head_note += "\n" + RECORDED.format(
+            manifest=acknowledge(out / "local", "splitinfer privacy privatize --basis --allow-public-weights"))
     print(
         f"wrote {out} (local and cloud shards in a secret residual basis, {config.key} key, "
         f"{time.perf_counter() - started:.1f} s; "
@@ -298,6 +303,9 @@ def register(subparsers) -> None:
     s.add_argument("--text", nargs="+", help="the organisation's own text: files or directories")
     s.add_argument("--basis", action="store_true",
                    help="instead: rewrite both shards under a secret key (same outputs; new cloud shard)")
+    s.add_argument("--allow-public-weights", action="store_true",
+                   help="with --basis: accept once for the keyed shard that its host can undo the key and invert what "
+                        "it sees (recorded in OUT/local/manifest.json; client commands then need no flag and still warn)")
     s.add_argument("--threads", type=int, help="torch intra-op threads")
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)

@@ -1,0 +1,300 @@
+"""`splitinfer bench formats`: every weight format side by side in one run, against its bytes bound, plain
+transformers float32, and float32's own text.
+
+The model is prepared once per format (`prepare --weights FORMAT`, model/formats.py) into OUT/shards/, and
+then, in one process on one pinned core:
+
+- **steps**: each side's compute for a block of q rows on c cached rows (the cloud's middle layers; the
+  local head and tail layers, final norm and LM head), median ms, beside the side's bytes bound (its
+  stored weights once plus the keys and values it reads, over this thread's measured bandwidth);
+- **generations**: local-only sequential greedy decoding (the whole model in this process) in each format
+  and plain transformers float32 greedy decoding with its own cache, decode ms per token, every
+  configuration once per prompt per round in a shuffled order, medians of paired ratios;
+- **quality**: perplexity of held-out text (the packaged prompt files, data/heldout.jsonl and prompts.jsonl,
+  read as plain text)
+  and agreement with float32's greedy replies: identical replies, and where one differs, its first
+  differing token and float32's top-1 minus top-2 logit there (a small margin is a near-tie, not an error);
+- **exactness**: each format's tree (no draft head) output against its own sequential output.
+
+JSON and a Markdown table with the command line go to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import __version__
+from ..model.formats import WeightFormats
+from ..tables import table
+from .machine import bandwidth_gbps, cpu_flags
+
+
+@dataclass(frozen=True)
+class FormatsBenchConfig:
+    formats: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "int4,lm_head=int8")  # --weights specs
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # block rows q of the step timings
+    contexts: tuple[int, ...] = (64, 512)  # cached rows before a timed block
+    prompts: int = 5  # benchmark prompts generated from (bench/prompts.jsonl order)
+    tokens: int = 64  # new tokens a generation
+    repeats: int = 5  # timed rounds after one warm-up round
+    cpu: int = 0  # core to pin to (-1: none)
+    threads: int = 1  # torch threads
+
+
+def prepare_all(model: str | None, out: Path, specs: tuple[str, ...], log) -> dict[str, Path]:
+    """{spec: OUT/shards/<spec>}: the model read once and prepared in each format."""
+    from ..model.prepare import prepare
+    from ..model.source import load_source
+
+    source = load_source(model)
+    dirs = {}
+    for spec in specs:
+        dirs[spec] = out / "shards" / spec.replace(",", "+").replace("=", "-")
+        prepare(source, dirs[spec], weights=WeightFormats.parse(spec))
+        log(f"prepared {spec} in {dirs[spec]}")
+    return dirs
+
+
+def stored_bytes(modules) -> int:
+    """Bytes a step streams for these modules' weights: parameters and persistent buffers, as stored."""
+    seen, total = set(), 0
+    for module in modules:
+        for t in list(module.parameters()) + [b for _, b in module.named_buffers()]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+class Step:
+    """One side of one format at one context: `run(q)` times a block of q rows on the prefilled cache."""
+
+    def __init__(self, stacks, tail, context: int, inputs: torch.Tensor):
+        self.stacks, self.tail, self.context, self.inputs = stacks, tail, context, inputs
+        self.caches = [s.new_cache() for s in stacks]
+        hidden = inputs[:, :context]
+        with torch.inference_mode():
+            for stack, cache in zip(stacks, self.caches):
+                hidden = stack(hidden, torch.arange(context), np.tril(np.ones((context, context), bool)), cache)
+                cache.commit_all()
+        kv = sum(s.kv_bytes_per_token() for s in stacks) * context
+        self.bytes = stored_bytes(list(stacks) + list(tail or ())) + kv
+
+    @torch.inference_mode()
+    def run(self, q: int) -> float:
+        hidden = self.inputs[:, self.context : self.context + q]
+        t0 = time.perf_counter()
+        for stack, cache in zip(self.stacks, self.caches):
+            hidden = stack(hidden, torch.arange(self.context, self.context + q), np.tril(np.ones((q, q), bool)), cache)
+            cache.truncate(cache.length)
+        if self.tail is not None:
+            hidden = self.tail[1](self.tail[0](hidden))
+        return (time.perf_counter() - t0) * 1e3
+
+
+def build_steps(dirs: dict[str, Path], config: FormatsBenchConfig) -> dict[tuple, Step]:
+    """{(spec, side, context): Step} on real activations (bench/step.py's `real_inputs`)."""
+    from ..model.shards import load_cloud, load_local
+    from .step import real_inputs
+
+    steps = {}
+    for spec, shards in dirs.items():
+        local, cloud = load_local(shards / "local", verify=False), load_cloud(shards / "cloud", verify=False)
+        embedded, activations = real_inputs(local, max(config.contexts) + max(config.rows))
+        for context in config.contexts:
+            steps[(spec, "cloud", context)] = Step([cloud.stack], None, context, activations)
+            steps[(spec, "local", context)] = Step([local.head, local.tail], (local.norm, local.lm_head), context, embedded)
+    return steps
+
+
+def time_steps(steps: dict[tuple, Step], rows: tuple[int, ...], repeats: int) -> dict[tuple, float]:
+    """{(spec, side, context, q): median ms}, every configuration once a round, shuffled; round 0 dropped."""
+    configs = [(key, q) for key in steps for q in rows]
+    times: dict[tuple, list[float]] = {(*key, q): [] for key, q in configs}
+    rng = random.Random(0)
+    for round_ in range(repeats + 1):
+        rng.shuffle(configs)
+        for key, q in configs:
+            ms = steps[key].run(q)
+            if round_:
+                times[(*key, q)].append(ms)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def step_rows(steps, medians, gbps: float) -> list[dict]:
+    rows = []
+    for (spec, side, context, q), ms in sorted(medians.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0], kv[0][3])):
+        bound = steps[(spec, side, context)].bytes / gbps / 1e6
+        rows.append({"format": spec, "side": side, "context": context, "rows": q, "ms": round(ms, 3),
+                     "bytes": steps[(spec, side, context)].bytes, "bound_ms": round(bound, 3),
+                     "over_bound": round(ms / bound, 2)})
+    return rows
+
+
+def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: FormatsBenchConfig, log) -> dict:
+    """Sequential local-only greedy decoding per format and transformers float32, decode ms per token."""
+    from ..inprocess import local_only_client
+    from ..model.shards import load_whole_hf
+    from .step import _decode_ms_per_token, greedy_transformers
+
+    clients = {spec: local_only_client(path, drafter="off") for spec, path in dirs.items()}
+    whole = load_whole_hf(dirs["float32"])
+    names = list(clients) + ["transformers"]
+    runs, texts = [], {}
+    rng = random.Random(1)
+    for round_ in range(config.repeats + 1):
+        for pid, ids in prompts.items():
+            rng.shuffle(names)
+            timed = {}
+            for name in names:
+                if name == "transformers":
+                    out, timed[name] = greedy_transformers(whole, ids, config.tokens)
+                else:
+                    g = clients[name].generate(ids, config.tokens, strategy="sequential", stop_ids=set())
+                    out, timed[name] = g.token_ids, _decode_ms_per_token(g)
+                texts[(name, pid)] = out
+            if round_:
+                runs.append({"prompt_id": pid, "round": round_, **{k: round(v, 3) for k, v in timed.items()}})
+        log(f"generations: round {round_} of {config.repeats} done")
+    summary = {}
+    for name in clients:
+        ms = statistics.median(r[name] for r in runs)
+        paired = statistics.median(r["transformers"] / r[name] for r in runs)
+        summary[name] = {"ms_per_token": round(ms, 2), "tok_s": round(1e3 / ms, 1),
+                         "speedup_vs_transformers_f32": round(paired, 2)}
+    t = statistics.median(r["transformers"] for r in runs)
+    summary["transformers"] = {"ms_per_token": round(t, 2), "tok_s": round(1e3 / t, 1)}
+    return {"runs": runs, "summary": summary, "replies": {f"{n}|{p}": ids for (n, p), ids in texts.items()}}
+
+
+def quality(dirs: dict[str, Path], prompts: dict[str, list[int]], replies: dict, tokenizer_text: list[str]) -> dict:
+    """Perplexity of the held-out text and agreement with float32's greedy replies, per format."""
+    from ..model.shards import load_cloud, load_local
+
+    result = {}
+    reference = _Whole(load_local(dirs["float32"] / "local"), load_cloud(dirs["float32"] / "cloud"))
+    held_ids = [reference.local.tokenizer(t)["input_ids"] for t in tokenizer_text]
+    for spec, path in dirs.items():
+        model = _Whole(load_local(path / "local"), load_cloud(path / "cloud"))
+        nll = [model.nll(ids) for ids in held_ids]
+        tokens = sum(len(ids) - 1 for ids in held_ids)
+        agree = []
+        for pid, prompt in prompts.items():
+            ref, got = replies[f"float32|{pid}"], replies[f"{spec}|{pid}"]
+            first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            entry = {"prompt_id": pid, "identical": ref == got, "first_divergence": first}
+            if first is not None:
+                top = reference.logits(prompt + ref[:first + 1])[len(prompt) - 1 + first].topk(2).values
+                entry["float32_top2_margin"] = round(float(top[0] - top[1]), 4)
+            agree.append(entry)
+        result[spec] = {"perplexity": round(float(np.exp(sum(nll) / tokens)), 4), "heldout_tokens": tokens,
+                        "identical_replies": f"{sum(a['identical'] for a in agree)} of {len(agree)}",
+                        "replies": agree}
+    base = result["float32"]["perplexity"]
+    for spec in result:
+        result[spec]["perplexity_vs_float32"] = round(result[spec]["perplexity"] / base - 1, 4)
+    return result
+
+
+class _Whole:
+    """A prepared model's halves chained in one process: logits of every row of a sequence."""
+
+    def __init__(self, local, cloud):
+        self.local, self.cloud = local, cloud
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        n = len(ids)
+        allowed, positions = np.tril(np.ones((n, n), bool)), torch.arange(n)
+        hidden = self.local.embed(torch.tensor([ids]))
+        for stack in (self.local.head, self.cloud.stack, self.local.tail):
+            hidden = stack(hidden, positions, allowed, stack.new_cache())
+        return self.local.logits(hidden)
+
+    def nll(self, ids: list[int]) -> float:
+        logp = torch.log_softmax(self.logits(ids)[:-1].double(), dim=-1)
+        return float(-logp.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+
+
+def exactness(dirs: dict[str, Path], prompts: dict[str, list[int]], replies: dict, tokens: int) -> dict:
+    """Each format's tree (no draft head) reply against its own sequential reply, per prompt."""
+    from ..inprocess import local_only_client
+
+    out = {}
+    for spec, path in dirs.items():
+        client = local_only_client(path, drafter="off")
+        same = [client.generate(ids, tokens, strategy="tree-nohead", stop_ids=set()).token_ids == replies[f"{spec}|{pid}"]
+                for pid, ids in prompts.items()]
+        out[spec] = f"{sum(same)} of {len(same)}"
+    return out
+
+
+def run(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> dict:
+    from ..inprocess import local_only_client
+    from .runtime import load_prompts
+
+    if config.cpu >= 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {config.cpu})
+    torch.set_num_threads(config.threads)
+    dirs = prepare_all(model, out, config.formats, log)
+    gbps = bandwidth_gbps()
+    log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
+    steps = build_steps(dirs, config)
+    medians = time_steps(steps, config.rows, config.repeats)
+    step_table = step_rows(steps, medians, gbps)
+    del steps
+    encoder = local_only_client(dirs["float32"], drafter="off")
+    prompts = {p["id"]: encoder.encode_prompt(p["prompt"], p.get("chat", True))
+               for p in load_prompts(None, 1)[: config.prompts]}
+    gen = generations(dirs, prompts, config, log)
+    data = resources.files("splitinfer.data")
+    heldout = [json.loads(line)["prompt"] for name in ("heldout.jsonl", "prompts.jsonl")
+               for line in data.joinpath(name).read_text().splitlines() if line.strip()]
+    return {
+        "command": "splitinfer " + shlex.join(sys.argv[1:]), "version": __version__, "config": asdict(config),
+        "machine": {"cpu_flags": cpu_flags(), "bandwidth_gbps": round(gbps, 2), "threads": config.threads,
+                    "pinned_cpu": config.cpu},
+        "steps": step_table, "generations": gen["summary"], "generation_runs": gen["runs"],
+        "quality": quality(dirs, prompts, gen["replies"], heldout),
+        "tree_equals_sequential": exactness(dirs, prompts, gen["replies"], config.tokens),
+    }
+
+
+def markdown(report: dict) -> str:
+    gen, quality_, exact = report["generations"], report["quality"], report["tree_equals_sequential"]
+    lines = [f"Command: `{report['command']}`", "",
+             f"One thread pinned to one core; bandwidth {report['machine']['bandwidth_gbps']} GB/s; "
+             f"{report['config']['prompts']} prompts x {report['config']['tokens']} tokens, "
+             f"{report['config']['repeats']} rounds (medians).", ""]
+    rows = [[spec, gen[spec]["tok_s"], gen[spec]["ms_per_token"], gen[spec]["speedup_vs_transformers_f32"],
+             quality_[spec]["perplexity"], f"{quality_[spec]['perplexity_vs_float32']:+.2%}",
+             quality_[spec]["identical_replies"], exact[spec]] for spec in exact]
+    rows.append(["transformers float32", gen["transformers"]["tok_s"], gen["transformers"]["ms_per_token"], 1.0,
+                 "", "", "", ""])
+    lines += (table(["weights", "local-only tok/s", "ms/token", "x transformers f32", "perplexity",
+                        "vs float32", "replies = float32's", "tree = sequential"], rows))
+    lines += ["", "Steps (ms, median) against the bytes bound (stored weights + KV read / bandwidth):", ""]
+    step = [[r["side"], r["context"], r["format"], r["rows"], r["ms"], r["bound_ms"], r["over_bound"]]
+            for r in report["steps"]]
+    lines += table(["side", "cached", "weights", "rows", "ms", "bound ms", "x bound"], step)
+    return "\n".join(lines) + "\n"
+
+
+def run_formats_bench(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    report = run(model, out, config, log)
+    (out / "formats.json").write_text(json.dumps(report, indent=1))
+    (out / "formats.md").write_text(markdown(report))
+    return report

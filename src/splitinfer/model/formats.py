@@ -1,0 +1,267 @@
+"""Weight formats: how a shard stores its linear layers and which CPU kernel multiplies by them.
+
+A decode step streams every weight once, so its floor is the weights' bytes over memory bandwidth. A
+shard's decoder layers and LM head are each stored in one of four formats:
+
+    float32   4 bytes a weight; nn.Linear (model/rows.py's packed kernel from four rows)
+    bfloat16  2 bytes a weight; nn.Linear in bfloat16, its input and output cast around it
+    int8      1 byte a weight, one float32 scale per output row; the input is quantized per row to int8
+              (symmetric, scale = max |x| / 127) and multiplied by `torch._int_mm` (VNNI on x86): integer
+              accumulation, so every row gets the same bits whatever else is in the block
+    int4      half a byte a weight in groups of 32 along the input, each with a scale and a minimum
+              (GGUF's Q4_1 layout: w = d * q + m, q in 0..15); PyTorch's `_weight_int4pack_mm_for_cpu`
+              on bfloat16 inputs (a float kernel: its row invariance is tested bitwise, tests/model/
+              test_formats.py, not assumed)
+
+Integer formats keep their state under `qweight`, `scale` (and `min` for int4) in the shard, and the
+module that multiplies by them is swapped in when the shard is loaded (`install`). Only the CPU has
+these kernels here; a quantized shard refuses to load on another device with a sentence saying what to
+prepare instead. This module knows nothing of GGUF files (model/gguf_blocks.py reads their blocks) nor of
+shards (model/prepare.py chooses a format per part).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError, ModelError
+
+FORMATS = ("float32", "bfloat16", "int8", "int4")
+PARTS = ("local", "cloud", "lm_head")  # local decoder layers, cloud decoder layers, the LM head
+GROUP = 32  # int4 group size along the input dimension (GGUF's Q4_0/Q4_1 block)
+QUANTIZED = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class WeightFormats:
+    """The format of each part of a prepared model (`prepare --weights`)."""
+
+    local: str = "float32"  # decoder layers on the trusted side
+    cloud: str = "float32"  # decoder layers on the untrusted side
+    lm_head: str = "float32"  # the LM head (the embedding itself is always stored as float: one row a token)
+
+    def __post_init__(self):
+        for part in PARTS:
+            if getattr(self, part) not in FORMATS:
+                raise ConfigError(f"--weights: {part} format {getattr(self, part)!r} is not one of {', '.join(FORMATS)}.")
+
+    @classmethod
+    def parse(cls, text: str) -> "WeightFormats":
+        """'int8' (every part), or entries 'FORMAT' and 'PART=FORMAT' separated by commas, later ones
+        winning: 'int4,lm_head=int8' -> layers int4 on both sides, LM head int8."""
+        chosen: dict[str, str] = {}
+        for entry in (e.strip() for e in text.split(",")):
+            part, sep, fmt = entry.partition("=")
+            if not sep:
+                chosen.update({p: entry for p in PARTS})
+            elif part.strip() in PARTS:
+                chosen[part.strip()] = fmt.strip()
+            else:
+                raise ConfigError(f"--weights: {part.strip()!r} is not a part; name one of {', '.join(PARTS)} "
+                                  f"(e.g. --weights int4,lm_head=int8).")
+        missing = [p for p in PARTS if p not in chosen]
+        if missing:
+            raise ConfigError(f"--weights {text!r} leaves {', '.join(missing)} unset; start with a format for "
+                              "every part (e.g. --weights int8,cloud=int4).")
+        return cls(**chosen)
+
+    def as_dict(self) -> dict:
+        return {part: getattr(self, part) for part in PARTS}
+
+    def spec(self) -> str:
+        """The shortest `--weights` text for these formats."""
+        values = set(self.as_dict().values())
+        if len(values) == 1:
+            return self.local
+        return ",".join(f"{part}={fmt}" for part, fmt in self.as_dict().items())
+
+
+# --- quantizing float weights -------------------------------------------------------------------------
+
+
+def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """weight [N, K] float -> {qweight int8 [N, K], scale float32 [N]}: symmetric, per output row."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return {"qweight": q.contiguous(), "scale": scale.contiguous()}
+
+
+def quantize_int4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """weight [N, K] float -> int4 state with groups of 32 along K (Q4_1's recipe: d = (max - min) / 15,
+    m = min, q = round((w - m) / d))."""
+    n, k = weight.shape
+    check_int4_shape(n, k)
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = w.amin(dim=2), w.amax(dim=2)
+    d = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((w - low[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return int4_state(q, d, low)
+
+
+def int4_state(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> dict[str, torch.Tensor]:
+    """q uint8 [N, K] in 0..15, d and m [N, K / 32] -> the stored int4 state (two values a byte, the even
+    column in the low nibble)."""
+    q = q.to(torch.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    return {"qweight": packed, "scale": d.float().contiguous(), "min": m.float().contiguous()}
+
+
+def check_int4_shape(n: int, k: int) -> None:
+    if k % GROUP:
+        raise ModelError(f"int4 needs an input size divisible by {GROUP}; this layer has {k}. Use int8 or bfloat16.")
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """The state a linear weight [N, K] is stored as in `fmt` (float formats: {'weight': cast})."""
+    if fmt == "int8":
+        return quantize_int8(weight)
+    if fmt == "int4":
+        return quantize_int4(weight)
+    return {"weight": weight.detach().to(getattr(torch, fmt)).contiguous().clone()}
+
+
+def dequantize(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight [N, K] a stored state stands for (reference computations, tests)."""
+    if "min" in state:
+        packed = state["qweight"]
+        q = torch.stack((packed & 0xF, packed >> 4), dim=2).reshape(packed.shape[0], -1).float()
+        n, k = q.shape
+        w = q.reshape(n, k // GROUP, GROUP) * state["scale"][..., None] + state["min"][..., None]
+        return w.reshape(n, k)
+    if "qweight" in state:
+        return state["qweight"].float() * state["scale"][:, None]
+    return state["weight"].float()
+
+
+# --- the modules that multiply ------------------------------------------------------------------------
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (int8 [M, K], float32 scale [M, 1]), each row on its own scale."""
+    x = x.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+class QuantLinear(nn.Module):
+    """What the integer linears share: `weight`, the float32 weight they stand for (computed on each read:
+    for readers outside the step, such as a draft head copying rows of the LM head)."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(dict(self.named_buffers()))
+
+
+class Int8Linear(QuantLinear):
+    """y = x W^T with W int8 per output row and x quantized per row: integer products, float epilogue."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
+        self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
+
+    def finish(self) -> None:
+        """Ready the kernel's operands after the state is loaded: the weight as [K, N] (a view)."""
+        self._qweight_t = self.qweight.t()
+        self._scale = self.scale.float()[None, :]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # [..., K]
+        xq, sx = quantize_rows(x.reshape(-1, self.in_features))
+        y = torch._int_mm(xq, self._qweight_t).float().mul_(sx).mul_(self._scale)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+class Int4Linear(QuantLinear):
+    """y = x W^T with W in 4-bit groups of 32 (scale and minimum per group), on bfloat16 inputs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        check_int4_shape(out_features, in_features)
+        self.in_features, self.out_features = in_features, out_features
+        groups = in_features // GROUP
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scale", torch.empty(out_features, groups, dtype=torch.float32))
+        self.register_buffer("min", torch.empty(out_features, groups, dtype=torch.float32))
+        self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
+
+    def finish(self) -> None:
+        """Pack the nibbles into the CPU kernel's layout and fold each group's minimum into its zero point:
+        the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale (both rounded to bfloat16,
+        the kernel's scale type)."""
+        packed = self.qweight
+        q = torch.stack((packed & 0xF, packed >> 4), dim=2).reshape(self.out_features, -1).to(torch.int32)
+        self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        scale = self.scale.float()
+        zero = self.min.float() + 8 * scale
+        self._scale_zero = torch.stack((scale.t(), zero.t()), dim=2).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape  # [..., K]
+        xb = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self._packed, GROUP, self._scale_zero)  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+class CastLinear(nn.Linear):
+    """A bfloat16 nn.Linear inside a model that computes in another dtype: its input cast in, output out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+QUANT_MODULES = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def stored_format(weights: dict[str, torch.Tensor], prefix: str) -> str | None:
+    """The integer format a linear at `prefix` ('...q_proj.') is stored in, or None for a float weight."""
+    if prefix + "min" in weights:
+        return "int4"
+    if prefix + "qweight" in weights:
+        return "int8"
+    return None
+
+
+def install(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Swap every nn.Linear of the meta-device `module` whose weights are stored quantized for the module
+    that multiplies by them (before the state is loaded). `module` itself may be such a linear only if
+    its parent swaps it (shards.py's LM head)."""
+    for name, child in list(module.named_modules()):
+        if type(child) is not nn.Linear or not name:
+            continue
+        fmt = stored_format(weights, name + ".")
+        if fmt is None:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        with torch.device("meta"):
+            swapped = QUANT_MODULES[fmt](child.in_features, child.out_features, bias=child.bias is not None)
+        setattr(parent, attr, swapped)
+
+
+def finish(module: nn.Module, device: torch.device | str) -> None:
+    """Ready every quantized linear of a loaded module; refuse devices without the kernels."""
+    quantized = [m for m in module.modules() if isinstance(m, QuantLinear)]
+    if quantized and torch.device(device).type != "cpu":
+        raise ModelError(f"this shard stores int8/int4 weights, whose kernels here are CPU kernels; on {device} "
+                         "prepare it with --weights bfloat16 (or cloud=bfloat16 for a GPU cloud).")
+    for m in quantized:
+        m.finish()
+
+
+def is_float_state(name: str, module: nn.Module) -> bool:
+    """False for the integer state and scales of a quantized linear (never cast to the compute dtype)."""
+    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+    return not isinstance(owner, QuantLinear)

@@ -1,0 +1,144 @@
+"""Weight formats (model/formats.py): parsing, storage, and the row invariance speculation's exactness
+rests on: every row of a multi-row product or step has the bits the same row gets alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from splitinfer.errors import ConfigError, ModelError
+from splitinfer.inprocess import local_only_client
+from splitinfer.masks import chain_allowed, tree_allowed, tree_depths
+from splitinfer.model import formats
+from splitinfer.model.formats import Int4Linear, Int8Linear, WeightFormats
+from splitinfer.model.manifest import read_manifest
+from splitinfer.model.prepare import prepare
+from splitinfer.model.shards import load_cloud, load_local
+from splitinfer.model.source import SourceModel
+
+from tiny import tiny_model
+
+PROMPT = [3, 17, 42, 5, 88, 21, 9, 60, 33, 7, 14, 2, 71]
+
+
+def test_weights_spec_parses_parts_and_refuses_unknown_ones():
+    assert WeightFormats.parse("int8") == WeightFormats("int8", "int8", "int8")
+    assert WeightFormats.parse("int4,lm_head=int8") == WeightFormats("int4", "int4", "int8")
+    assert WeightFormats.parse("float32,cloud=int4").spec() == "local=float32,cloud=int4,lm_head=float32"
+    with pytest.raises(ConfigError, match="not a part"):
+        WeightFormats.parse("int8,head=int4")
+    with pytest.raises(ConfigError, match="not one of"):
+        WeightFormats.parse("int3")
+    with pytest.raises(ConfigError, match="leaves"):
+        WeightFormats.parse("cloud=int4")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_stored_state_stands_for_the_weight(fmt):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128)
+    back = formats.dequantize(formats.quantize(weight, fmt))
+    # int8: half a step of max|w|/127 per row; int4: half a step of (max - min)/15 per group of 32.
+    bound = weight.abs().amax(1, keepdim=True) / 127 / 2 if fmt == "int8" else (weight.amax() - weight.amin()) / 15 / 2
+    assert (back - weight).abs().le(bound * 1.001).all()
+
+
+def _linear(fmt: str, out_features: int, in_features: int) -> torch.nn.Module:
+    state = formats.quantize(torch.randn(out_features, in_features), fmt)
+    module = (Int8Linear if fmt == "int8" else Int4Linear)(in_features, out_features)
+    module.load_state_dict(state)
+    module.finish()
+    return module
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(96, 64), (192, 576), (576, 1536)])
+def test_every_row_of_a_product_has_the_bits_it_has_alone(fmt, shape, threads):
+    torch.manual_seed(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        module = _linear(fmt, *shape)
+        x = torch.randn(64, shape[1]) * 3
+        with torch.inference_mode():
+            alone = torch.cat([module(x[i : i + 1]) for i in range(64)])
+            for rows in range(1, 65):
+                assert torch.equal(module(x[:rows]), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+def _prepare(tmp_path, family: str, weights: str):
+    model = tiny_model(family)
+    out = tmp_path / f"{family}-{weights}"
+    prepare(SourceModel(f"tiny-{family}", model.config, model, None), out, 2, 1, "float32",
+            weights=WeightFormats.parse(weights))
+    return model, out
+
+
+def _block(stack, cache_rows: int, hidden: torch.Tensor, allowed: np.ndarray, positions: torch.Tensor):
+    """hidden [1, cache_rows + q, d]: the first cache_rows committed, then the block; -> block output."""
+    cache = stack.new_cache()
+    if cache_rows:
+        stack(hidden[:, :cache_rows], torch.arange(cache_rows), chain_allowed(cache_rows), cache)
+        cache.commit_all()
+    return stack(hidden[:, cache_rows:], positions, allowed, cache)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma3"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_every_row_of_a_step_has_the_bits_it_has_alone(tmp_path, family, fmt):
+    """A tree of 64 rows on 0, 9 and 40 cached rows (mistral's window is 12, gemma3's 6): each row's output
+    equals, bit for bit, the last row of a sequential chain along its path."""
+    _, shards = _prepare(tmp_path, family, fmt)
+    stack = load_cloud(shards / "cloud").stack
+    rng = np.random.default_rng(0)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, 64)]
+    depths = tree_depths(parents)
+    for cached in (0, 9, 40):
+        torch.manual_seed(cached)
+        hidden = torch.randn(1, cached + 64, stack.config.hidden_size)
+        positions = torch.tensor([cached + d for d in depths])
+        tree = _block(stack, cached, hidden, tree_allowed(parents), positions)
+        for row in (0, 1, 5, 17, 40, 63):
+            path = [row]
+            while parents[path[0]] >= 0:
+                path.insert(0, parents[path[0]])
+            chain = torch.cat([hidden[:, :cached], hidden[:, cached + torch.tensor(path)]], dim=1)
+            alone = _block(stack, cached, chain, chain_allowed(len(path)), torch.arange(cached, cached + len(path)))
+            assert torch.equal(tree[0, row], alone[0, -1]), (cached, row)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "int4,lm_head=int8", "bfloat16"])
+def test_speculation_is_token_identical_to_sequential_in_each_format(tmp_path, family, weights):
+    _, shards = _prepare(tmp_path, family, weights)
+    client = local_only_client(shards)
+    sequential = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential")
+    for strategy in ("tree-nohead", "lookahead"):
+        got = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=strategy)
+        assert got.token_ids == sequential.token_ids, strategy
+
+
+def test_shards_record_each_part_and_store_only_its_own(tmp_path):
+    model, shards = _prepare(tmp_path, "llama", "int4,cloud=int8,lm_head=bfloat16")
+    assert read_manifest(shards / "local", "local")["weights"] == {"local": "int4", "cloud": "int8", "lm_head": "bfloat16"}
+    local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
+    assert isinstance(local.head.layers[0].self_attn.q_proj, Int4Linear)
+    assert isinstance(cloud.stack.layers[0].mlp.down_proj, Int8Linear)
+    assert local.lm_head.weight.dtype == torch.bfloat16
+    expected = model.lm_head.weight.detach().to(torch.bfloat16)
+    assert torch.equal(local.lm_head.weight, expected)
+
+
+def test_int4_needs_a_width_divisible_by_its_group():
+    with pytest.raises(ModelError, match="divisible by 32"):
+        formats.quantize(torch.randn(8, 48), "int4")
+
+
+def test_a_quantized_shard_refuses_a_device_without_its_kernels(tmp_path):
+    _, shards = _prepare(tmp_path, "llama", "int8")
+    with pytest.raises(ModelError, match="CPU kernels"):
+        load_cloud(shards / "cloud", device="meta")
