@@ -5,22 +5,25 @@
     python scripts/bench_trusted_half.py --config tiny.json --out /tmp/t --rows 1,4 --contexts 8 --repeats 1
 
 Makes the local shard once (`prepare --synthetic CONFIG --sides local`: embedding, 2 + 2 layers, final norm,
-LM head; 4.5 GB in float32 for mistral-7b-v0.1, under --shards, which should be gitignored or /tmp), then
-runs `splitinfer bench step --sides local` once per weight format and thread count, each in its own process
-(one thread pinned to core 0; two threads unpinned), and writes OUT/<format>-<threads>t/step.{json,md,png}
-and, over all of them, OUT/trusted-half.json, OUT/trusted-half.md and OUT/trusted-half.png: ms a step against
-rows, beside the bytes bound (the side's weights plus the cached keys/values it reads, over the bandwidth
-measured in the same process with the same threads).
+LM head; 4.5 GB in float32 for mistral-7b-v0.1, under --shards, which should be gitignored or /tmp), and for
+int8 and int4 a shard of their own (`--weights FORMAT`, 1.3-1.6 GB, computing in float32), then runs
+`splitinfer bench step --sides local` once per weight format and thread count, each in its own process
+(one thread pinned to core 0; two threads unpinned; float32 and bfloat16 on the float32 shard with
+`--dtype`), and writes OUT/<format>-<threads>t/step.{json,md,png} and, over every run under OUT (several
+invocations may fill one OUT), OUT/trusted-half.json, OUT/trusted-half.md and OUT/trusted-half.png: ms a
+step against rows, beside the bytes bound (the side's weights as stored plus the cached keys/values it reads,
+over the bandwidth measured in the same process with the same threads).
 
 `--cloud-layers 4` adds the cloud side as a CPU figure: 4 of its 28 layers in bfloat16 (a second synthetic
 shard, 1.75 GB; the whole cloud half, 12.2 GB in bfloat16, does not fit beside its loading copy in 24 GiB),
 scaled to all 28 by per-layer cost; `--formats '' --cloud-layers 4` runs that part alone into the same OUT.
 
-Nothing else should run on the machine meanwhile. Estimated on the project's 2-core CPU (from a smoke run of
-the 7B shard: 36 s to make it, ~30 s to load it, 0.32 / 0.41 s a float32 step at 1 / 4 rows, 9.3 GB resident):
-the default sweep (float32 and bfloat16, 1 and 2 threads, rows 1-64, contexts 64 and 2048, 3 repetitions)
-about 9-10 minutes, ~4 of them float32 on one thread (its 2,048-token contexts prefilled twice, ~100 s);
-`--cloud-layers 4` alone about 2-3 minutes more. `--repeats 2` saves about a minute.
+Nothing else should run on the machine meanwhile. Estimated on the project's 2-core CPU from smoke runs of
+the 7B shards (making them: 36 s each; a float32 step 0.32 / 0.41 s at 1 / 4 rows, 9.3 GB resident; an int4
+step 0.06 / 0.10 s, 2.2 GB), rows 1-64, contexts 64 and 2048, 3 repetitions, 1 and 2 threads:
+float32 + bfloat16 about 9-10 minutes (~4 of them float32 on one thread, its 2,048-token contexts prefilled
+twice), int8 + int4 about 4-6 more, `--cloud-layers 4` about 2-3 more. To stay within 10-minute slots, run
+`--formats float32,bfloat16`, then `--formats int8,int4 --cloud-layers 4`, into the same OUT.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from splitinfer.tables import table  # noqa: E402
 
-FORMATS = ("float32", "bfloat16")  # every weight format `bench step --dtype` takes today
+FORMATS = ("float32", "bfloat16", "int8", "int4")  # model/formats.py's
+FLOAT_FORMATS = ("float32", "bfloat16")  # timed on the float32 shard computing in that dtype (`bench step --dtype`)
 
 
 def run(argv: list[str]) -> None:
@@ -58,7 +62,16 @@ def measure(args) -> None:
     if args.formats and not (shards / "local" / "manifest.json").is_file():
         run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "local", "--out", str(shards),
              "--head-layers", "2", "--tail-layers", "2", "--dtype", "float32"])
-    steps = [("local", shards, fmt) for fmt in args.formats.split(",") if fmt]  # '': the cloud layers only
+    steps = []
+    for fmt in (f for f in args.formats.split(",") if f):  # '': the cloud layers only
+        if fmt in FLOAT_FORMATS:
+            steps.append(("local", shards, fmt))
+            continue
+        quantized = Path(f"{shards}-{fmt}")  # an integer format is stored so: its own shard, computing in float32
+        if not (quantized / "local" / "manifest.json").is_file():
+            run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "local", "--out", str(quantized),
+                 "--head-layers", "2", "--tail-layers", "2", "--dtype", "float32", "--weights", fmt])
+        steps.append(("local", quantized, fmt))
     if args.cloud_layers:  # a few of the cloud's layers in bfloat16: the whole cloud half does not fit in memory
         cloud = Path(f"{shards}-cloud{args.cloud_layers}")
         if not (cloud / "cloud" / "manifest.json").is_file():
@@ -69,8 +82,9 @@ def measure(args) -> None:
     for side, directory, fmt in steps:
         for threads in (int(t) for t in args.threads.split(",")):
             name = f"{fmt}-{threads}t" if side == "local" else f"cloud-{fmt}-{threads}t"
+            dtype = ["--dtype", fmt] if fmt in FLOAT_FORMATS else []
             run(["bench", "step", "--shards", str(directory), "--sides", side, "--out", str(Path(args.out) / name),
-                 "--rows", args.rows, "--contexts", args.contexts, "--dtype", fmt, "--threads", str(threads),
+                 "--rows", args.rows, "--contexts", args.contexts, *dtype, "--threads", str(threads),
                  "--cpu", "0" if threads == 1 else "-1", "--repeats", str(args.repeats)])
 
 
@@ -86,9 +100,11 @@ def combine(out: Path, cloud_layers: int | None = None) -> dict:
         runs.append({"run": path.parent.name, "command": command, "dtype": report["dtype"], "threads": threads,
                      "bandwidth_gbps": report["bandwidth_gbps"], "product_peak_gflops": report["product_peak_gflops"],
                      "synthetic": report.get("synthetic")})
+        weights = (report.get("weights") or {}).get("local")
+        fmt = weights if weights in ("int8", "int4") else report["dtype"]  # a float shard computes in its format
         for r in report["rows"]:
             scale = cloud_layers / r["layers"] if r["side"] == "cloud" and cloud_layers and r.get("layers") else None
-            rows.append({"side": r["side"], "layers": r.get("layers"), "format": report["dtype"], "threads": threads,
+            rows.append({"side": r["side"], "layers": r.get("layers"), "format": fmt, "threads": threads,
                          "context": r["context"], "rows": r["rows"],
                          "scaled_to_side_ms": round(r["splitinfer_ms"] * scale, 1) if scale else None,
                          "splitinfer_ms": r["splitinfer_ms"], "transformers_ms": r["transformers_ms"],
@@ -108,11 +124,14 @@ def markdown(result: dict) -> str:
              "of the cloud's layers by per-layer cost (the whole cloud half does not fit in this machine's memory). "
              "Medians of ms a step (`bench step`); bound: the side's weights plus the cached keys/values it reads, "
              "over the bandwidth measured in the same process with the same threads. One thread: pinned to core 0; "
-             "two threads: unpinned.", "", "Runs:", ""]
+             "two threads: unpinned. int8 and int4: their own shard (`--weights`), computing in float32; their "
+             "transformers column runs transformers' layers around the same integer products.", "",
+             "Made by: " + "; ".join(f"`{c['command']}` ({c['elapsed_s']} s)" for c in result["commands"]), "",
+             "Runs:", ""]
     lines += [f"- `{r['run']}`: `{r['command']}` ({r['bandwidth_gbps']} GB/s, product peak {r['product_peak_gflops']} "
               "GFLOP/s)" for r in result["runs"]]
     body = [[r["side"], r["layers"], r["format"], r["threads"], r["context"], r["rows"], r["splitinfer_ms"],
-             r["transformers_ms"], r["bound_ms"], f"{r['over_bound']}x", r["compute_bound_ms"],
+             r["transformers_ms"], r["bound_ms"], f"{r['over_bound']}x" if r["over_bound"] else "-", r["compute_bound_ms"],
              r["scaled_to_side_ms"] if r["scaled_to_side_ms"] is not None else "-"] for r in result["rows"]]
     lines += ["", *table(["side", "layers", "format", "threads", "context", "rows", "splitinfer ms", "transformers ms",
                           "bytes bound ms", "over the bound", "compute bound ms",
@@ -161,9 +180,10 @@ def update_docs(docs: Path, out: Path, result: dict) -> None:
     rel = os.path.relpath(out, docs.parent)
     local = [r for r in result["rows"] if r["side"] == "local"]
     body = [[r["format"], r["threads"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], r["bound_ms"],
-             f"{r['over_bound']}x"] for r in local]
-    block = [f"Stored run: [{rel}/trusted-half.md]({rel}/trusted-half.md) (`{result['command']}`; every run's "
-             "command, bandwidth and the cloud layers, where measured, are there).", "",
+             f"{r['over_bound']}x" if r["over_bound"] else "-"] for r in local]
+    made = "; ".join(f"`{c['command']}`" for c in result["commands"])
+    block = [f"Stored run: [{rel}/trusted-half.md]({rel}/trusted-half.md) ({made}; every run's command, bandwidth "
+             "and the cloud layers, where measured, are there).", "",
              *table(["format", "threads", "context", "rows", "splitinfer ms", "transformers ms", "bytes bound ms",
                      "over the bound"], body), "", f"![the trusted half's step against rows]({rel}/trusted-half.png)"]
     head, rest = text.split(start, 1)
@@ -193,18 +213,18 @@ def main() -> None:
     if not args.report_only:
         measure(args)
     cloud_layers = model_layers(args.config) - 4  # the cloud's share of the 2 + 2 split
-    result = {"command": "python scripts/bench_trusted_half.py " + " ".join(sys.argv[1:]), **combine(out, cloud_layers)}
+    stored = json.loads((out / "trusted-half.json").read_text()) if (out / "trusted-half.json").is_file() else {}
+    commands = stored.get("commands", [])  # the measuring commands, in order (several may fill one OUT)
     if not args.report_only:
-        result["elapsed_s"] = round(time.monotonic() - started, 1)
-    elif (out / "trusted-half.json").is_file():  # the command that measured, not the one that re-tabled
-        stored = json.loads((out / "trusted-half.json").read_text())
-        result.update({k: stored[k] for k in ("command", "elapsed_s") if k in stored})
+        commands.append({"command": "python scripts/bench_trusted_half.py " + " ".join(sys.argv[1:]),
+                         "elapsed_s": round(time.monotonic() - started, 1)})
+    result = {"commands": commands, **combine(out, cloud_layers)}
     (out / "trusted-half.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "trusted-half.md").write_text(markdown(result))
     plot(result, out / "trusted-half.png")
     if args.docs:
         update_docs(Path(args.docs), out, result)
-    print(f"wrote {out}/trusted-half.json, .md, .png ({result.get('elapsed_s', 0)} s)", file=sys.stderr)
+    print(f"wrote {out}/trusted-half.json, .md, .png ({round(time.monotonic() - started)} s)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,26 @@ def test_one_side_of_a_synthetic_shard(tmp_path):
     sides = step.build_sides(cloud, (5,), (3,), sides=("cloud",))
     assert [s.name for s in sides] == ["cloud"]
     torch.testing.assert_close(sides[0].ours(3, sides[0].block(3)), sides[0].anchor(3, sides[0].block(3)), rtol=1e-4, atol=1e-4)
+
+
+def test_an_integer_format_is_bounded_by_its_stored_bytes(tmp_path):
+    """A step's bytes bound counts an int8/int4 shard's stored state (buffers), and its flops the quantized
+    linears: the same products as float32, a quarter (int8) of the layers' bytes."""
+    from splitinfer.model.formats import WeightFormats
+    from splitinfer.model.synthetic import prepare_synthetic
+    from tiny import COMMON
+
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model_type": "llama", **COMMON}))
+    sides = {}
+    for spec in ("float32", "int8"):
+        shards = prepare_synthetic(str(config), tmp_path / spec, seed=0, sides=("local",), weights=WeightFormats.parse(spec))
+        sides[spec] = step.build_sides(shards, (4,), (2,), sides=("local",))[0]
+    f32, i8 = sides["float32"], sides["int8"]
+    assert i8.product_flops(2) == f32.product_flops(2) > 0
+    linear = sum(m.in_features * m.out_features for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear))
+    linear += f32.tail[1].in_features * f32.tail[1].out_features  # the LM head
+    rows = sum(m.out_features for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear)) \
+        + f32.tail[1].out_features
+    assert f32.streamed_bytes() - i8.streamed_bytes() == linear * 4 - (linear + rows * 4)  # int8 + a float32 scale a row
+    i8.ours(2, i8.block(2)), i8.anchor(2, i8.block(2))

@@ -47,9 +47,11 @@ from torch import nn
 
 from .. import __version__
 from ..errors import ConfigError
+from ..model.formats import QuantLinear
 from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
 from ..model.stack import LayerStack
 from ..tables import table
+from .formats import stored_bytes
 from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
@@ -91,7 +93,9 @@ def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, wit
     body.rotary_emb = stacks[0].rotary
     body.norm = with_norm if with_norm is not None else nn.Identity()
     body.embed_tokens = nn.Identity()
-    model.lm_head = _plain_linear(with_head) if with_head is not None else nn.Identity()
+    # An integer-format head (model/formats.py) has no float weight to hand to F.linear: it stays as it is.
+    plain = _plain_linear(with_head) if isinstance(with_head, nn.Linear) else with_head
+    model.lm_head = plain if with_head is not None else nn.Identity()
     return model.eval()
 
 
@@ -172,13 +176,14 @@ class Side:
     def product_flops(self, q: int) -> int:
         """Multiply-adds x 2 of the weight products of a q-row step (attention's are not counted)."""
         modules = list(self.stacks) + list(self.tail or ())
-        return 2 * q * sum(m.weight.numel() for top in modules for m in top.modules() if isinstance(m, nn.Linear))
+        return 2 * q * sum(m.in_features * m.out_features for top in modules for m in top.modules()
+                           if isinstance(m, (nn.Linear, QuantLinear)))
 
     def streamed_bytes(self) -> int:
-        """Weights read once plus the cached keys and values attended to, per step."""
-        modules = list(self.stacks) + list(self.tail or ())
-        weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-        return weights + sum(s.kv_bytes_per_token() for s in self.stacks) * self.context
+        """Weights read once as stored (an integer format's state and scales too) plus the cached keys and
+        values attended to, per step."""
+        return stored_bytes(list(self.stacks) + list(self.tail or ())) + sum(
+            s.kv_bytes_per_token() for s in self.stacks) * self.context
 
 
 def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], dtype: str | None = None,
@@ -363,6 +368,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
         "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2),
         "product_peak_gflops": round(peak, 1), "rows": rows,
         "synthetic": synthetic_source(shards),  # random weights in a config's shape (model/synthetic.py), or None
+        "weights": shard_manifest(shards).get("weights"),  # each part's weight format (model/formats.py)
     }
     if config.e2e_prompts:
         report["e2e"] = e2e(shards, config, log)
@@ -370,14 +376,19 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
     return report
 
 
-def synthetic_source(shards: Path) -> dict | None:
-    """What a synthetic shard was made from (config name, seed), None for a real model's shards."""
+def shard_manifest(shards: Path) -> dict:
+    """The local shard's manifest, else the cloud's (a directory may hold one side)."""
     for side in ("local", "cloud"):
         path = shards / side / "manifest.json"
         if path.is_file():
-            manifest = json.loads(path.read_text())
-            return manifest.get("synthetic_source") if manifest.get("synthetic") else None
-    return None
+            return json.loads(path.read_text())
+    return {}
+
+
+def synthetic_source(shards: Path) -> dict | None:
+    """What a synthetic shard was made from (config name, seed), None for a real model's shards."""
+    manifest = shard_manifest(shards)
+    return manifest.get("synthetic_source") if manifest.get("synthetic") else None
 
 
 def guard(report: dict, config: StepBenchConfig) -> dict:
