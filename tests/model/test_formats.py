@@ -142,3 +142,19 @@ def test_a_quantized_shard_refuses_a_device_without_its_kernels(tmp_path):
     _, shards = _prepare(tmp_path, "llama", "int8")
     with pytest.raises(ModelError, match="CPU kernels"):
         load_cloud(shards / "cloud", device="meta")
+
+
+def test_int8_is_calibrated_and_the_transformers_reference_reads_every_format(tmp_path):
+    from splitinfer.model.shards import load_whole_hf
+
+    model, shards = _prepare(tmp_path, "qwen2", "int8,local=int4")
+    local = load_local(shards / "local")
+    assert local.lm_head.smooth is not None  # SmoothQuant's factors from the calibration pass
+    whole = load_whole_hf(shards)
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        ours = local_only_client(shards).generate(PROMPT, max_new_tokens=1, stop_ids=set())
+        reference = whole(ids).logits[0, -1]
+    # The same values through transformers' float kernels: the same first token, logits close.
+    assert int(reference.argmax()) == ours.token_ids[0]
+    assert not torch.allclose(whole.lm_head.weight, model.lm_head.weight)  # the int8 values, not the source's

@@ -7,11 +7,12 @@ then, in one process on one pinned core:
 - **steps**: each side's compute for a block of q rows on c cached rows (the cloud's middle layers; the
   local head and tail layers, final norm and LM head), median ms, beside the side's bytes bound (its
   stored weights once plus the keys and values it reads, over this thread's measured bandwidth);
-- **generations**: local-only sequential greedy decoding (the whole model in this process) in each format
-  and plain transformers float32 greedy decoding with its own cache, decode ms per token, every
-  configuration once per prompt per round in a shuffled order, medians of paired ratios;
-- **quality**: perplexity of held-out text (the packaged prompt files, data/heldout.jsonl and prompts.jsonl,
-  read as plain text)
+- **generations**: local-only sequential greedy decoding (the whole model in this process) in each format,
+  plain transformers float32 greedy decoding with its own cache and, where `llama-cpp-python` is
+  installed, llama.cpp on the same GGUF (one thread), decode ms per token, every configuration once per
+  prompt per round in a shuffled order, medians of paired ratios;
+- **quality**: perplexity of held-out text (the packaged held-out prompts, data/heldout.jsonl, read as plain
+  text; int8's calibration reads data/prompts.jsonl, never these)
   and agreement with float32's greedy replies: identical replies, and where one differs, its first
   differing token and float32's top-1 minus top-2 logit there (a small margin is a near-tie, not an error);
 - **exactness**: each format's tree (no draft head) output against its own sequential output.
@@ -143,15 +144,43 @@ def step_rows(steps, medians, gbps: float) -> list[dict]:
     return rows
 
 
-def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: FormatsBenchConfig, log) -> dict:
-    """Sequential local-only greedy decoding per format and transformers float32, decode ms per token."""
+def llamacpp(gguf: Path | None, log):
+    """llama.cpp on the same GGUF, one thread (the optional `llama-cpp-python`), or None with the reason logged."""
+    if gguf is None or gguf.suffix != ".gguf":
+        log("llama.cpp: skipped (the model is not a GGUF file)")
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        log("llama.cpp: skipped (llama-cpp-python is not installed; see docs/benchmarks.md for its build)")
+        return None
+    return Llama(model_path=str(gguf), n_threads=1, n_threads_batch=1, n_ctx=2048, verbose=False)
+
+
+def greedy_llamacpp(llm, ids: list[int], tokens: int) -> tuple[list[int], float]:
+    """llama.cpp greedy decoding: (generated ids, ms per token after the first, which comes out of the prefill)."""
+    out, start = [], None
+    for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if start is None:
+            start = time.perf_counter()
+        out.append(int(token))
+        if len(out) == tokens:
+            break
+    return out, (time.perf_counter() - start) * 1e3 / max(tokens - 1, 1)
+
+
+def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: FormatsBenchConfig, log,
+                gguf: Path | None = None) -> dict:
+    """Sequential local-only greedy decoding per format, transformers float32 and llama.cpp on the GGUF
+    where it is installed: decode ms per token."""
     from ..inprocess import local_only_client
     from ..model.shards import load_whole_hf
     from .step import _decode_ms_per_token, greedy_transformers
 
     clients = {spec: local_only_client(path, drafter="off") for spec, path in dirs.items()}
     whole = load_whole_hf(dirs["float32"])
-    names = list(clients) + ["transformers"]
+    llm = llamacpp(gguf, log)
+    names = list(clients) + ["transformers"] + (["llama.cpp"] if llm is not None else [])
     runs, texts = [], {}
     rng = random.Random(1)
     for round_ in range(config.repeats + 1):
@@ -161,6 +190,8 @@ def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: Fo
             for name in names:
                 if name == "transformers":
                     out, timed[name] = greedy_transformers(whole, ids, config.tokens)
+                elif name == "llama.cpp":
+                    out, timed[name] = greedy_llamacpp(llm, ids, config.tokens)
                 else:
                     g = clients[name].generate(ids, config.tokens, strategy="sequential", stop_ids=set())
                     out, timed[name] = g.token_ids, _decode_ms_per_token(g)
@@ -174,8 +205,13 @@ def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: Fo
         paired = statistics.median(r["transformers"] / r[name] for r in runs)
         summary[name] = {"ms_per_token": round(ms, 2), "tok_s": round(1e3 / ms, 1),
                          "speedup_vs_transformers_f32": round(paired, 2)}
-    t = statistics.median(r["transformers"] for r in runs)
-    summary["transformers"] = {"ms_per_token": round(t, 2), "tok_s": round(1e3 / t, 1)}
+    for anchor in ("transformers", "llama.cpp"):
+        if anchor in runs[0]:
+            t = statistics.median(r[anchor] for r in runs)
+            summary[anchor] = {"ms_per_token": round(t, 2), "tok_s": round(1e3 / t, 1)}
+    if "llama.cpp" in runs[0]:
+        for name in clients:
+            summary[name]["x_llamacpp"] = round(statistics.median(r["llama.cpp"] / r[name] for r in runs), 2)
     return {"runs": runs, "summary": summary, "replies": {f"{n}|{p}": ids for (n, p), ids in texts.items()}}
 
 
@@ -258,10 +294,13 @@ def run(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> 
     encoder = local_only_client(dirs["float32"], drafter="off")
     prompts = {p["id"]: encoder.encode_prompt(p["prompt"], p.get("chat", True))
                for p in load_prompts(None, 1)[: config.prompts]}
-    gen = generations(dirs, prompts, config, log)
+    from ..model.source import default_model_path
+
+    gguf = Path(model) if model else default_model_path()
+    gen = generations(dirs, prompts, config, log, gguf)
     data = resources.files("splitinfer.data")
-    heldout = [json.loads(line)["prompt"] for name in ("heldout.jsonl", "prompts.jsonl")
-               for line in data.joinpath(name).read_text().splitlines() if line.strip()]
+    heldout = [json.loads(line)["prompt"] for line in data.joinpath("heldout.jsonl").read_text().splitlines()
+               if line.strip()]
     return {
         "command": "splitinfer " + shlex.join(sys.argv[1:]), "version": __version__, "config": asdict(config),
         "machine": {"cpu_flags": cpu_flags(), "bandwidth_gbps": round(gbps, 2), "threads": config.threads,
@@ -279,12 +318,14 @@ def markdown(report: dict) -> str:
              f"{report['config']['prompts']} prompts x {report['config']['tokens']} tokens, "
              f"{report['config']['repeats']} rounds (medians).", ""]
     rows = [[spec, gen[spec]["tok_s"], gen[spec]["ms_per_token"], gen[spec]["speedup_vs_transformers_f32"],
-             quality_[spec]["perplexity"], f"{quality_[spec]['perplexity_vs_float32']:+.2%}",
-             quality_[spec]["identical_replies"], exact[spec]] for spec in exact]
-    rows.append(["transformers float32", gen["transformers"]["tok_s"], gen["transformers"]["ms_per_token"], 1.0,
-                 "", "", "", ""])
-    lines += (table(["weights", "local-only tok/s", "ms/token", "x transformers f32", "perplexity",
-                        "vs float32", "replies = float32's", "tree = sequential"], rows))
+             gen[spec].get("x_llamacpp", ""), quality_[spec]["perplexity"],
+             f"{quality_[spec]['perplexity_vs_float32']:+.2%}", quality_[spec]["identical_replies"], exact[spec]]
+            for spec in exact]
+    for anchor, title in (("transformers", "transformers float32"), ("llama.cpp", "llama.cpp, the GGUF as shipped")):
+        if anchor in gen:
+            rows.append([title, gen[anchor]["tok_s"], gen[anchor]["ms_per_token"], "", "", "", "", "", ""])
+    lines += table(["weights", "local-only tok/s", "ms/token", "x transformers f32", "x llama.cpp", "perplexity",
+                    "vs float32", "replies = float32's", "tree = sequential"], rows)
     lines += ["", "Steps (ms, median) against the bytes bound (stored weights + KV read / bandwidth):", ""]
     step = [[r["side"], r["context"], r["format"], r["rows"], r["ms"], r["bound_ms"], r["over_bound"]]
             for r in report["steps"]]

@@ -34,6 +34,9 @@ FORMATS = ("float32", "bfloat16", "int8", "int4")
 PARTS = ("local", "cloud", "lm_head")  # local decoder layers, cloud decoder layers, the LM head
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4_0/Q4_1 block)
 QUANTIZED = ("int8", "int4")
+# SmoothQuant's migration strength for int8: 0.7 measured best of 0.5 / 0.7 / 0.85 on SmolLM2-135M
+# (perplexity of held-out prompts, layers in int8, LM head float32: +2.8% / +0.4% / +2.3%; 0 gives +4.8%).
+SMOOTH_ALPHA = 0.7
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,27 @@ class WeightFormats:
 # --- quantizing float weights -------------------------------------------------------------------------
 
 
-def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """weight [N, K] float -> {qweight int8 [N, K], scale float32 [N]}: symmetric, per output row."""
+def quantize_int8(weight: torch.Tensor, act_max: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """weight [N, K] float -> {qweight int8 [N, K], scale float32 [N]}: symmetric, per output row.
+
+    With `act_max` [K] (the largest |input| seen per input channel on calibration text) the difficulty of
+    quantizing is moved from the inputs to the weight (SmoothQuant, arXiv 2211.10438): channel k of the
+    weight is multiplied by s_k = act_max_k^a / max|W[:, k]|^(1 - a) and the input divided by it
+    (`smooth` = 1 / s, applied before the input is quantized), the same product in exact arithmetic.
+    A few input channels of these models carry values hundreds of times the rest; quantized per row
+    as they are, they leave the other channels a handful of levels."""
     w = weight.detach().float()
+    smooth = None
+    if act_max is not None:
+        tiny = 1e-5
+        s = act_max.float().clamp_min(tiny) ** SMOOTH_ALPHA / w.abs().amax(dim=0).clamp_min(tiny) ** (1 - SMOOTH_ALPHA)
+        w, smooth = w * s[None, :], (1 / s)
     scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return {"qweight": q.contiguous(), "scale": scale.contiguous()}
+    state = {"qweight": q.contiguous(), "scale": scale.contiguous()}
+    if smooth is not None:
+        state["smooth"] = smooth.contiguous()
+    return state
 
 
 def quantize_int4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -116,10 +134,11 @@ def check_int4_shape(n: int, k: int) -> None:
         raise ModelError(f"int4 needs an input size divisible by {GROUP}; this layer has {k}. Use int8 or bfloat16.")
 
 
-def quantize(weight: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """The state a linear weight [N, K] is stored as in `fmt` (float formats: {'weight': cast})."""
+def quantize(weight: torch.Tensor, fmt: str, act_max: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The state a linear weight [N, K] is stored as in `fmt` (float formats: {'weight': cast}); `act_max`:
+    int8's calibration (`quantize_int8`)."""
     if fmt == "int8":
-        return quantize_int8(weight)
+        return quantize_int8(weight, act_max)
     if fmt == "int4":
         return quantize_int4(weight)
     return {"weight": weight.detach().to(getattr(torch, fmt)).contiguous().clone()}
@@ -134,8 +153,19 @@ def dequantize(state: dict[str, torch.Tensor]) -> torch.Tensor:
         w = q.reshape(n, k // GROUP, GROUP) * state["scale"][..., None] + state["min"][..., None]
         return w.reshape(n, k)
     if "qweight" in state:
-        return state["qweight"].float() * state["scale"][:, None]
+        w = state["qweight"].float() * state["scale"][:, None]
+        return w * state["smooth"][None, :] if "smooth" in state else w
     return state["weight"].float()
+
+
+def dequantized_state(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A shard's state with every int8/int4 linear replaced by '<prefix>weight', its float32 weight."""
+    out = dict(weights)
+    for key in [k for k in weights if k.endswith("qweight")]:
+        prefix = key[: -len("qweight")]
+        state = {name: out.pop(prefix + name) for name in ("qweight", "scale", "min", "smooth") if prefix + name in out}
+        out[prefix + "weight"] = dequantize(state)
+    return out
 
 
 # --- the modules that multiply ------------------------------------------------------------------------
@@ -160,11 +190,12 @@ class QuantLinear(nn.Module):
 class Int8Linear(QuantLinear):
     """y = x W^T with W int8 per output row and x quantized per row: integer products, float epilogue."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, smooth: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scale", torch.empty(out_features, dtype=torch.float32))
+        self.register_buffer("smooth", torch.empty(in_features, dtype=torch.float32) if smooth else None)
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
 
     def finish(self) -> None:
@@ -174,7 +205,8 @@ class Int8Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., K]
-        xq, sx = quantize_rows(x.reshape(-1, self.in_features))
+        x2 = x.reshape(-1, self.in_features).float()
+        xq, sx = quantize_rows(x2 if self.smooth is None else x2 * self.smooth)
         y = torch._int_mm(xq, self._qweight_t).float().mul_(sx).mul_(self._scale)  # [M, N]
         if self.bias is not None:
             y = y + self.bias.float()
@@ -222,7 +254,10 @@ class CastLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
-QUANT_MODULES = {"int8": Int8Linear, "int4": Int4Linear}
+def quant_module(fmt: str, in_features: int, out_features: int, bias: bool, smooth: bool = False) -> QuantLinear:
+    if fmt == "int8":
+        return Int8Linear(in_features, out_features, bias=bias, smooth=smooth)
+    return Int4Linear(in_features, out_features, bias=bias)
 
 
 def stored_format(weights: dict[str, torch.Tensor], prefix: str) -> str | None:
@@ -247,7 +282,8 @@ def install(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         with torch.device("meta"):
-            swapped = QUANT_MODULES[fmt](child.in_features, child.out_features, bias=child.bias is not None)
+            swapped = quant_module(fmt, child.in_features, child.out_features, child.bias is not None,
+                                   smooth=name + ".smooth" in weights)
         setattr(parent, attr, swapped)
 
 

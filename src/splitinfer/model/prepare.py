@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from .. import __version__
 from ..errors import ModelError
 from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, sha256_file
+from .calibrate import activation_maxima, calibration_ids
 from .formats import PARTS, WeightFormats, int4_state, quantize
 from .source import SourceModel
 from ..wire.frame import default_wire_dtype
@@ -51,6 +52,9 @@ def _parts(source: SourceModel, split: Split, dtype: str, formats: dict[str, str
     state = source.model.state_dict()
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     blocks = getattr(source, "blocks", None) or {}
+    maxima = {}
+    if "int8" in formats.values():
+        maxima = activation_maxima(source.model, calibration_ids(source.tokenizer, source.config.vocab_size))
     parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
     for key, tensor in state.items():
         if key == "lm_head.weight":
@@ -61,10 +65,11 @@ def _parts(source: SourceModel, split: Split, dtype: str, formats: dict[str, str
                 # clone: tied or shared storage would make safetensors refuse to save
                 parts[owner][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
             else:
-                parts[owner].update(stored_linear(key, tensor, fmt, blocks.get(key)))
+                parts[owner].update(stored_linear(key, tensor, fmt, blocks.get(key), maxima.get(key)))
     head = state["model.embed_tokens.weight"] if tied else state["lm_head.weight"]
     if formats["lm_head"] != dtype or not tied:
-        parts["local"].update(stored_linear("lm_head.weight", head, formats["lm_head"], blocks.get("lm_head.weight")))
+        parts["local"].update(stored_linear("lm_head.weight", head, formats["lm_head"], blocks.get("lm_head.weight"),
+                                            maxima.get("lm_head.weight")))
     return parts
 
 
@@ -74,14 +79,16 @@ def _is_layer_linear(model: torch.nn.Module, key: str) -> bool:
     return isinstance(model.get_submodule(key[: -len(".weight")]), torch.nn.Linear)
 
 
-def stored_linear(key: str, weight: torch.Tensor, fmt: str, block: tuple | None = None) -> dict[str, torch.Tensor]:
+def stored_linear(key: str, weight: torch.Tensor, fmt: str, block: tuple | None = None,
+                  act_max: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The shard entries of one linear weight ('...q_proj.weight') in `fmt`. `block`: the GGUF's own 4-bit
-    blocks of this weight (q, d, m), kept as they are when `fmt` is int4 instead of quantizing again."""
+    blocks of this weight (q, d, m), kept as they are when `fmt` is int4 instead of quantizing again;
+    `act_max`: int8's calibration (model/calibrate.py)."""
     prefix = key[: -len("weight")]
     if fmt == "int4" and block is not None:
         state = int4_state(*block)
     else:
-        state = quantize(weight, fmt)
+        state = quantize(weight, fmt, act_max)
     return {prefix + name: value for name, value in state.items()}
 
 

@@ -174,7 +174,7 @@ def _lm_head(config, model, weights: dict, stored: dict, device: str, dtype: tor
     fmt = formats.stored_format(stored, "")
     if fmt is not None:
         with torch.device("meta"):
-            head = formats.QUANT_MODULES[fmt](config.hidden_size, config.vocab_size, bias=False)
+            head = formats.quant_module(fmt, config.hidden_size, config.vocab_size, False, smooth="smooth" in stored)
         return materialize(head, stored, device, dtype)
     if getattr(config, "tie_word_embeddings", False) and not stored:
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
@@ -183,7 +183,9 @@ def _lm_head(config, model, weights: dict, stored: dict, device: str, dtype: tor
 
 
 def load_whole_hf(shards: str | Path) -> nn.Module:
-    """The whole HF model reassembled from OUT/local and OUT/cloud (reference runs, e.g. HF generate)."""
+    """The whole HF model reassembled from OUT/local and OUT/cloud (reference runs, e.g. HF generate). Weights
+    stored as int8/int4 come back as the float weights they stand for: plain transformers on the same values,
+    not on the same kernels."""
     from transformers import AutoModelForCausalLM
 
     shards = Path(shards)
@@ -193,6 +195,9 @@ def load_whole_hf(shards: str | Path) -> nn.Module:
         raise ModelError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")
     config, weights = _load_checked(shards / "local", local_manifest, verify=False)
     weights.update(load_file(str(shards / "cloud" / WEIGHTS)))
+    weights = formats.dequantized_state(weights)  # int8/int4 linears as the float weights they stand for
+    if "lm_head.weight" in weights:
+        config.tie_word_embeddings = False  # a head stored in its own format is its own tensor
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPES[local_manifest["dtype"]])
     install_keyed_norms(model, weights)
     model.load_state_dict(weights, strict=False)
