@@ -80,7 +80,7 @@ def test_one_side_of_a_synthetic_shard(tmp_path):
 
 def test_an_integer_format_is_bounded_by_its_stored_bytes(tmp_path):
     """A step's bytes bound counts an int8/int4 shard's stored state (buffers), and its flops the quantized
-    linears: the same products as float32, a quarter (int8) of the layers' bytes."""
+    linears: the same products as float32, about a quarter (int8) of the layers' bytes."""
     from splitinfer.model.formats import WeightFormats
     from splitinfer.model.synthetic import prepare_synthetic
     from tiny import COMMON
@@ -95,7 +95,8 @@ def test_an_integer_format_is_bounded_by_its_stored_bytes(tmp_path):
     assert i8.product_flops(2) == f32.product_flops(2) > 0
     linear = sum(m.in_features * m.out_features for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear))
     linear += f32.tail[1].in_features * f32.tail[1].out_features  # the LM head
-    rows = sum(m.out_features for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear)) \
-        + f32.tail[1].out_features
-    assert f32.streamed_bytes() - i8.streamed_bytes() == linear * 4 - (linear + rows * 4)  # int8 + a float32 scale a row
+    linears = [m for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear)] + [f32.tail[1]]
+    rows, columns = sum(m.out_features for m in linears), sum(m.in_features for m in linears)
+    # int8: a byte a weight, a float32 scale a row, a float32 smoothing factor an input channel (SmoothQuant)
+    assert f32.streamed_bytes() - i8.streamed_bytes() == linear * 4 - (linear + rows * 4 + columns * 4)
     i8.ours(2, i8.block(2)), i8.anchor(2, i8.block(2))

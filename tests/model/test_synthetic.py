@@ -111,6 +111,8 @@ def test_weight_formats(tmp_path, spec, tied):
     layer_format = formats.stored_format(stored, "model.layers.0.mlp.up_proj.")
     assert (layer_format or str(stored["model.layers.0.mlp.up_proj.weight"].dtype).removeprefix("torch.")) == weights.local
     assert stored["model.embed_tokens.weight"].dtype == torch.float32  # the embedding stays in the compute dtype
+    if weights.local == "int8":  # smoothed, as a calibrated prepare stores it: a factor an input channel
+        assert stored["model.layers.0.mlp.up_proj.smooth"].shape == (TINY["hidden_size"],)
     local, cloud = load_local(out / "local"), load_cloud(out / "cloud")
     with torch.inference_mode():
         n = 5

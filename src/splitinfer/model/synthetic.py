@@ -146,23 +146,27 @@ def float_entries(key: str, shape: tuple[int, ...], dtype: torch.dtype, pool: Va
 
 def weight_entries(key: str, shape: tuple[int, ...], fmt: str, pool: ValuePool) -> list[Stored]:
     """A linear weight [N, K] stored in `fmt` (model/formats.py): a float weight, or the integer state
-    `quantize` makes of the pool's values, built chunk by chunk of rows (both integer formats scale per
-    row) and held for one weight at a time."""
+    `quantize` makes of the pool's values, quantized whole (int8's smoothing reads every row of a column)
+    and held for one weight at a time. int8 is smoothed against unit activation maxima, so its stored
+    state (and its step) has the `smooth` vector a calibrated `prepare --weights int8` writes."""
     if fmt in DTYPES:
         return float_entries(key, shape, DTYPES[fmt], pool)
     n, k = shape
-    probe = quantize(torch.ones(1, k), fmt)  # the stored tensors' names, dtypes and per-row shapes
+    act_max = torch.ones(k) if fmt == "int8" else None
+    one, two = quantize(torch.ones(1, k), fmt, act_max), quantize(torch.ones(2, k), fmt, act_max)
+    # a tensor with a row per output row grows with the rows; the others (int8's `smooth` [K]) do not
+    shapes = {name: (n, *t.shape[1:]) if two[name].shape[0] == 2 * t.shape[0] else tuple(t.shape)
+              for name, t in one.items()}
     state: dict[str, torch.Tensor] = {}
 
     def chunks(name: str):
         if not state:
-            pieces = [quantize(c.view(-1, k), fmt) for c in tensor_chunks(key, shape, torch.float32, pool)]
-            state.update({part: torch.cat([p[part] for p in pieces]) for part in probe})
+            weight = torch.cat(list(tensor_chunks(key, shape, torch.float32, pool))).view(n, k)
+            state.update(quantize(weight, fmt, act_max))
         yield state.pop(name).reshape(-1)
 
     prefix = key[: -len("weight")]
-    return [Stored(prefix + name, t.dtype, (n, *t.shape[1:]), lambda name=name: chunks(name))
-            for name, t in sorted(probe.items())]
+    return [Stored(prefix + name, one[name].dtype, shapes[name], lambda name=name: chunks(name)) for name in sorted(one)]
 
 
 def write_safetensors(path: Path, entries: list[Stored]) -> str:
