@@ -11,6 +11,21 @@ critical path (drafting the next tree while a block is on the network: the ceili
 floor of any GPU's cloud step is the time to read the cloud layers' weights once: its weights in 16 bits
 over --bandwidth-gbs (H200's published 4.8 TB/s of HBM3e by default), printed beside the table.
 Nothing here ran on a GPU: label every figure a projection.
+
+`--paper` makes the table for the paper's configuration instead (mistral-7b-v0.1, 2 + 2 local layers; issue
+49), at --paper-rtts (20, 50, 80 and 150 ms), each input labelled measured, scaled or bound:
+
+    python scripts/gpu_projection.py --paper notes/bench/mtbench-spec/speculative.json \
+        --trusted notes/bench/trusted-7b/trusted-half.json [--device-step GPU_OUT/device-step.json] \
+        --out notes/bench/paper-projection
+
+tok/s = 1000 a / (RTT + local + cloud + drafting), with a and drafting measured on the shipped model's
+MT-Bench run (the tree's rows a step too); local: the 7B trusted half's step at those rows and the run's mean
+context, measured on this CPU by scripts/bench_trusted_half.py (`--trusted`; without it, its bytes bound at
+this CPU's measured bandwidth), and the same scaled to a laptop by bandwidth (--laptop-gbs, assumed); cloud:
+the GPU check's measured cloud step (`--device-step`; without it, the cloud layers' bfloat16 bytes over
+--bandwidth-gbs, a bound). The paper's own figures (its measured 8.3 sequential and 8.8 lookahead tok/s at
+~78-80 ms, its projected ones at 20 and 150 ms, its 26.2 ms RTX 3090 and 15.9 ms A100 steps) stand beside.
 """
 
 from __future__ import annotations
@@ -21,6 +36,9 @@ import sys
 from pathlib import Path
 
 from splitinfer.tables import table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paper_projection import add_paper_options, paper_main  # noqa: E402
 
 
 def project(bound: dict, cloud_ms: float, drafting: bool = True) -> float:
@@ -66,11 +84,15 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="a bench spec speculative.json")
+    add_paper_options(parser)
     parser.add_argument("--out", required=True, help="directory for projection.json and projection.md")
     parser.add_argument("--cloud-ms", default="0,1,3,10", help="assumed GPU cloud step costs, comma-separated")
     parser.add_argument("--shards", default="shards/smollm2", help="the prepared shards (for the weights floor)")
     parser.add_argument("--bandwidth-gbs", type=float, default=4800.0, help="the GPU's memory bandwidth, GB/s")
     args = parser.parse_args()
+    if args.paper:
+        paper_main(args)
+        return
     run = json.loads(Path(args.run).read_text())
     shard = Path(args.shards) / "cloud"
     result = {"command": "python scripts/gpu_projection.py " + " ".join(sys.argv[1:]), "run": args.run,

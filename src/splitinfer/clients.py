@@ -101,7 +101,11 @@ def _in_process(shards, model, halves, config, device: str, checks: bool):
 def load_client(args: argparse.Namespace, handshake: bool = False):
     """The SplitClient that the options of `add_client_options` describe."""
     from .local.config import ClientConfig
+    from .model.synthetic import refuse_synthetic
 
+    command = getattr(args, "command", None) or "generate"
+    refuse_synthetic(args.shard, command)  # random weights: noise for text (benchmarks use open_client)
+    refuse_synthetic(Path(args.shards) / "local" if args.shards else None, command)
     if args.threads:
         import torch
 

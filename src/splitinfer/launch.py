@@ -164,7 +164,10 @@ def cmd_demo(args) -> int:
     from .clients import open_client
     from .local.commands import public_weights_gate, stats_table
 
+    from .model.synthetic import refuse_synthetic
+
     shards = Path(args.shards)
+    refuse_synthetic(shards / "local", "demo")  # random weights generate noise
     public_weights_gate(shards / "local", args.allow_public_weights)
     print(f"starting the cloud server on loopback with {shards / 'cloud'} (middle layers only) ...", flush=True)
     with cloud_server(shards / "cloud") as (url, _proc), wan_proxy(url, args.rtt_ms) as wan_url:

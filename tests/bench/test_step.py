@@ -58,3 +58,46 @@ def test_generations_compare_local_only_with_transformers_greedy(tmp_path):
     client = open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off"))
     out = step.generations(client, load_whole_hf(shards), {"a": [1, 5, 7], "b": [3, 3]}, 6, 1, log=lambda _: None)
     assert out["identical"] == "2 of 2" and len(out["runs"]) == 2 and out["ratio"] > 0
+
+
+def test_one_side_of_a_synthetic_shard(tmp_path):
+    """A synthetic shard (random weights in a config's shape) is timed like a model's; only the shards of the
+    sides asked for are loaded, so a shard directory may hold one side."""
+    from splitinfer.model.synthetic import prepare_synthetic
+    from tiny import COMMON
+
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model_type": "llama", **COMMON}))
+    shards = prepare_synthetic(str(config), tmp_path / "s", seed=0, sides=("local",))
+    run = StepBenchConfig(rows=(1, 4), contexts=(8,), repeats=1, cpu=-1, sides=("local",), dtype="bfloat16")
+    report = step.run_step_bench(shards, tmp_path / "out", run, log=lambda _: None)
+    assert {r["side"] for r in report["rows"]} == {"local"} and report["dtype"] == "bfloat16"
+    assert report["synthetic"]["config"] == "cfg" and "Synthetic weights" in (tmp_path / "out" / "step.md").read_text()
+    cloud = prepare_synthetic(str(config), tmp_path / "c", seed=0, sides=("cloud",))  # no local shard: random inputs
+    sides = step.build_sides(cloud, (5,), (3,), sides=("cloud",))
+    assert [s.name for s in sides] == ["cloud"]
+    torch.testing.assert_close(sides[0].ours(3, sides[0].block(3)), sides[0].anchor(3, sides[0].block(3)), rtol=1e-4, atol=1e-4)
+
+
+def test_an_integer_format_is_bounded_by_its_stored_bytes(tmp_path):
+    """A step's bytes bound counts an int8/int4 shard's stored state (buffers), and its flops the quantized
+    linears: the same products as float32, about a quarter (int8) of the layers' bytes."""
+    from splitinfer.model.formats import WeightFormats
+    from splitinfer.model.synthetic import prepare_synthetic
+    from tiny import COMMON
+
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model_type": "llama", **COMMON}))
+    sides = {}
+    for spec in ("float32", "int8"):
+        shards = prepare_synthetic(str(config), tmp_path / spec, seed=0, sides=("local",), weights=WeightFormats.parse(spec))
+        sides[spec] = step.build_sides(shards, (4,), (2,), sides=("local",))[0]
+    f32, i8 = sides["float32"], sides["int8"]
+    assert i8.product_flops(2) == f32.product_flops(2) > 0
+    linear = sum(m.in_features * m.out_features for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear))
+    linear += f32.tail[1].in_features * f32.tail[1].out_features  # the LM head
+    linears = [m for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear)] + [f32.tail[1]]
+    rows, columns = sum(m.out_features for m in linears), sum(m.in_features for m in linears)
+    # int8: a byte a weight, a float32 scale a row, a float32 smoothing factor an input channel (SmoothQuant)
+    assert f32.streamed_bytes() - i8.streamed_bytes() == linear * 4 - (linear + rows * 4 + columns * 4)
+    i8.ours(2, i8.block(2)), i8.anchor(2, i8.block(2))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from splitinfer.cli import main
 
 from tiny import prepare_tiny
@@ -33,3 +35,19 @@ def test_bench_batch_cloud_side(tmp_path):
     row = (f"| decode | 4 | 1 x 4 | 1 | {four['batched_ms']} | {four['one_at_a_time_ms']} | "
            f"{four['batched_vs_one_step']} | {four['speedup_vs_one_at_a_time']} |")
     assert row in (out / "batching.md").read_text()
+
+
+@pytest.mark.slow
+def test_clients_end_to_end_on_a_synthetic_shard(tmp_path):
+    """A synthetic shard has no tokenizer: its clients draw seeded token ids and the run completes."""
+    from splitinfer.model.synthetic import prepare_synthetic
+    from tiny import COMMON
+
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps({"model_type": "llama", **COMMON}))
+    shards = prepare_synthetic(str(config), tmp_path / "s", seed=0, head_layers=1, tail_layers=1)
+    out = tmp_path / "out"
+    assert main(["bench", "batch", "--shards", str(shards), "--out", str(out), "--sizes", "1", "--repeats", "1",
+                 "--context", "8", "--clients", "1", "--load-clients", "", "--rtt-ms", "5", "--max-new-tokens", "4"]) == 0
+    e2e = json.loads((out / "batching.json").read_text())["e2e"]
+    assert [r["clients"] for r in e2e] == [1, 1] and all(r["generated_tokens"] == 4 for r in e2e)

@@ -243,8 +243,10 @@ def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> 
             # float16 on the wire and no draft head, whatever the shard records: every run compares like with like
             client = open_client(shards / "local", wan, ClientConfig(wire_dtype="float16", drafter="off"),
                                  allow_public_weights=True, checks=False)
-            # Token ids encoded here, once: client threads then never share the tokenizer's encoder.
-            prompt_ids = [client.encode_prompt(p) for p in prompts]
+            # Token ids encoded here, once: client threads then never share the tokenizer's encoder. A
+            # synthetic shard has no tokenizer: seeded random ids of the prompts' lengths time it alike.
+            prompt_ids = ([client.encode_prompt(p) for p in prompts] if client.local.tokenizer is not None
+                          else random_prompt_ids(client.local.config.vocab_size, [64] * len(prompts)))
             client.generate(prompt_ids[0], max_new_tokens=4, strategy="sequential")  # warm-up, discarded
             for n in clients:
                 gens: dict[int, object] = {}
@@ -279,6 +281,14 @@ def end_to_end(shards: Path, clients: list[int], rtt_ms: float, tokens: int) -> 
                 print(f"  e2e {mode:>13} {n:>2} client(s): {results[-1]['aggregate_tok_s']} tok/s aggregate, "
                       f"{results[-1]['steps_served_per_s']} steps/s", flush=True)
     return results
+
+
+def random_prompt_ids(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Seeded random token ids, one prompt per length (for shards without a tokenizer)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
 def markdown(report: dict) -> str:

@@ -228,6 +228,7 @@ def cmd_bench_step(args) -> int:
     config = StepBenchConfig(
         rows=tuple(int(x) for x in _floats(args.rows, "--rows")),
         contexts=tuple(int(x) for x in _floats(args.contexts, "--contexts")),
+        sides=_sides(args.sides),
         **{f: getattr(args, f) for f in ("threads", "cpu", "dtype", "repeats", "max_ratio", "guard_rows", "e2e_prompts",
                                          "e2e_tokens", "e2e_max_ratio")},
     )
@@ -301,6 +302,13 @@ def _bench_options(s) -> None:
     ))
 
 
+def _sides(text: str) -> tuple[str, ...]:
+    sides = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not sides or any(x not in ("cloud", "local") for x in sides):
+        raise ConfigError(f"--sides takes cloud, local or cloud,local; got {text!r}.")
+    return sides
+
+
 def _step_options(s) -> None:
     from .step import StepBenchConfig
 
@@ -309,6 +317,8 @@ def _step_options(s) -> None:
     s.add_argument("--rows", default=_listed(d.rows), help="comma-separated block row counts")
     s.add_argument("--contexts", default=_listed(d.contexts), help="comma-separated cached rows before the block")
     s.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype, help="compute dtype (default: the shards')")
+    s.add_argument("--sides", default=",".join(d.sides), help="the sides timed (cloud, local or both); only their "
+                   "shards are loaded")
     add_options(s, StepBenchConfig, (
         Opt("threads", help="torch threads"), Opt("cpu", help="core to pin to (-1: none)"),
         Opt("repeats", help="timed repetitions after a warm-up round"),

@@ -46,9 +46,12 @@ from torch import nn
 
 from .. import __version__
 from ..launch import pin_self
+from ..errors import ConfigError
+from ..model.formats import QuantLinear
 from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
 from ..model.stack import LayerStack
 from ..tables import table
+from .formats import stored_bytes
 from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
@@ -68,6 +71,7 @@ class StepBenchConfig:
     e2e_prompts: int = 0  # whole generations: local-only vs transformers greedy on this many prompts (0 = off)
     e2e_tokens: int = 64
     e2e_max_ratio: float = 0.0  # guard on the generations' ms per token; 0 = off
+    sides: tuple[str, ...] = ("cloud", "local")  # the sides timed; a shard directory may hold only these
 
 
 # -- the two implementations of a side -----------------------------------------------------------------
@@ -88,7 +92,9 @@ def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, wit
     body.rotary_emb = stacks[0].rotary
     body.norm = with_norm if with_norm is not None else nn.Identity()
     body.embed_tokens = nn.Identity()
-    model.lm_head = _plain_linear(with_head) if with_head is not None else nn.Identity()
+    # An integer-format head (model/formats.py) has no float weight to hand to F.linear: it stays as it is.
+    plain = _plain_linear(with_head) if isinstance(with_head, nn.Linear) else with_head
+    model.lm_head = plain if with_head is not None else nn.Identity()
     return model.eval()
 
 
@@ -169,31 +175,45 @@ class Side:
     def product_flops(self, q: int) -> int:
         """Multiply-adds x 2 of the weight products of a q-row step (attention's are not counted)."""
         modules = list(self.stacks) + list(self.tail or ())
-        return 2 * q * sum(m.weight.numel() for top in modules for m in top.modules() if isinstance(m, nn.Linear))
+        return 2 * q * sum(m.in_features * m.out_features for top in modules for m in top.modules()
+                           if isinstance(m, (nn.Linear, QuantLinear)))
 
     def streamed_bytes(self) -> int:
-        """Weights read once plus the cached keys and values attended to, per step."""
-        modules = list(self.stacks) + list(self.tail or ())
-        weights = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
-        return weights + sum(s.kv_bytes_per_token() for s in self.stacks) * self.context
+        """Weights read once as stored (an integer format's state and scales too) plus the cached keys and
+        values attended to, per step."""
+        return stored_bytes(list(self.stacks) + list(self.tail or ())) + sum(
+            s.kv_bytes_per_token() for s in self.stacks) * self.context
 
 
-def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], dtype: str | None = None) -> list[Side]:
-    local = load_local(shards / "local", dtype=dtype, verify=False)
-    cloud = load_cloud(shards / "cloud", dtype=dtype, verify=False)
-    embedded, activations = real_inputs(local, max(contexts) + max(rows))
-    sides = []
+def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], dtype: str | None = None,
+                sides: tuple[str, ...] = ("cloud", "local")) -> list[Side]:
+    """Only the shards of `sides` are loaded (a 7B cloud half need not fit beside the local one). The cloud
+    side's inputs are the local head's output where the local shard is there, else seeded random rows."""
+    n = max(contexts) + max(rows)
+    missing = [side for side in sides if not (shards / side).is_dir()]
+    if missing:
+        raise ConfigError(f"{shards} holds no {' or '.join(missing)} shard; prepare it, or leave it out of --sides.")
+    local = load_local(shards / "local", dtype=dtype, verify=False) if (shards / "local").is_dir() else None
+    cloud = load_cloud(shards / "cloud", dtype=dtype, verify=False) if "cloud" in sides else None
+    if local is not None:
+        embedded, activations = real_inputs(local, n, head="cloud" in sides)
+    else:
+        d, param = cloud.config.hidden_size, next(cloud.stack.parameters())
+        activations = torch.randn(1, n, d, generator=torch.Generator().manual_seed(0)).to(param.dtype)
+    built = []
     for context in contexts:
-        sides.append(Side("cloud", [cloud.stack], None, context, activations))
-        sides.append(Side("local", [local.head, local.tail], (local.norm, local.lm_head), context, embedded))
-    return sides
+        if "cloud" in sides:
+            built.append(Side("cloud", [cloud.stack], None, context, activations))
+        if "local" in sides:
+            built.append(Side("local", [local.head, local.tail], (local.norm, local.lm_head), context, embedded))
+    return built
 
 
 @torch.inference_mode()
-def real_inputs(local: LocalHalf, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def real_inputs(local: LocalHalf, n: int, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Token embeddings [1, n, d] of the benchmark prompts' text, and the local head's output for them (what
     the cloud receives): real activations, as a step sees them. Without a tokenizer (test models), seeded
-    random ids."""
+    random ids. head=False: the embeddings only (no cloud side to feed)."""
     from .runtime import load_prompts
 
     if local.tokenizer is not None:
@@ -203,9 +223,10 @@ def real_inputs(local: LocalHalf, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         ids = torch.randint(0, local.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     embedded = local.embed(torch.tensor([ids]))
-    head = local.head
-    out = head(embedded, torch.arange(n), np.tril(np.ones((n, n), dtype=bool)), head.new_cache())
-    return embedded, out
+    if not head:
+        return embedded, None
+    stack = local.head
+    return embedded, stack(embedded, torch.arange(n), np.tril(np.ones((n, n), dtype=bool)), stack.new_cache())
 
 
 # -- measuring -----------------------------------------------------------------------------------------
@@ -317,7 +338,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
     pin_self(config.cpu if config.cpu >= 0 else None, config.threads)
     gbps = bandwidth_gbps()
     log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
-    sides = build_sides(shards, config.contexts, config.rows, config.dtype)
+    sides = build_sides(shards, config.contexts, config.rows, config.dtype, config.sides)
     peak = product_gflops(sides[0].dtype)
     log(f"product peak, one thread: {peak:.1f} GFLOP/s ({str(sides[0].dtype).removeprefix('torch.')})")
     times = time_configs(sides, config.rows, config.repeats)
@@ -328,7 +349,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
             anchor = statistics.median(times[(i, q, "anchor")])
             shares = breakdown(side, q)
             rows.append({
-                "side": side.name, "context": side.context, "rows": q,
+                "side": side.name, "context": side.context, "rows": q, "layers": sum(len(s.layers) for s in side.stacks),
                 "splitinfer_ms": round(ours, 2), "transformers_ms": round(anchor, 2), "ratio": round(ours / anchor, 3),
                 "bound_ms": round(side.streamed_bytes() / gbps / 1e6, 2),
                 "compute_bound_ms": float(f"{side.product_flops(q) / peak / 1e6:.4g}"),
@@ -344,11 +365,28 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(), "config": asdict(config),
         "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2),
         "product_peak_gflops": round(peak, 1), "rows": rows,
+        "synthetic": synthetic_source(shards),  # random weights in a config's shape (model/synthetic.py), or None
+        "weights": shard_manifest(shards).get("weights"),  # each part's weight format (model/formats.py)
     }
     if config.e2e_prompts:
         report["e2e"] = e2e(shards, config, log)
     report["guard"] = guard(report, config)
     return report
+
+
+def shard_manifest(shards: Path) -> dict:
+    """The local shard's manifest, else the cloud's (a directory may hold one side)."""
+    for side in ("local", "cloud"):
+        path = shards / side / "manifest.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    return {}
+
+
+def synthetic_source(shards: Path) -> dict | None:
+    """What a synthetic shard was made from (config name, seed), None for a real model's shards."""
+    manifest = shard_manifest(shards)
+    return manifest.get("synthetic_source") if manifest.get("synthetic") else None
 
 
 def guard(report: dict, config: StepBenchConfig) -> dict:
@@ -367,6 +405,9 @@ def guard(report: dict, config: StepBenchConfig) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"# One decode step: splitinfer against plain transformers ({report['dtype']})", "",
              f"`{report['command']}`", "",
+             *([f"Synthetic weights: seeded random values in the shape of {report['synthetic']['config']} (seed "
+                f"{report['synthetic']['seed']}); a step's cost depends on the shapes, not the values.", ""]
+               if report.get("synthetic") else []),
              f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}), {report['config']['threads']} thread(s) pinned to "
              f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s and product peak "
              f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product). Medians of "

@@ -27,6 +27,14 @@ class SplitOptions:
     weights: str = ""
 
 
+@dataclass(frozen=True)
+class SyntheticOptions:
+    """`prepare --synthetic`'s defaults (model/synthetic.py)."""
+
+    seed: int = 0  # the random weights' seed: the same seed, the same shards
+    sides: str = "local,cloud"  # the shards written: local, cloud or both
+
+
 def parse_split_range(text: str) -> tuple[int, int]:
     """'K1-K2' -> (K1, K2) with 1 <= K1 < K2."""
     low, sep, high = text.partition("-")
@@ -65,6 +73,8 @@ def install_shipped_drafter(local_dir: Path, shipped: Path | None = None) -> str
 
 
 def cmd_prepare(args) -> int:
+    if args.synthetic:
+        return cmd_prepare_synthetic(args)
     from ..extras import GGUF, is_gguf_source, require_extra
 
     if is_gguf_source(args.model):
@@ -101,6 +111,28 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_prepare_synthetic(args) -> int:
+    """`prepare --synthetic NAME|config.json --seed S`: random weights in a config's shape (model/synthetic.py)."""
+    from .synthetic import prepare_synthetic
+
+    if args.model:
+        raise ConfigError("--synthetic makes random weights in a config's shape; leave out --model.")
+    split_range = parse_split_range(args.split_range) if args.split_range else None
+    sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
+    from .formats import WeightFormats
+
+    weights = WeightFormats.parse(args.weights) if args.weights else None
+    out = prepare_synthetic(args.synthetic, args.out, args.seed, args.head_layers, args.tail_layers, args.dtype,
+                            args.cloud_dtype, sides, split_range, weights)
+    for side in sides:
+        manifest = json.loads((out / side / "manifest.json").read_text())
+        size = (out / side / "weights.safetensors").stat().st_size
+        print(f"synthetic {side} shard of {manifest['model_id']} (seed {args.seed}, computes in {manifest['dtype']}, "
+              f"weights {', '.join(f'{k}={v}' for k, v in manifest['weights'].items())}, {size / 1e9:.2f} GB): {out / side}")
+    print("random weights: for timing (bench step, bench batch); generate, api and chat refuse them")
+    return 0
+
+
 def register(subparsers) -> None:
     s = subparsers.add_parser("prepare", help="convert a model once into a local shard and a cloud shard")
     s.add_argument("--out", required=True, help="output directory; OUT/local and OUT/cloud are written")
@@ -120,4 +152,10 @@ def register(subparsers) -> None:
                    help="accept, once for this shard, that its local layers are the stock public weights (the cloud "
                         "can invert what it sees): recorded in OUT/local/manifest.json, so client commands on it need "
                         "no --allow-public-weights (they still warn)")
+    s.add_argument("--synthetic", metavar="NAME|CONFIG",
+                   help="seeded random weights in the shape of a config (a name `bench plan` knows, e.g. "
+                        "mistral-7b-v0.1, or a config.json), for timing only: no tokenizer, refused by generate/api/chat")
+    add_options(s, SyntheticOptions, (Opt("seed", help="with --synthetic: the weights' seed"),
+                                      Opt("sides", help="with --synthetic: the shards to write (local, cloud or both)")))
+    s.add_argument("--cloud-dtype", choices=DTYPE_NAMES, help="with --synthetic: the cloud shard's dtype (default --dtype)")
     s.set_defaults(func=cmd_prepare)
