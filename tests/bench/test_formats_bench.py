@@ -33,7 +33,7 @@ def test_formats_are_paired_generation_by_generation_against_the_first():
 @pytest.mark.slow
 def test_bench_formats_runs_every_format_on_the_shipped_model(tmp_path):
     out = tmp_path / "formats"
-    assert main(["bench", "formats", "--out", str(out), "--formats", "float32;int8;int4,lm_head=int8", "--rows", "1,4",
+    assert main(["bench", "formats", "--out", str(out), "--shards-dir", str(tmp_path / "shards"), "--formats", "float32;int8;int4,lm_head=int8", "--rows", "1,4",
                  "--contexts", "16", "--prompts", "1", "--tokens", "8", "--repeats", "1", "--cpu", "-1"]) == 0
     report = json.loads((out / "formats.json").read_text())
     assert set(report["tree_equals_sequential"]) == {"float32", "int8", "int4,lm_head=int8"}

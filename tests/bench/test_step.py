@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from splitinfer.bench import step
+from splitinfer.bench import anchors, step
 from splitinfer.bench.step import StepBenchConfig
 from tiny import prepare_tiny
 
@@ -56,7 +56,7 @@ def test_generations_compare_local_only_with_transformers_greedy(tmp_path):
 
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     client = open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off"))
-    out = step.generations(client, load_whole_hf(shards), {"a": [1, 5, 7], "b": [3, 3]}, 6, 1, log=lambda _: None)
+    out = anchors.generations(client, load_whole_hf(shards), {"a": [1, 5, 7], "b": [3, 3]}, 6, 1, log=lambda _: None)
     assert out["identical"] == "2 of 2" and len(out["runs"]) == 2 and out["ratio"] > 0
 
 

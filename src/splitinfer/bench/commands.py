@@ -246,11 +246,12 @@ def cmd_bench_formats(args) -> int:
         formats=tuple(f for f in args.formats.split(";") if f),
         rows=tuple(int(x) for x in _floats(args.rows, "--rows")),
         contexts=tuple(int(x) for x in _floats(args.contexts, "--contexts")),
-        **{f: getattr(args, f) for f in ("prompts", "tokens", "repeats", "cpu", "threads")},
+        **{f: getattr(args, f) for f in ("prompts", "tokens", "repeats", "cpu", "threads", "shards_dir")},
     )
     if "float32" not in config.formats:
         raise ConfigError("bench formats compares against float32: include it in --formats.")
-    report = run_formats_bench(args.model, Path(args.out), config, log=lambda line: print(line, file=sys.stderr))
+    report = run_formats_bench(args.model, Path(args.out), Path(config.shards_dir), config,
+                               log=lambda line: print(line, file=sys.stderr))
     print((Path(args.out) / "formats.md").read_text())
     return 0 if report else 1
 
@@ -260,7 +261,7 @@ def _formats_options(s) -> None:
 
     d = FormatsBenchConfig()
     s.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    s.add_argument("--out", required=True, help="directory for formats.json, formats.md and the prepared shards")
+    s.add_argument("--out", required=True, help="directory for formats.json and formats.md")
     s.add_argument("--formats", default=";".join(d.formats),
                    help="semicolon-separated `prepare --weights` specs (float32 is the reference and must be one)")
     s.add_argument("--rows", default=_listed(d.rows), help="comma-separated block row counts")
@@ -269,6 +270,8 @@ def _formats_options(s) -> None:
         Opt("prompts", help="benchmark prompts to generate from"), Opt("tokens", help="new tokens a generation"),
         Opt("repeats", help="timed rounds after a warm-up round"), Opt("cpu", help="core to pin to (-1: none)"),
         Opt("threads", help="torch threads"),
+        Opt("shards_dir", help="where each format's shards are prepared (one directory per format; `bench spec "
+                               "--shards` takes them)"),
     ))
 
 

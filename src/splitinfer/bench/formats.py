@@ -1,7 +1,7 @@
 """`splitinfer bench formats`: every weight format side by side in one run, against its bytes bound, plain
 transformers float32, and float32's own text.
 
-The model is prepared once per format (`prepare --weights FORMAT`, model/formats.py) into OUT/shards/, and
+The model is prepared once per format (`prepare --weights FORMAT`, model/formats.py) into --shards-dir, and
 then, in one process on one pinned core:
 
 - **steps**: each side's compute for a block of q rows on c cached rows (the cloud's middle layers; the
@@ -52,19 +52,22 @@ class FormatsBenchConfig:
     repeats: int = 5  # timed rounds after one warm-up round
     cpu: int = 0  # core to pin to (-1: none)
     threads: int = 1  # torch threads
+    shards_dir: str = "shards/formats"  # where each format's shards are prepared (`bench spec --shards` takes them)
 
 
-def prepare_all(model: str | None, out: Path, specs: tuple[str, ...], log) -> dict[str, Path]:
-    """{spec: OUT/shards/<spec>}: the model read once and prepared in each format."""
+def prepare_all(model: str | None, shards_dir: Path, specs: tuple[str, ...], log) -> dict[str, Path]:
+    """{spec: SHARDS_DIR/<spec>}: the model read once and prepared in each format, the shipped draft head
+    installed where one matches (as `prepare` does), so `bench spec --shards` can take these directories."""
+    from ..model.commands import install_shipped_drafter
     from ..model.prepare import prepare
     from ..model.source import load_source
 
     source = load_source(model)
     dirs = {}
     for spec in specs:
-        dirs[spec] = out / "shards" / spec.replace(",", "+").replace("=", "-")
+        dirs[spec] = shards_dir / spec.replace(",", "+").replace("=", "-")
         prepare(source, dirs[spec], weights=WeightFormats.parse(spec))
-        log(f"prepared {spec} in {dirs[spec]}")
+        log(f"prepared {spec} in {dirs[spec]}; " + install_shipped_drafter(dirs[spec] / "local"))
     return dirs
 
 
@@ -174,7 +177,7 @@ def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: Fo
     """Sequential local-only greedy decoding per format, transformers float32 and llama.cpp on the GGUF
     where it is installed: decode ms per token."""
     from ..model.shards import load_whole_hf
-    from .step import _decode_ms_per_token, greedy_transformers
+    from .anchors import decode_ms_per_token, greedy_transformers
 
     clients = {spec: _local_only(path) for spec, path in dirs.items()}
     whole = load_whole_hf(dirs["float32"])
@@ -193,7 +196,7 @@ def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: Fo
                     out, timed[name] = greedy_llamacpp(llm, ids, config.tokens)
                 else:
                     g = clients[name].generate(ids, config.tokens, strategy="sequential", stop_ids=set())
-                    out, timed[name] = g.token_ids, _decode_ms_per_token(g)
+                    out, timed[name] = g.token_ids, decode_ms_per_token(g)
                 texts[(name, pid)] = out
             if round_:
                 runs.append({"prompt_id": pid, "round": round_, **{k: round(v, 3) for k, v in timed.items()}})
@@ -283,13 +286,13 @@ def exactness(dirs: dict[str, Path], prompts: dict[str, list[int]], replies: dic
     return out
 
 
-def run(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> dict:
+def run(model: str | None, shards_dir: Path, config: FormatsBenchConfig, log=print) -> dict:
     from .runtime import load_prompts
 
     if config.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {config.cpu})
     torch.set_num_threads(config.threads)
-    dirs = prepare_all(model, out, config.formats, log)
+    dirs = prepare_all(model, shards_dir, config.formats, log)
     gbps = bandwidth_gbps()
     log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
     steps = build_steps(dirs, config)
@@ -338,9 +341,9 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_formats_bench(model: str | None, out: Path, config: FormatsBenchConfig, log=print) -> dict:
+def run_formats_bench(model: str | None, out: Path, shards_dir: Path, config: FormatsBenchConfig, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    report = run(model, out, config, log)
+    report = run(model, shards_dir, config, log)
     (out / "formats.json").write_text(json.dumps(report, indent=1))
     (out / "formats.md").write_text(markdown(report))
     return report

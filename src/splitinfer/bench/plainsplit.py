@@ -84,7 +84,7 @@ def measure(args, shards: Path, prompts: list[dict], rtts: list[float], log) -> 
     from ..launch import cloud_server, pin_self, wan_proxy
     from ..local.session import ClientConfig
     from ..model.shards import load_whole_hf
-    from .step import greedy_transformers
+    from .anchors import greedy_transformers
 
     pin_self(0)
     runs, references = [], []

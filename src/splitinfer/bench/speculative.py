@@ -53,7 +53,7 @@ from .runtime import load_prompts
 from .spec_readme import replace_results
 from .spec_report import markdown
 from .spec_summary import summarize
-from .step import greedy_transformers
+from .anchors import greedy_transformers
 
 
 def prompt_lookup_reference(shards: Path, prompts: list[dict], client: SplitClient, max_new_tokens: int) -> dict:

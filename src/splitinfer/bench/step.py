@@ -48,10 +48,11 @@ from .. import __version__
 from ..launch import pin_self
 from ..errors import ConfigError
 from ..model.formats import QuantLinear
-from ..model.shards import LocalHalf, load_cloud, load_local, load_whole_hf
+from ..model.shards import LocalHalf, load_cloud, load_local
 from ..model.stack import LayerStack
 from ..tables import table
 from .formats import stored_bytes
+from .anchors import e2e
 from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
@@ -274,64 +275,6 @@ def breakdown(side: Side, q: int) -> dict[str, float]:
     groups["python and dispatch"] = max(wall - ops, 0.0)
     total = sum(groups.values()) or 1.0
     return {k: v / total for k, v in groups.items()}
-
-
-def greedy_transformers(model: nn.Module, prompt_ids: list[int], tokens: int) -> tuple[list[int], float]:
-    """Plain transformers greedy decoding with its own cache: (generated ids, ms per token after the first)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids]), cache=cache, use_cache=True, logits_to_keep=1).logits
-        out = [int(logits[0, -1].argmax())]
-        t0 = time.perf_counter()
-        for _ in range(tokens - 1):
-            logits = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits
-            out.append(int(logits[0, -1].argmax()))
-        ms = (time.perf_counter() - t0) * 1e3 / max(tokens - 1, 1)
-    return out, ms
-
-
-def e2e(shards: Path, config: StepBenchConfig, log) -> dict:
-    """Local-only sequential generation against transformers greedy on the first benchmark prompts."""
-    from ..clients import open_client
-    from ..local.config import ClientConfig
-    from .runtime import load_prompts
-
-    client = open_client(local_only=True, shards=shards, config=ClientConfig(drafter="off"))
-    prompts = load_prompts(None, 1)[: config.e2e_prompts]
-    ids = {p["id"]: client.encode_prompt(p["prompt"], p.get("chat", True)) for p in prompts}
-    return generations(client, load_whole_hf(shards), ids, config.e2e_tokens, config.repeats // 2 + 2, log)
-
-
-def generations(client, whole: nn.Module, prompts: dict[str, list[int]], tokens: int, repeats: int, log) -> dict:
-    """Both paths on every prompt, interleaved, after one warm-up round; medians of ms per token."""
-    runs = []
-    for rep in range(repeats + 1):
-        for name, ids in prompts.items():
-            ref, ref_ms = greedy_transformers(whole, ids, tokens)
-            g = client.generate(ids, tokens, strategy="sequential", stop_ids=set())
-            ours_ms = _decode_ms_per_token(g)
-            if rep:
-                runs.append({"prompt_id": name, "repeat": rep, "transformers_ms": round(ref_ms, 3),
-                             "splitinfer_ms": round(ours_ms, 3), "identical": g.token_ids == ref})
-                log(f"e2e {name:<14} transformers {ref_ms:6.1f} ms/token  splitinfer {ours_ms:6.1f}")
-    t = statistics.median(r["transformers_ms"] for r in runs)
-    s = statistics.median(r["splitinfer_ms"] for r in runs)
-    # The ratio is the median of paired ratios: each pair ran back to back on one prompt, so a machine whose
-    # speed drifts between pairs moves both sides of a pair alike.
-    paired = statistics.median(r["splitinfer_ms"] / r["transformers_ms"] for r in runs)
-    return {"tokens": tokens, "prompts": list(prompts), "runs": runs, "transformers_ms_per_token": round(t, 2),
-            "splitinfer_ms_per_token": round(s, 2), "ratio": round(paired, 3),
-            "identical": f"{sum(r['identical'] for r in runs)} of {len(runs)}"}
-
-
-def _decode_ms_per_token(g) -> float:
-    """Decode wall time per token after the first (which comes out of the prefill), as transformers' is timed."""
-    return g.stats["decode_s"] * 1e3 / max(len(g.token_ids) - 1, 1)
-
-
-# -- the report ----------------------------------------------------------------------------------------
 
 
 def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
