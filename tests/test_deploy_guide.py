@@ -23,14 +23,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import pytest
+
+from listening import free_port, wait_for
 
 ROOT = Path(__file__).parents[1]
 GUIDE = ROOT / "docs" / "deploy.md"
@@ -48,23 +48,6 @@ def steps() -> dict[str, str]:
 def test_the_guide_has_the_steps_this_test_follows():
     assert list(steps()) == STEPS
     assert "allow-public-weights" not in steps()["config"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}: {log.read_text()[-2000:]}"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"nothing listens on {port}")
 
 
 def offline(body: str, deps_pth: str) -> str:

@@ -23,16 +23,16 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from splitinfer.cli import build_parser
 from splitinfer.configfile import apply_config
+
+from listening import free_port, wait_for
 
 ROOT = Path(__file__).parents[1]
 PAGES = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
@@ -179,23 +179,6 @@ def cloud_url(request):
     shards = request.getfixturevalue("docs_shards")
     with ServerThread(load_cloud(shards / "cloud")) as server:
         yield server.url
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the background block exited with {proc.returncode}: {log.read_text()[-3000:]}"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"nothing listens on {port}")
 
 
 def argv_for(lang: str, body: str) -> list[str]:
