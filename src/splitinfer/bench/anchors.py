@@ -1,6 +1,7 @@
 """Whole greedy generations timed against plain transformers: the anchor every local-only speed claim quotes.
 
-`greedy_transformers` decodes with transformers' own model and cache; `generations` runs it beside a
+`greedy_transformers` decodes with transformers' own model and cache, `greedy_llamacpp` with llama.cpp on
+the same GGUF (the optional `llama-cpp-python`); `generations` runs it beside a
 splitinfer client prompt by prompt (bench step --e2e-prompts); `decode_ms_per_token` reads a splitinfer
 generation's decode time the way transformers' is timed (after the first token, which the prefill makes).
 """
@@ -73,3 +74,28 @@ def decode_ms_per_token(g) -> float:
 
 
 # -- the report ----------------------------------------------------------------------------------------
+
+
+def llamacpp(gguf: Path | None, log):
+    """llama.cpp on the same GGUF, one thread (the optional `llama-cpp-python`), or None with the reason logged."""
+    if gguf is None or gguf.suffix != ".gguf":
+        log("llama.cpp: skipped (the model is not a GGUF file)")
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        log("llama.cpp: skipped (llama-cpp-python is not installed; see docs/benchmarks.md for its build)")
+        return None
+    return Llama(model_path=str(gguf), n_threads=1, n_threads_batch=1, n_ctx=2048, verbose=False)
+
+
+def greedy_llamacpp(llm, ids: list[int], tokens: int) -> tuple[list[int], float]:
+    """llama.cpp greedy decoding: (generated ids, ms per token after the first, which comes out of the prefill)."""
+    out, start = [], None
+    for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if start is None:
+            start = time.perf_counter()
+        out.append(int(token))
+        if len(out) == tokens:
+            break
+    return out, (time.perf_counter() - start) * 1e3 / max(tokens - 1, 1)

@@ -147,37 +147,12 @@ def step_rows(steps, medians, gbps: float) -> list[dict]:
     return rows
 
 
-def llamacpp(gguf: Path | None, log):
-    """llama.cpp on the same GGUF, one thread (the optional `llama-cpp-python`), or None with the reason logged."""
-    if gguf is None or gguf.suffix != ".gguf":
-        log("llama.cpp: skipped (the model is not a GGUF file)")
-        return None
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        log("llama.cpp: skipped (llama-cpp-python is not installed; see docs/benchmarks.md for its build)")
-        return None
-    return Llama(model_path=str(gguf), n_threads=1, n_threads_batch=1, n_ctx=2048, verbose=False)
-
-
-def greedy_llamacpp(llm, ids: list[int], tokens: int) -> tuple[list[int], float]:
-    """llama.cpp greedy decoding: (generated ids, ms per token after the first, which comes out of the prefill)."""
-    out, start = [], None
-    for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        if start is None:
-            start = time.perf_counter()
-        out.append(int(token))
-        if len(out) == tokens:
-            break
-    return out, (time.perf_counter() - start) * 1e3 / max(tokens - 1, 1)
-
-
 def generations(dirs: dict[str, Path], prompts: dict[str, list[int]], config: FormatsBenchConfig, log,
                 gguf: Path | None = None) -> dict:
     """Sequential local-only greedy decoding per format, transformers float32 and llama.cpp on the GGUF
     where it is installed: decode ms per token."""
     from ..model.shards import load_whole_hf
-    from .anchors import decode_ms_per_token, greedy_transformers
+    from .anchors import decode_ms_per_token, greedy_llamacpp, greedy_transformers, llamacpp
 
     clients = {spec: _local_only(path) for spec, path in dirs.items()}
     whole = load_whole_hf(dirs["float32"])
