@@ -19,8 +19,12 @@ def test_the_eager_cloud_step_on_a_synthetic_shard(tmp_path):
     config.write_text(json.dumps({"model_type": "mistral", **COMMON, "sliding_window": 12}))
     shards = prepare_synthetic(str(config), tmp_path / "s", seed=0, sides=("cloud",), dtype="float32")
     stack = load_cloud(shards / "cloud").stack
-    result = devicestep.measure(stack, [1, 3], [5, 20], repeats=2, log=lambda _: None)
+    result = devicestep.measure(stack, [1, 3], [5, 20], repeats=2, log=lambda _: None, hop=True)
     assert [(r["context"], r["rows"]) for r in result["rows"]] == [(5, 1), (5, 3), (20, 1), (20, 3)]
+    # The thread hop is timed on one-row blocks only, each path unpinned and pinned.
+    assert [sorted(r["hop"]) for r in result["rows"] if r["rows"] == 1] == [sorted(
+        f"{where}_{path}_ms" for where in ("unpinned", "pinned") for path in ("direct", "executor"))] * 2
+    assert all("hop" not in r for r in result["rows"] if r["rows"] == 3)
     assert all(r["eager_ms"] > 0 and r["bound_ms"] > 0 and r["graph_ms"] is None for r in result["rows"])
     # A block's output is the stack's own on the same cache, and the cache keeps its length (each block truncated).
     cache = devicestep.prefill(stack, 20, torch.Generator().manual_seed(1))

@@ -12,7 +12,9 @@ time, timed with device events (median of `repeats` after a warm-up). Two ways:
   a new allocation) and its length is the same on every replay (each block is truncated away), so the
   replayed graph writes and reads the rows the eager step does; its output is compared with eager's.
 
-Beside both, the bytes bound: the layers' weights plus the cached keys/values read, over the device's
+`--hop` adds the thread hop a server's step takes: one-row steps timed on the wall clock (synchronized),
+called directly and through a one-thread executor as the server's compute path calls them, in this process
+as it is and pinned to one core (as `bench batch` pins its cloud side). Beside both, the bytes bound: the layers' weights plus the cached keys/values read, over the device's
 copy bandwidth measured here (a device-to-device copy, bytes read plus written). On a CPU (the dry run) the
 graph column is null and the bandwidth is `bench/machine.py`'s. Inputs are seeded random rows: a step's
 cost does not depend on values. This module knows nothing of sessions, the wire or the trusted side.
@@ -25,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +104,35 @@ class Block:
         return graph.replay, out
 
 
+def wall_ms(run, device: torch.device, repeats: int) -> float:
+    """Median wall-clock ms of `run()` to its last kernel's end, after two warm-ups."""
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def thread_hop(block: Block, device: torch.device, repeats: int) -> dict:
+    """Wall ms of a one-row step called directly and through a one-thread executor, unpinned and pinned."""
+    from ..launch import pinned
+
+    def hop(executor: ThreadPoolExecutor):
+        return lambda: executor.submit(lambda: (block.eager(), torch.cuda.synchronize(device) if device.type == "cuda"
+                                                else None)).result()
+
+    out = {}
+    for where in ("unpinned", "pinned"):
+        with pinned(0 if where == "pinned" else None, torch.get_num_threads()), ThreadPoolExecutor(1) as executor:
+            out[f"{where}_direct_ms"] = round(wall_ms(block.eager, device, repeats), 4)
+            out[f"{where}_executor_ms"] = round(wall_ms(hop(executor), device, repeats), 4)
+    return out
+
+
 def prefill(stack: LayerStack, context: int, generator: torch.Generator):
     param = next(stack.parameters())
     cache = stack.new_cache()
@@ -110,7 +142,7 @@ def prefill(stack: LayerStack, context: int, generator: torch.Generator):
     return cache
 
 
-def measure(stack: LayerStack, rows: list[int], contexts: list[int], repeats: int, log=print) -> dict:
+def measure(stack: LayerStack, rows: list[int], contexts: list[int], repeats: int, log=print, hop: bool = False) -> dict:
     device = next(stack.parameters()).device
     gbps = device_bandwidth_gbps(device)
     weights = sum(p.numel() * p.element_size() for p in stack.parameters())
@@ -132,6 +164,9 @@ def measure(stack: LayerStack, rows: list[int], contexts: list[int], repeats: in
                     del replay, out
                 except Exception as exc:  # noqa: BLE001 - a capture that fails is a finding, recorded per row
                     row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            if hop and q == 1:
+                row["hop"] = thread_hop(block, device, repeats)
+                log(f"thread hop ctx {context:>5}: {row['hop']}")
             results.append(row)
             log(f"cloud step ctx {context:>5} q {q:>2}: eager {row['eager_ms']} ms, graph {row['graph_ms']} ms, "
                 f"bound {row['bound_ms']} ms")
@@ -150,9 +185,10 @@ class DeviceStepOptions:
     rows: str = "1,2,4,8,16,32,64"  # block rows, comma-separated
     contexts: str = "64,2048"  # cached tokens before the block, comma-separated
     repeats: int = 20  # timed steps of each configuration after a warm-up (median reported)
+    hop: bool = False  # also time one-row steps through a one-thread executor, unpinned and pinned to one core
 
 
-OPTIONS = (Opt("device"), Opt("dtype"), Opt("rows"), Opt("contexts"), Opt("repeats"))
+OPTIONS = (Opt("device"), Opt("dtype"), Opt("rows"), Opt("contexts"), Opt("repeats"), Opt("hop"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     half = load_cloud(args.shard, device=args.device, dtype=args.dtype, verify=False)
     result = measure(half.stack, [int(x) for x in args.rows.split(",")], [int(x) for x in args.contexts.split(",")],
-                     args.repeats, log=lambda line: print(line, file=sys.stderr, flush=True))
+                     args.repeats, log=lambda line: print(line, file=sys.stderr, flush=True), hop=args.hop)
     result.update(command="python -m splitinfer.bench.devicestep " + " ".join(sys.argv[1:] if argv is None else argv),
                   torch=torch.__version__, model_id=half.manifest["model_id"], synthetic=half.manifest.get("synthetic", False))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
