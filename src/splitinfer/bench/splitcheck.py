@@ -57,7 +57,7 @@ def compare(runs: list[dict]) -> list[dict]:
 
 
 def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prompt_tokens: int, tokens: int,
-        strategies: list[str], threads: int, wire_dtype: str = "float32", log=print) -> dict:
+        strategies: list[str], threads: int, wire_dtype: str, log=print) -> dict:
     from ..clients import open_client
     from ..launch import cloud_server, wan_proxy
     from ..local.session import ClientConfig
