@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..local.client import SplitClient
 from ..local.config import CLIENT_DEFAULTS
 from ..local.conversation import Conversation, Turn
-from ..local.text import chat_prompt_ids
+from ..local.text import chat_prompt_ids, has_chat_template
 from .config import API_DEFAULTS
 from .logprobs import TokenText
 from .protocol import Params
@@ -62,7 +62,7 @@ class Engine:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not has_chat_template(tok):
             raise ConfigError("this model has no chat template; use /v1/completions with a plain prompt.")
         return chat_prompt_ids(tok, messages)
 
