@@ -53,6 +53,7 @@ from ..model.stack import LayerStack
 from ..tables import table
 from .formats import stored_bytes
 from .anchors import e2e
+from .baseline import plain_model, with_ends
 from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
@@ -79,24 +80,15 @@ class StepBenchConfig:
 
 
 def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, with_norm: nn.Module | None) -> nn.Module:
-    """A plain transformers causal LM over the layers of `stacks` (renumbered 0..n-1), sharing their weights."""
-    from transformers import AutoModelForCausalLM
-
-    from .plaincloud import layers_config
-
+    """A plain transformers causal LM over the layers of `stacks` (renumbered 0..n-1), sharing their weights:
+    bench/baseline.py's model built on the meta device, given these layers as plain modules."""
     layers = [layer for stack in stacks for layer in stack.layers]
-    cfg = layers_config(config, [s.start + i for s in stacks for i in range(len(s.layers))])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    body = model.model
-    body.layers = nn.ModuleList([_plain(layer, i, model.config) for i, layer in enumerate(layers)])
-    body.rotary_emb = stacks[0].rotary
-    body.norm = with_norm if with_norm is not None else nn.Identity()
-    body.embed_tokens = nn.Identity()
+    model = plain_model(config, [s.start + i for s in stacks for i in range(len(s.layers))], meta=True)
+    model.model.layers = nn.ModuleList([_plain(layer, i, model.config) for i, layer in enumerate(layers)])
+    model.model.rotary_emb = stacks[0].rotary
     # An integer-format head (model/formats.py) has no float weight to hand to F.linear: it stays as it is.
     plain = _plain_linear(with_head) if isinstance(with_head, nn.Linear) else with_head
-    model.lm_head = plain if with_head is not None else nn.Identity()
-    return model.eval()
+    return with_ends(model, None, with_norm, plain).eval()
 
 
 def _plain_linear(linear: nn.Linear) -> nn.Linear:
