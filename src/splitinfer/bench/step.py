@@ -118,21 +118,24 @@ def _plain(layer: nn.Module, index: int, config) -> nn.Module:
 
 
 class Side:
-    """One side's step both ways at one context: `ours(q)` and `anchor(q)` each run one block of q rows."""
+    """One side's step both ways at one context: `ours(q)` and `anchor(q)` each run one block of q rows.
+
+    with_anchor=False builds no transformers model (bench formats times `ours` alone, in every weight format)."""
 
     def __init__(self, name: str, stacks: list[LayerStack], tail: tuple[nn.Module, nn.Module] | None, context: int,
-                 inputs: torch.Tensor):
+                 inputs: torch.Tensor, with_anchor: bool = True):
         from transformers import DynamicCache
 
         self.name, self.stacks, self.tail, self.context = name, stacks, tail, context
         self.inputs = inputs  # [1, n, d]: the side's real input rows, context first, then the blocks
         self.d, self.dtype = inputs.shape[-1], inputs.dtype
-        self.hf = hf_layers(stacks[0].config, stacks, *(tail or (None, None))[::-1])
-        self.hf_cache = DynamicCache(config=self.hf.config)
         self.caches = [s.new_cache() for s in stacks]
         with torch.inference_mode():
             prompt = inputs[:, :context]
-            self.hf(inputs_embeds=prompt, cache=self.hf_cache, use_cache=True, logits_to_keep=1)
+            if with_anchor:
+                self.hf = hf_layers(stacks[0].config, stacks, *(tail or (None, None))[::-1])
+                self.hf_cache = DynamicCache(config=self.hf.config)
+                self.hf(inputs_embeds=prompt, cache=self.hf_cache, use_cache=True, logits_to_keep=1)
             allowed = np.tril(np.ones((context, context), dtype=bool))
             for stack, cache in zip(stacks, self.caches):  # chained, as the anchor's layers are
                 prompt = stack(prompt, torch.arange(context), allowed, cache)
@@ -154,6 +157,13 @@ class Side:
             norm, lm_head = self.tail
             hidden = lm_head(norm(hidden))
         return hidden
+
+    def timed(self, q: int) -> float:
+        """ms of one `ours` step of q rows (its input rows taken before the clock starts)."""
+        hidden = self.block(q)
+        t0 = time.perf_counter()
+        self.ours(q, hidden)
+        return (time.perf_counter() - t0) * 1e3
 
     @torch.inference_mode()
     def anchor(self, q: int, hidden: torch.Tensor) -> torch.Tensor:
