@@ -31,7 +31,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..options import Opt, Shared, add_options
 from ..tables import table
-from ..telemetry import median
+from ..telemetry import median, step_summary
 from ..wire.dtypes import DTYPE_NAMES
 
 IMPLS = ("splitinfer", "transformers")
@@ -66,14 +66,16 @@ def record(impl: str, rtt: float, rep: int, p: dict, tokens: list[int], stats: d
     """One generation: tokens, rate, and medians over its decode steps of what a step is made of."""
     decode = [s for s in steps if s["kind"] == "decode"]
     n = len(tokens)
+    parts = step_summary(steps, ("bytes", "round_trip", "cloud_compute", "local_compute", "serialize"),
+                         lambda values: median(values, 3))
     return {
         "impl": impl, "rtt_ms": rtt, "repeat": rep, "prompt_id": p["id"], "category": p["category"],
         "token_ids": tokens, "tokens_per_s": stats["tokens_per_s"], "decode_s": stats["decode_s"],
         "ms_per_token": round(stats["decode_s"] * 1e3 / max(n - 1, 1), 3), "decode_steps": len(decode),
         "round_trips": len(decode) + stats["prefill_messages"],
-        "bytes_per_step": median([s["bytes_up"] + s["bytes_down"] for s in decode]) if decode else 0,
-        "median_ms": {f: median([s[f + "_ms"] for s in decode], 3)
-                      for f in ("round_trip", "cloud_compute", "local", "serialize")},
+        "bytes_per_step": parts["bytes"],
+        "median_ms": {"round_trip": parts["round_trip"], "cloud_compute": parts["cloud_compute"],
+                      "local": parts["local_compute"], "serialize": parts["serialize"]},
     }
 
 
