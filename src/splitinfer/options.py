@@ -172,3 +172,14 @@ def defer(parser: argparse.ArgumentParser, build: Callable[[argparse.ArgumentPar
 def complete(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The parser with every deferred option added."""
     return parser.complete() if isinstance(parser, CommandParser) else parser
+
+
+def check_args(doc: str, given: tuple[str, str], cls: type, opts: Sequence[Opt],
+               argv: list[str] | None) -> argparse.Namespace:
+    """The parsed arguments of a `python -m` check (bench/devicestep.py, bench/splitcheck.py): its required
+    input `given` (flag, help), `cls`'s options `opts`, and --out, the JSON file it writes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(given[0], required=True, help=given[1])
+    add_options(parser, cls, opts)
+    parser.add_argument("--out", required=True, help="the JSON file to write")
+    return parser.parse_args(argv)

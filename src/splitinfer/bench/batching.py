@@ -33,6 +33,7 @@ from ..options import Opt, Shared, add_options
 from ..tables import left_table
 from ..telemetry import median
 from ..wire.dtypes import DTYPE_NAMES
+from .parsers import add_shards_and_out
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -405,7 +406,7 @@ def register(subparsers) -> None:
     s = subparsers.add_parser(
         "batch", help="batched vs one-at-a-time cloud compute, and concurrent clients end to end"
     )
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for batching.json and batching.md")))
+    add_shards_and_out(s, "batching.json and batching.md")
     add_options(s, BatchBenchOptions, (
         Opt("sizes", help="decode batch sizes for the cloud-side measurement"),
         Opt("context", help="committed rows per session (varied by up to +56)"),

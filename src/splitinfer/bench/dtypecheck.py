@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options
+from ..options import Opt, add_options
 from ..tables import table
 from ..wire.dtypes import DTYPE_NAMES
+from .parsers import add_shards_and_out, reporting
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,8 @@ def run(args, log=print) -> dict:
     from .runtime import load_prompts
     from .machine import cpu_flags
 
+    torch.set_num_threads(1)  # as the benchmarks run each side; results do not depend on it
+
     shards = Path(args.shards)
     if not (shards / "local" / "manifest.json").exists():
         raise ConfigError(f"{shards} holds no prepared shards; run `splitinfer prepare --out {shards}` first.")
@@ -234,18 +237,10 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def cmd_dtype(args) -> int:
-    import torch
-
-    torch.set_num_threads(1)  # as the benchmarks run each side; results do not depend on it
-    run(args, log=lambda line: print(line, file=sys.stderr))
-    return 0
-
-
 def register(sub) -> None:
     s = sub.add_parser("dtype", help="a compute dtype (bfloat16) against float32: perplexity of held-out text and "
                        "exactness of speculation in that dtype, untimed")
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for dtype.json and dtype.md")))
+    add_shards_and_out(s, "dtype.json and dtype.md")
     add_options(s, DtypeCheckOptions, (
         Opt("dtype", choices=DTYPE_NAMES, help="the compute dtype compared with float32"),
         Opt("conversations", help="held-out ShareGPT conversations scored (`make chat-data`)"),
@@ -256,4 +251,4 @@ def register(sub) -> None:
         Opt("per_category", help="benchmark prompts from each category"),
     ))
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench (default: the packaged benchmark prompts)")
-    s.set_defaults(func=cmd_dtype)
+    s.set_defaults(func=reporting(run))

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options
+from ..options import Opt, add_options
 from ..tables import table
 from ..telemetry import median, step_summary
 from ..wire.dtypes import DTYPE_NAMES
+from .parsers import add_shards_and_out, reporting
 
 IMPLS = ("splitinfer", "transformers")
 
@@ -206,15 +207,10 @@ def run(args, log=print) -> dict:
     return report
 
 
-def cmd_plain_split(args) -> int:
-    run(args, log=lambda line: print(line, file=sys.stderr))
-    return 0
-
-
 def register(sub) -> None:
     s = sub.add_parser("plain-split", help="split sequential: splitinfer against a plain transformers split of the "
                        "same layers behind the same emulator, in one run")
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for plainsplit.json and plainsplit.md")))
+    add_shards_and_out(s, "plainsplit.json and plainsplit.md")
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench (default: the packaged benchmark prompts)")
     add_options(s, PlainSplitOptions, (
         Opt("rtt_ms", help="comma-separated added round trips"),
@@ -224,4 +220,4 @@ def register(sub) -> None:
     ))
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, help="dtype of hidden states on the wire (default: the "
                    "shard's)")
-    s.set_defaults(func=cmd_plain_split)
+    s.set_defaults(func=reporting(run))

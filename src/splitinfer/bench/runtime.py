@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -196,7 +195,3 @@ def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print)
                         f"{record['accepted_per_step']:.2f} acc/step")
         bar.close()
     return {"runs": runs, "probe_rtt_ms": probes, "hidden_size": local_only.local.config.hidden_size}
-
-
-def log_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
