@@ -97,6 +97,26 @@ def _scalar_type(cls: type, name: str) -> type:
     return hint
 
 
+def described(cls: type, *fields: str) -> tuple[Opt, ...]:
+    """One `Opt` per field whose help is the comment on the field's line in `cls`'s source, so a command whose
+    options say no more than their fields' comments writes neither twice."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {t.start[0]: t.string.lstrip("# ") for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT}
+    lines = {node.target.id: node.end_lineno for node in ast.parse(source).body[0].body
+             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    missing = [f for f in fields if lines.get(f) not in comments]
+    if missing:
+        raise TypeError(f"{cls.__name__}: no comment on the line of {', '.join(missing)}")
+    return tuple(Opt(f, help=comments[lines[f]]) for f in fields)
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type, opts: Sequence[Opt]) -> None:
     """Add one option per `Opt`, with the field's default (or the Opt's own) and type."""
     for opt in opts:
