@@ -129,12 +129,13 @@ class Side:
         self.name, self.stacks, self.tail, self.context = name, stacks, tail, context
         self.inputs = inputs  # [1, n, d]: the side's real input rows, context first, then the blocks
         self.d, self.dtype = inputs.shape[-1], inputs.dtype
+        if with_anchor:
+            self.hf = hf_layers(stacks[0].config, stacks, *(tail or (None, None))[::-1])
+            self.hf_cache = DynamicCache(config=self.hf.config)
         self.caches = [s.new_cache() for s in stacks]
         with torch.inference_mode():
             prompt = inputs[:, :context]
             if with_anchor:
-                self.hf = hf_layers(stacks[0].config, stacks, *(tail or (None, None))[::-1])
-                self.hf_cache = DynamicCache(config=self.hf.config)
                 self.hf(inputs_embeds=prompt, cache=self.hf_cache, use_cache=True, logits_to_keep=1)
             allowed = np.tril(np.ones((context, context), dtype=bool))
             for stack, cache in zip(stacks, self.caches):  # chained, as the anchor's layers are
