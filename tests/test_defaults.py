@@ -66,49 +66,65 @@ def test_the_checker_finds_literal_defaults_and_passes_the_rest():
 
 
 # -- the Python API ------------------------------------------------------------------------------------------
-# Parameters whose default belongs to a typed config (local/config.py ClientConfig/ClientOptions, the link's
-# constants in wire/clientlink.py and wire/link.py): a function or call writing one of them as a literal
-# restates a default that lives elsewhere.
-API_DEFAULTS = {"strategy", "max_retries", "replay_rows", "prefill_chunk", "max_new_tokens", "ping_interval",
-                "ping_timeout"}
-# Where a literal is the one definition, or a command's own deliberate default: config dataclasses are the
-# definitions (their fields are not function parameters), so only these modules are spared.
-API_KNOWN = {
-    # api/ still writes the strategy name "tree" as its parameters' default: issue 50 left api/ to the change
-    # under way there (logprobs); take it from local.config.CLIENT_DEFAULTS next.
-    "api/chat.py", "api/engine.py",
-}
+# The typed configs that own the Python API's defaults: the client's (local/config.py) and the API server's and
+# chat's (api/config.py). A library function or class whose parameter is named for one of their fields (or
+# stands for one, ALIASES) takes its default from there; a literal in its signature would be a second
+# definition. The link's constants (wire/clientlink.py MAX_RETRIES, ROWS_PER_MESSAGE; wire/link.py's pings) are
+# the definitions the client config reads, so their parameters are checked too.
+ALIASES = {"replay_rows": "prefill_chunk", "default_max_tokens": "max_new_tokens"}
+LINK_SETTINGS = {"ping_interval", "ping_timeout"}
 
 
-def literal_api_defaults(source: str, module: str) -> list[str]:
-    """'module:line name' for each parameter in API_DEFAULTS with a literal default, and each call passing one
-    of the ping settings as a literal."""
+def owned_parameters() -> set[str]:
+    """Parameter names whose default a typed config owns."""
+    import dataclasses
+
+    from splitinfer.api.config import ApiOptions
+    from splitinfer.local.config import ClientConfig, ClientOptions
+
+    names = {f.name for config in (ClientConfig, ClientOptions, ApiOptions) for f in dataclasses.fields(config)}
+    return names | set(ALIASES) | LINK_SETTINGS
+
+
+def _is_owned_literal(node: ast.AST) -> bool:
+    """A literal default, where 0 reads as "off" (no padding, no hold) like None and False: it restates no
+    value of a config's."""
+    return _is_literal(node) and not (isinstance(node, ast.Constant) and node.value == 0)
+
+
+def literal_api_defaults(source: str, module: str, owned: set[str] | None = None) -> list[str]:
+    """'module:line name' for each parameter named in `owned` (default: owned_parameters()) with a literal
+    default, and each call passing one of the ping settings as a literal."""
+    owned = owned_parameters() if owned is None else owned
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             args = node.args.posonlyargs + node.args.args
             pairs = list(zip(args[len(args) - len(node.args.defaults):], node.args.defaults))
             pairs += [(a, d) for a, d in zip(node.args.kwonlyargs, node.args.kw_defaults) if d is not None]
-            found += [f"{module}:{node.lineno} {a.arg}" for a, d in pairs if a.arg in API_DEFAULTS and _is_literal(d)]
+            found += [f"{module}:{node.lineno} {a.arg}" for a, d in pairs if a.arg in owned and _is_owned_literal(d)]
         if isinstance(node, ast.Call):
             found += [f"{module}:{node.lineno} {k.arg}" for k in node.keywords
-                      if k.arg in ("ping_interval", "ping_timeout") and _is_literal(k.value)]
+                      if k.arg in LINK_SETTINGS and _is_literal(k.value)]
     return found
 
 
 def test_the_python_api_takes_its_defaults_from_the_typed_configs():
+    owned = owned_parameters()
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        module = path.relative_to(PACKAGE).as_posix()
-        if module not in API_KNOWN:
-            found += literal_api_defaults(path.read_text(), module)
-    assert not found, "Python-API defaults written in place (take them from local/config.py or the link's " \
-                      "constants): " + ", ".join(found)
+        found += literal_api_defaults(path.read_text(), path.relative_to(PACKAGE).as_posix(), owned)
+    assert not found, "Python-API defaults written in place (take them from local/config.py, api/config.py or " \
+                      "the link's constants): " + ", ".join(found)
 
 
 def test_the_python_api_defaults_are_the_configs():
     import inspect
 
+    from splitinfer.api.chat import ChatSession
+    from splitinfer.api.config import API_DEFAULTS
+    from splitinfer.api.engine import Engine
+    from splitinfer.api.server import ApiServer
     from splitinfer.local.client import SplitClient
     from splitinfer.local.config import CLIENT_DEFAULTS, ClientConfig
     from splitinfer.local.conversation import Conversation
@@ -117,8 +133,12 @@ def test_the_python_api_defaults_are_the_configs():
     def default(func, name):
         return inspect.signature(func).parameters[name].default
 
-    for func in (SplitClient.generate, SplitClient.conversation, Conversation.__init__):
+    for func in (SplitClient.generate, SplitClient.conversation, Conversation.__init__, ChatSession.__init__,
+                 Engine.__init__):
         assert default(func, "strategy") == CLIENT_DEFAULTS.strategy, func
+    assert default(Engine.__init__, "max_concurrent") == API_DEFAULTS.max_concurrent
+    assert default(Engine.__init__, "default_max_tokens") == API_DEFAULTS.max_new_tokens
+    assert default(ApiServer.__init__, "port") == API_DEFAULTS.port
     assert default(SplitClient.generate, "max_new_tokens") == CLIENT_DEFAULTS.max_new_tokens
     assert default(ClientLink.__init__, "max_retries") == ClientConfig().max_retries
     assert default(ClientLink.__init__, "replay_rows") == ClientConfig().prefill_chunk
@@ -127,7 +147,10 @@ def test_the_python_api_defaults_are_the_configs():
 def test_the_api_checker_finds_literal_parameters_and_ping_settings():
     source = (
         "def a(x, strategy='tree', *, max_retries=5, y=3): pass\n"
-        "def b(strategy=CLIENT_DEFAULTS.strategy, prefill_chunk=None): pass\n"
+        "def b(strategy=CLIENT_DEFAULTS.strategy, prefill_chunk=None, pad_rows=0): pass\n"
         "connect(url, ping_interval=20, ping_timeout=PING_TIMEOUT_S)\n"
+        "class E:\n"
+        "    def __init__(self, max_concurrent=4, default_max_tokens=256, port=API_DEFAULTS.port): pass\n"
     )
-    assert literal_api_defaults(source, "m") == ["m:1 strategy", "m:1 max_retries", "m:3 ping_interval"]
+    assert literal_api_defaults(source, "m") == ["m:1 strategy", "m:1 max_retries", "m:3 ping_interval",
+                                                 "m:5 max_concurrent", "m:5 default_max_tokens"]

@@ -1,5 +1,6 @@
-"""Interfaces are types, not sniffed: decoding/, local/ and wire/ call no getattr/hasattr, and every
-implementation of the Middle and Verifier Protocols offers each of their members."""
+"""Interfaces are types, not sniffed: decoding/, local/, wire/ and cloud/ call no getattr/hasattr, a model
+config's optional fields are read in one place (hfconfig.py), and every implementation of the Middle and
+Verifier Protocols offers each of their members."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from splitinfer.local.session import SplitSession
 from splitinfer.wire.transport import Middle
 
 PACKAGE = Path(splitinfer.__file__).parent
-TYPED = ("decoding", "local", "wire")
+TYPED = ("decoding", "local", "wire", "cloud")
 SNIFFERS = {"getattr", "hasattr"}
 
 
@@ -30,7 +31,7 @@ def sniffing(source: str, module: str) -> list[str]:
     ]
 
 
-def test_no_feature_sniffing_in_decoding_local_or_wire():
+def test_no_feature_sniffing_in_decoding_local_wire_or_cloud():
     found = []
     for package in TYPED:
         for path in sorted((PACKAGE / package).rglob("*.py")):
@@ -38,8 +39,8 @@ def test_no_feature_sniffing_in_decoding_local_or_wire():
     assert not found, "getattr/hasattr (declare the member in a Protocol or config instead): " + ", ".join(found)
 
 
-# The one place the trusted side reads optional fields of a HF model config (eos ids, the context length).
-CONFIG_READER = "local/backend.py"
+# The one place either side reads optional fields of a HF model config (eos ids, the context length).
+CONFIG_READER = "hfconfig.py"
 
 
 def dict_reads(source: str, module: str) -> list[str]:
@@ -55,11 +56,11 @@ def dict_reads(source: str, module: str) -> list[str]:
 
 def test_model_config_fields_are_read_in_one_place():
     found = []
-    for package in (*TYPED, "cloud"):
-        for path in sorted((PACKAGE / package).rglob("*.py")):
-            module = path.relative_to(PACKAGE).as_posix()
-            if module != CONFIG_READER:
-                found += dict_reads(path.read_text(), module)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if module != CONFIG_READER:
+            found += dict_reads(path.read_text(), module)
+    assert dict_reads((PACKAGE / CONFIG_READER).read_text(), CONFIG_READER), "the reader reads"
     assert not found, f".to_dict().get(...) reads (go through {CONFIG_READER}): " + ", ".join(found)
     assert dict_reads("a = config.to_dict().get('x')\nb = d.get('x')\n", "m") == ["m:1"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from splitinfer.errors import ConfigError
-from splitinfer.options import MIB, CommandParser, Opt, add_options, complete, config_from_args, defer
+from splitinfer.options import MIB, CommandParser, Opt, add_options, complete, config_from_args, defer, described
 
 
 @dataclass(frozen=True)
@@ -103,3 +103,9 @@ def test_deferred_options_are_added_when_the_command_is_used():
     plain = argparse.ArgumentParser()  # not a CommandParser: built at once
     defer(plain, build)
     assert built == [s, plain]
+
+
+def test_an_option_described_by_its_field_s_comment():
+    assert described(Toy, "rows") == (Opt("rows", help="a plain int"),)
+    with pytest.raises(TypeError, match="ratio"):
+        described(Toy, "rows", "ratio")  # no comment on its line: write the help

@@ -97,6 +97,26 @@ def _scalar_type(cls: type, name: str) -> type:
     return hint
 
 
+def described(cls: type, *fields: str) -> tuple[Opt, ...]:
+    """One `Opt` per field whose help is the comment on the field's line in `cls`'s source, so a command whose
+    options say no more than their fields' comments writes neither twice."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {t.start[0]: t.string.lstrip("# ") for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT}
+    lines = {node.target.id: node.end_lineno for node in ast.parse(source).body[0].body
+             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    missing = [f for f in fields if lines.get(f) not in comments]
+    if missing:
+        raise TypeError(f"{cls.__name__}: no comment on the line of {', '.join(missing)}")
+    return tuple(Opt(f, help=comments[lines[f]]) for f in fields)
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type, opts: Sequence[Opt]) -> None:
     """Add one option per `Opt`, with the field's default (or the Opt's own) and type."""
     for opt in opts:
@@ -172,3 +192,14 @@ def defer(parser: argparse.ArgumentParser, build: Callable[[argparse.ArgumentPar
 def complete(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The parser with every deferred option added."""
     return parser.complete() if isinstance(parser, CommandParser) else parser
+
+
+def check_args(doc: str, given: tuple[str, str], cls: type, opts: Sequence[Opt],
+               argv: list[str] | None) -> argparse.Namespace:
+    """The parsed arguments of a `python -m` check (bench/devicestep.py, bench/splitcheck.py): its required
+    input `given` (flag, help), `cls`'s options `opts`, and --out, the JSON file it writes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(given[0], required=True, help=given[1])
+    add_options(parser, cls, opts)
+    parser.add_argument("--out", required=True, help="the JSON file to write")
+    return parser.parse_args(argv)

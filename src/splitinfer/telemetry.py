@@ -4,11 +4,15 @@ A step's round trip is split the way the paper's breakdown is: `network` is the 
 time the server reports for handling the request (decode, compute, encode), `cloud_compute` is the
 server's middle-layer time, `local_compute` is head + tail + norm + LM head + choosing tokens on the
 client, `serialize` is the client's encode and decode of the two messages.
+
+`step_summary` is the one summary of a generation's decode steps: the generation's own stats take its
+medians, bench spec's runs its means (bench/runtime.py) and bench plain-split's the plain split's medians.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 
@@ -45,10 +49,33 @@ def median(values: list[float], digits: int = 4) -> float:
     return round(statistics.median(values), digits) if values else 0.0
 
 
+# The parts of a step, read from its record as StepRecord.as_dict writes it (a plain split's records, which
+# carry no server time, have all but `network` and `server_other`).
+STEP_PARTS: dict[str, Callable[[dict], float]] = {
+    "round_trip": lambda s: s["round_trip_ms"],
+    "network": lambda s: max(s["round_trip_ms"] - s["server_ms"], 0.0),
+    "cloud_compute": lambda s: s["cloud_compute_ms"],
+    "server_other": lambda s: max(s["server_ms"] - s["cloud_compute_ms"], 0.0),
+    "local_compute": lambda s: s["local_ms"],
+    "serialize": lambda s: s["serialize_ms"],
+    "step": lambda s: s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"],
+    "bytes": lambda s: s["bytes_up"] + s["bytes_down"],
+    "accepted": lambda s: s["accepted"],
+}
+
+
+def step_summary(steps: list[dict], parts: tuple[str, ...] = tuple(STEP_PARTS),
+                 average: Callable[[list[float]], float] = median) -> dict[str, float]:
+    """{part: `average` of it over the decode steps of `steps`} for each of `parts` (STEP_PARTS' names)."""
+    decode = [s for s in steps if s["kind"] == "decode"]
+    return {part: average([STEP_PARTS[part](s) for s in decode]) for part in parts}
+
+
 def summarize(records: list[StepRecord], generated: int, decode_s: float, prefill_s: float) -> dict:
     """The `stats` object of a generation. Medians are over decode steps only."""
     decode = [r for r in records if r.kind == "decode"]
     accepted = [r.accepted for r in decode]
+    parts = step_summary([asdict(r) for r in decode])
     # The first token comes out of prefill; the rate is of the tokens produced by decode steps.
     after_prefill = max(generated - 1, 0)
     return {
@@ -63,14 +90,8 @@ def summarize(records: list[StepRecord], generated: int, decode_s: float, prefil
         "cover_exchanges": sum(1 for r in records if r.kind == "cover"),
         "bytes_up": sum(r.bytes_up for r in records),
         "bytes_down": sum(r.bytes_down for r in records),
-        "bytes_per_decode_step": median([r.bytes_up + r.bytes_down for r in decode]),
+        "bytes_per_decode_step": parts["bytes"],
         "recoveries": sum(r.recoveries for r in records),
-        "median_ms": {
-            "round_trip": median([r.round_trip_ms for r in decode]),
-            "network": median([r.network_ms for r in decode]),
-            "cloud_compute": median([r.cloud_compute_ms for r in decode]),
-            "local_compute": median([r.local_ms for r in decode]),
-            "serialize": median([r.serialize_ms for r in decode]),
-            "step": median([r.round_trip_ms + r.local_ms + r.serialize_ms for r in decode]),
-        },
+        "median_ms": {part: parts[part] for part in
+                      ("round_trip", "network", "cloud_compute", "local_compute", "serialize", "step")},
     }

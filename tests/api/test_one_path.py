@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
+import splitinfer
 from splitinfer.api.chat import ChatSession
 from splitinfer.api.engine import Engine
 from splitinfer.api.protocol import Params
 from splitinfer.local.client import SplitClient
 from splitinfer.local.session import ClientConfig
-from splitinfer.local.text import TextStream, chat_prompt_ids
+from splitinfer.errors import ConfigError
+from splitinfer.local.text import TextStream, chat_prompt_ids, has_chat_template
 from splitinfer.metrics import LocalMetrics
+from tiny import char_tokenizer
 
 F32 = ClientConfig(wire_dtype="float32", retry_backoff_s=0.05)
 
@@ -88,3 +94,31 @@ def test_text_stream_streams_final_pieces_and_cuts_at_stop_strings(client):
     quiet = TextStream(tok, None, stop_ids={0})
     assert not any(quiet.push(t) for t in ids + [0])
     assert not quiet.sent and quiet.finish() == "hello world, bye"  # nothing decoded until the end, no <eos>
+
+
+def template_reads(source: str, module: str) -> list[str]:
+    """'module:line' for each read of a tokenizer's chat template: `.chat_template` or getattr(..., "chat_template")."""
+    return [f"{module}:{node.lineno}" for node in ast.walk(ast.parse(source))
+            if (isinstance(node, ast.Attribute) and node.attr == "chat_template")
+            or (isinstance(node, ast.Constant) and node.value == "chat_template")]
+
+
+def test_the_chat_template_is_checked_in_one_place():
+    """The Python API's text prompts, the terminal chat and the HTTP API ask has_chat_template (local/text.py)."""
+    package = Path(splitinfer.__file__).parent
+    found = [hit for folder in ("local", "api") for path in sorted((package / folder).rglob("*.py"))
+             for hit in template_reads(path.read_text(), path.relative_to(package).as_posix())]
+    assert len(found) == 1 and found[0].startswith("local/text.py:"), found
+    assert template_reads("a = tok.chat_template\nb = getattr(tok, 'chat_template', None)\n", "m") == ["m:1", "m:2"]
+
+
+def test_without_a_chat_template_every_front_says_what_to_use_instead(client):
+    plain = char_tokenizer()
+    plain.chat_template = None
+    assert has_chat_template(char_tokenizer()) and not has_chat_template(plain) and not has_chat_template(None)
+    client.local.tokenizer = plain
+    assert client.encode_prompt("hi") == plain("hi")["input_ids"]  # the prompt as it is
+    with pytest.raises(ConfigError, match="--no-chat"):
+        ChatSession(client)
+    with pytest.raises(ConfigError, match="/v1/completions"):
+        Engine(client, "tiny-chat").chat_ids([{"role": "user", "content": "hi"}])

@@ -21,17 +21,18 @@ from ..decoding.sampling import SamplingConfig
 from ..decoding.warm import SUFFIX_MEMORY_TOKENS, suffix_memory
 from ..errors import ConfigError
 from ..local.client import SplitClient
+from ..local.config import CLIENT_DEFAULTS
 from ..local.conversation import Turn
-from ..local.text import chat_prompt_ids
+from ..local.text import chat_prompt_ids, has_chat_template
 
 
 class ChatSession:
     """A terminal chat over one conversation; a context manager (leaving it ends the cloud session)."""
 
-    def __init__(self, client: SplitClient, system: str | None = None, strategy: str = "tree", metrics=None,
-                 memory_tokens: int = SUFFIX_MEMORY_TOKENS):
+    def __init__(self, client: SplitClient, system: str | None = None, strategy: str = CLIENT_DEFAULTS.strategy,
+                 metrics=None, memory_tokens: int = SUFFIX_MEMORY_TOKENS):
         tok = client.local.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if not has_chat_template(tok):
             raise ConfigError("this local shard has no tokenizer with a chat template; use `generate --no-chat`.")
         self.client = client
         self.tokenizer = tok

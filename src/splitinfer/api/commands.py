@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from dataclasses import dataclass
 
 from ..allocator import settle_long_running
 from ..errors import ConfigError
@@ -16,20 +15,11 @@ from ..tokens import read_token_file
 from ..clients import load_client
 from ..local.commands import add_client_options, add_sampling_options, sampling_from_args
 from ..options import Opt, Shared, add_options, defer
+from .config import ApiOptions
 
 log = logging.getLogger("splitinfer.api")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-@dataclass(frozen=True)
-class ApiOptions:
-    """The defaults of `splitinfer api` and `splitinfer chat` beyond the client's own (ClientConfig)."""
-
-    port: int = 8000  # the API's HTTP port
-    max_concurrent: int = 4  # requests generating at once; more wait
-    max_queued: int = 60  # requests waiting beyond max_concurrent; more get 429
-    max_new_tokens: int = 256  # a reply's token limit: max_tokens when a request gives none, and chat's
 
 
 def _api_options(s: argparse.ArgumentParser) -> None:

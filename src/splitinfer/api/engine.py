@@ -21,8 +21,10 @@ from collections.abc import Callable
 from ..decoding.warm import SUFFIX_MEMORY_TOKENS, suffix_memory
 from ..errors import ConfigError
 from ..local.client import SplitClient
+from ..local.config import CLIENT_DEFAULTS
 from ..local.conversation import Conversation, Turn
-from ..local.text import chat_prompt_ids
+from ..local.text import chat_prompt_ids, has_chat_template
+from .config import API_DEFAULTS
 from .logprobs import TokenText
 from .protocol import Params
 
@@ -32,8 +34,9 @@ __all__ = ["Conversation", "Engine", "Turn"]
 class Engine:
     """Independent requests over one SplitClient, at most `max_concurrent` generating at once."""
 
-    def __init__(self, client: SplitClient, model_id: str, metrics=None, strategy: str = "tree",
-                 max_concurrent: int = 4, default_max_tokens: int = 256, memory_tokens: int = SUFFIX_MEMORY_TOKENS):
+    def __init__(self, client: SplitClient, model_id: str, metrics=None, strategy: str = CLIENT_DEFAULTS.strategy,
+                 max_concurrent: int = API_DEFAULTS.max_concurrent,
+                 default_max_tokens: int = API_DEFAULTS.max_new_tokens, memory_tokens: int = SUFFIX_MEMORY_TOKENS):
         self.client = client
         self.model_id = model_id
         self.metrics = metrics
@@ -59,7 +62,7 @@ class Engine:
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not has_chat_template(tok):
             raise ConfigError("this model has no chat template; use /v1/completions with a plain prompt.")
         return chat_prompt_ids(tok, messages)
 

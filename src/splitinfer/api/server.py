@@ -17,6 +17,8 @@ import time
 
 from ..errors import ConfigError
 from ..extras import API, require_extra
+from ..options import Shared
+from .config import API_DEFAULTS
 from .engine import Engine
 
 log = logging.getLogger("splitinfer.api")
@@ -43,8 +45,8 @@ def _uvicorn_server(uvicorn):  # a factory: uvicorn is imported only once the ap
 class ApiServer:
     """uvicorn serving `ApiApp(engine)`; a context manager that serves on a thread."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, api_keys: tuple[str, ...] = (),
-                 limits=None):
+    def __init__(self, engine: Engine, host: str = Shared.host, port: int = API_DEFAULTS.port,
+                 api_keys: tuple[str, ...] = (), limits=None):
         require_extra("api", API, "splitinfer api")
         import uvicorn
 

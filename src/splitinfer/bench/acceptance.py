@@ -31,8 +31,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options, defer
+from ..options import Opt, add_options, defer
 from ..tables import table
+from .parsers import add_shards_and_out
 
 # name -> what it measures; "tree" is the default strategy's merged tree
 SOURCES = {
@@ -306,7 +307,7 @@ class AcceptanceOptions:
 
 
 def _options(s: argparse.ArgumentParser) -> None:
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for acceptance.json and acceptance.md")))
+    add_shards_and_out(s, "acceptance.json and acceptance.md")
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench for MT-Bench's first turns (`make chat-data`; default: the packaged "
                    "held-out prompts)")
     add_options(s, AcceptanceOptions, (

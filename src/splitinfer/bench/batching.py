@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options
+from ..options import Opt, Shared, add_options, described
 from ..tables import left_table
 from ..telemetry import median
 from ..wire.dtypes import DTYPE_NAMES
+from .parsers import add_shards_and_out
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -405,18 +406,9 @@ def register(subparsers) -> None:
     s = subparsers.add_parser(
         "batch", help="batched vs one-at-a-time cloud compute, and concurrent clients end to end"
     )
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for batching.json and batching.md")))
-    add_options(s, BatchBenchOptions, (
-        Opt("sizes", help="decode batch sizes for the cloud-side measurement"),
-        Opt("context", help="committed rows per session (varied by up to +56)"),
-        Opt("repeats"),
-        Opt("load_clients", help="model-less concurrent clients driving the real server ('' skips that part)"),
-        Opt("load_steps", help="decode steps per model-less client"),
-        Opt("clients", help="concurrent clients end to end ('' skips that part)"),
-        Opt("rtt_ms", help="added round trip end to end"),
-        Opt("max_new_tokens", help="tokens per client end to end"),
-        Opt("threads", help="torch threads for the cloud-side part"),
-    ))
+    add_shards_and_out(s, "batching.json and batching.md")
+    add_options(s, BatchBenchOptions, described(BatchBenchOptions, "sizes", "context", "repeats", "load_clients",
+                                                "load_steps", "clients", "rtt_ms", "max_new_tokens", "threads"))
     add_options(s, Shared, (Opt("device", help="cloud-side part: cpu, cuda, cuda:1 ..."),))
     s.add_argument("--dtype", choices=DTYPE_NAMES, help="cloud-side compute dtype")
     s.set_defaults(func=run)

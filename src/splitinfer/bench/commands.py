@@ -27,6 +27,7 @@ from ..errors import ConfigError
 from ..model.commands import SplitOptions
 from ..options import MIB, Opt, Shared, add_options, config_from_args, defer
 from ..wire.dtypes import DTYPE_NAMES
+from .parsers import add_shards_and_out
 from .plan import DEFAULT_MESSAGE_BYTES, Rates
 
 RATE_OPTIONS = (
@@ -139,7 +140,8 @@ def cmd_bench(args) -> int:
     from .. import __version__
     from ..launch import cloud_server
     from .prefill import run_prefill
-    from .runtime import load_prompts, log_stderr, run_sweep
+    from .parsers import log_stderr
+    from .runtime import load_prompts, run_sweep
     from .summary import summarize
 
     shards = Path(args.shards)
@@ -279,7 +281,7 @@ def _bench_options(s) -> None:
     from .runtime import MODES, QUICK, SweepConfig
 
     full = SweepConfig()
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for bench.json, bench.md and the plots")))
+    add_shards_and_out(s, "bench.json, bench.md and the plots")
     s.add_argument("--quick", action="store_true", help=f"RTT {_listed(QUICK.rtts_ms)}, {QUICK.max_new_tokens} tokens, "
                    f"{QUICK.repeats} repetition(s) (a few minutes)")
     s.add_argument("--report-only", action="store_true", help="rebuild bench.md and the plots from OUT/bench.json")
@@ -316,7 +318,7 @@ def _step_options(s) -> None:
     from .step import StepBenchConfig
 
     d = StepBenchConfig()
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for step.json, step.md and step.png")))
+    add_shards_and_out(s, "step.json, step.md and step.png")
     s.add_argument("--rows", default=_listed(d.rows), help="comma-separated block row counts")
     s.add_argument("--contexts", default=_listed(d.contexts), help="comma-separated cached rows before the block")
     s.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype, help="compute dtype (default: the shards')")

@@ -22,7 +22,6 @@ cost does not depend on values. This module knows nothing of sessions, the wire 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -37,7 +36,7 @@ import torch
 from ..masks import attention_mask
 from ..model.shards import load_cloud
 from ..model.stack import LayerStack
-from ..options import Opt, add_options
+from ..options import Opt, check_args
 
 
 def device_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
@@ -192,11 +191,7 @@ OPTIONS = (Opt("device"), Opt("dtype"), Opt("rows"), Opt("contexts"), Opt("repea
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shard", required=True, help="a cloud shard directory (OUT/cloud)")
-    add_options(parser, DeviceStepOptions, OPTIONS)
-    parser.add_argument("--out", required=True, help="the JSON file to write")
-    args = parser.parse_args(argv)
+    args = check_args(__doc__, ("--shard", "a cloud shard directory (OUT/cloud)"), DeviceStepOptions, OPTIONS, argv)
     half = load_cloud(args.shard, device=args.device, dtype=args.dtype, verify=False)
     result = measure(half.stack, [int(x) for x in args.rows.split(",")], [int(x) for x in args.contexts.split(",")],
                      args.repeats, log=lambda line: print(line, file=sys.stderr, flush=True), hop=args.hop)

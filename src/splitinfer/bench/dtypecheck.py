@@ -27,9 +27,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options
+from ..options import Opt, add_options, described
 from ..tables import table
 from ..wire.dtypes import DTYPE_NAMES
+from .parsers import add_shards_and_out, reporting
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,10 @@ class DtypeCheckOptions:
     """The defaults of `splitinfer bench dtype`."""
 
     dtype: str = "bfloat16"  # the compute dtype compared with float32
-    conversations: int = 24  # held-out ShareGPT conversations scored for perplexity
+    conversations: int = 24  # held-out ShareGPT conversations scored for perplexity (`make chat-data`)
     max_tokens: int = 512  # tokens per scored conversation, prompt and reply (longer replies are cut)
-    strategies: str = "tree-nohead,tree"  # speculative strategies checked against sequential in the dtype
-    exact_dtypes: str = "float32,bfloat16"  # dtypes the exactness check runs in (float32: the control)
+    strategies: str = "tree-nohead,tree"  # comma-separated speculative strategies checked against sequential
+    exact_dtypes: str = "float32,bfloat16"  # comma-separated dtypes the exactness check runs in (float32: the control)
     max_new_tokens: int = 128  # tokens per generation in the exactness check
     per_category: int = 3  # benchmark prompts from each category
 
@@ -207,6 +208,8 @@ def run(args, log=print) -> dict:
     from .runtime import load_prompts
     from .machine import cpu_flags
 
+    torch.set_num_threads(1)  # as the benchmarks run each side; results do not depend on it
+
     shards = Path(args.shards)
     if not (shards / "local" / "manifest.json").exists():
         raise ConfigError(f"{shards} holds no prepared shards; run `splitinfer prepare --out {shards}` first.")
@@ -234,26 +237,14 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def cmd_dtype(args) -> int:
-    import torch
-
-    torch.set_num_threads(1)  # as the benchmarks run each side; results do not depend on it
-    run(args, log=lambda line: print(line, file=sys.stderr))
-    return 0
-
-
 def register(sub) -> None:
     s = sub.add_parser("dtype", help="a compute dtype (bfloat16) against float32: perplexity of held-out text and "
                        "exactness of speculation in that dtype, untimed")
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for dtype.json and dtype.md")))
+    add_shards_and_out(s, "dtype.json and dtype.md")
     add_options(s, DtypeCheckOptions, (
         Opt("dtype", choices=DTYPE_NAMES, help="the compute dtype compared with float32"),
-        Opt("conversations", help="held-out ShareGPT conversations scored (`make chat-data`)"),
-        Opt("max_tokens", help="tokens per scored conversation"),
-        Opt("strategies", help="comma-separated speculative strategies checked against sequential"),
-        Opt("exact_dtypes", help="comma-separated dtypes the exactness check runs in"),
-        Opt("max_new_tokens", help="tokens per generation in the exactness check"),
-        Opt("per_category", help="benchmark prompts from each category"),
+        *described(DtypeCheckOptions, "conversations", "max_tokens", "strategies", "exact_dtypes", "max_new_tokens",
+                   "per_category"),
     ))
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench (default: the packaged benchmark prompts)")
-    s.set_defaults(func=cmd_dtype)
+    s.set_defaults(func=reporting(run))

@@ -29,9 +29,9 @@ import random
 import shlex
 import statistics
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from .. import __version__
 from ..model.formats import WeightFormats
 from ..tables import table
 from .machine import bandwidth_gbps, cpu_flags
+
+if TYPE_CHECKING:
+    from .step import Side  # imported where used: step.py imports stored_bytes from here
 
 
 @dataclass(frozen=True)
@@ -82,48 +85,23 @@ def stored_bytes(modules) -> int:
     return total
 
 
-class Step:
-    """One side of one format at one context: `run(q)` times a block of q rows on the prefilled cache."""
-
-    def __init__(self, stacks, tail, context: int, inputs: torch.Tensor):
-        self.stacks, self.tail, self.context, self.inputs = stacks, tail, context, inputs
-        self.caches = [s.new_cache() for s in stacks]
-        hidden = inputs[:, :context]
-        with torch.inference_mode():
-            for stack, cache in zip(stacks, self.caches):
-                hidden = stack(hidden, torch.arange(context), np.tril(np.ones((context, context), bool)), cache)
-                cache.commit_all()
-        kv = sum(s.kv_bytes_per_token() for s in stacks) * context
-        self.bytes = stored_bytes(list(stacks) + list(tail or ())) + kv
-
-    @torch.inference_mode()
-    def run(self, q: int) -> float:
-        hidden = self.inputs[:, self.context : self.context + q]
-        t0 = time.perf_counter()
-        for stack, cache in zip(self.stacks, self.caches):
-            hidden = stack(hidden, torch.arange(self.context, self.context + q), np.tril(np.ones((q, q), bool)), cache)
-            cache.truncate(cache.length)
-        if self.tail is not None:
-            hidden = self.tail[1](self.tail[0](hidden))
-        return (time.perf_counter() - t0) * 1e3
-
-
-def build_steps(dirs: dict[str, Path], config: FormatsBenchConfig) -> dict[tuple, Step]:
-    """{(spec, side, context): Step} on real activations (bench/step.py's `real_inputs`)."""
+def build_steps(dirs: dict[str, Path], config: FormatsBenchConfig) -> dict[tuple, Side]:
+    """{(spec, side, context): bench/step.py's Side, without its anchor} on real activations (`real_inputs`)."""
     from ..model.shards import load_cloud, load_local
-    from .step import real_inputs
+    from .step import Side, real_inputs
 
     steps = {}
     for spec, shards in dirs.items():
         local, cloud = load_local(shards / "local", verify=False), load_cloud(shards / "cloud", verify=False)
         embedded, activations = real_inputs(local, max(config.contexts) + max(config.rows))
         for context in config.contexts:
-            steps[(spec, "cloud", context)] = Step([cloud.stack], None, context, activations)
-            steps[(spec, "local", context)] = Step([local.head, local.tail], (local.norm, local.lm_head), context, embedded)
+            steps[(spec, "cloud", context)] = Side("cloud", [cloud.stack], None, context, activations, False)
+            steps[(spec, "local", context)] = Side("local", [local.head, local.tail], (local.norm, local.lm_head), context,
+                                                   embedded, False)
     return steps
 
 
-def time_steps(steps: dict[tuple, Step], rows: tuple[int, ...], repeats: int) -> dict[tuple, float]:
+def time_steps(steps: dict[tuple, Side], rows: tuple[int, ...], repeats: int) -> dict[tuple, float]:
     """{(spec, side, context, q): median ms}, every configuration once a round, shuffled; round 0 dropped."""
     configs = [(key, q) for key in steps for q in rows]
     times: dict[tuple, list[float]] = {(*key, q): [] for key, q in configs}
@@ -131,7 +109,7 @@ def time_steps(steps: dict[tuple, Step], rows: tuple[int, ...], repeats: int) ->
     for round_ in range(repeats + 1):
         rng.shuffle(configs)
         for key, q in configs:
-            ms = steps[key].run(q)
+            ms = steps[key].timed(q)
             if round_:
                 times[(*key, q)].append(ms)
     return {k: statistics.median(v) for k, v in times.items()}
@@ -140,9 +118,10 @@ def time_steps(steps: dict[tuple, Step], rows: tuple[int, ...], repeats: int) ->
 def step_rows(steps, medians, gbps: float) -> list[dict]:
     rows = []
     for (spec, side, context, q), ms in sorted(medians.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0], kv[0][3])):
-        bound = steps[(spec, side, context)].bytes / gbps / 1e6
+        streamed = steps[(spec, side, context)].streamed_bytes()
+        bound = streamed / gbps / 1e6
         rows.append({"format": spec, "side": side, "context": context, "rows": q, "ms": round(ms, 3),
-                     "bytes": steps[(spec, side, context)].bytes, "bound_ms": round(bound, 3),
+                     "bytes": streamed, "bound_ms": round(bound, 3),
                      "over_bound": round(ms / bound, 2)})
     return rows
 

@@ -19,7 +19,6 @@ protocol error that says so.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import time
@@ -35,6 +34,7 @@ from ..wire.frame import WIRE_DTYPES
 from ..wire.messages import (
     Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_client_message,
 )
+from .baseline import plain_model, with_ends
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_BLOCK_ROWS = 1024
@@ -57,26 +57,11 @@ def read_shard(directory: Path) -> tuple[object, dict, dict]:
     return AutoConfig.from_pretrained(str(directory)), load_file(str(directory / WEIGHTS)), manifest
 
 
-def layers_config(config, layers: list[int]):
-    """A copy of a model config for a plain transformers model holding only the decoder layers `layers` (HF
-    indices, renumbered from 0): the one place the baselines (here and bench/step.py) cut a config down."""
-    cfg = copy.deepcopy(config)
-    cfg.num_hidden_layers = len(layers)
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = [config.layer_types[i] for i in layers]
-    return cfg
-
-
 def plain_part(config, weights: dict, layers: range, embed: bool, tail: bool, dtype: torch.dtype) -> nn.Module:
     """A transformers causal LM holding layers `layers` of the model (renumbered from 0), with the token
     embedding when `embed` and the final norm and LM head when `tail`; what a side does not hold is an
-    identity. Built by transformers from the config, then loaded with exactly the weights it needs."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = layers_config(config, list(layers))
-    if not (embed or tail):
-        cfg.vocab_size, cfg.pad_token_id = 1, None  # the middle holds no vocabulary: build no 49k-row embedding
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    identity. Built by bench/baseline.py's one builder, then loaded with exactly the weights it needs."""
+    model = plain_model(config, list(layers), dtype, vocabulary=embed or tail)
     state = {}
     for key, value in weights.items():
         parts = key.split(".")
@@ -92,11 +77,8 @@ def plain_part(config, weights: dict, layers: range, embed: bool, tail: bool, dt
                          f"{unexpected[:3]}); the plain split reads unprivatized shards made by `splitinfer prepare`.")
     if tail and "lm_head.weight" not in state:
         model.lm_head.weight = model.model.embed_tokens.weight  # tied (SmolLM2, Gemma)
-    if not embed:
-        model.model.embed_tokens = nn.Identity()
-    if not tail:
-        model.model.norm = nn.Identity()
-        model.lm_head = nn.Identity()
+    body = model.model
+    with_ends(model, body.embed_tokens if embed else None, body.norm if tail else None, model.lm_head if tail else None)
     return model.to(dtype).eval().requires_grad_(False)
 
 

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options
+from ..options import Opt, add_options
 from ..tables import table
-from ..telemetry import median
+from ..telemetry import median, step_summary
 from ..wire.dtypes import DTYPE_NAMES
+from .parsers import add_shards_and_out, reporting
 
 IMPLS = ("splitinfer", "transformers")
 
@@ -66,14 +67,16 @@ def record(impl: str, rtt: float, rep: int, p: dict, tokens: list[int], stats: d
     """One generation: tokens, rate, and medians over its decode steps of what a step is made of."""
     decode = [s for s in steps if s["kind"] == "decode"]
     n = len(tokens)
+    parts = step_summary(steps, ("bytes", "round_trip", "cloud_compute", "local_compute", "serialize"),
+                         lambda values: median(values, 3))
     return {
         "impl": impl, "rtt_ms": rtt, "repeat": rep, "prompt_id": p["id"], "category": p["category"],
         "token_ids": tokens, "tokens_per_s": stats["tokens_per_s"], "decode_s": stats["decode_s"],
         "ms_per_token": round(stats["decode_s"] * 1e3 / max(n - 1, 1), 3), "decode_steps": len(decode),
         "round_trips": len(decode) + stats["prefill_messages"],
-        "bytes_per_step": median([s["bytes_up"] + s["bytes_down"] for s in decode]) if decode else 0,
-        "median_ms": {f: median([s[f + "_ms"] for s in decode], 3)
-                      for f in ("round_trip", "cloud_compute", "local", "serialize")},
+        "bytes_per_step": parts["bytes"],
+        "median_ms": {"round_trip": parts["round_trip"], "cloud_compute": parts["cloud_compute"],
+                      "local": parts["local_compute"], "serialize": parts["serialize"]},
     }
 
 
@@ -204,15 +207,10 @@ def run(args, log=print) -> dict:
     return report
 
 
-def cmd_plain_split(args) -> int:
-    run(args, log=lambda line: print(line, file=sys.stderr))
-    return 0
-
-
 def register(sub) -> None:
     s = sub.add_parser("plain-split", help="split sequential: splitinfer against a plain transformers split of the "
                        "same layers behind the same emulator, in one run")
-    add_options(s, Shared, (Opt("shards"), Opt("out", help="directory for plainsplit.json and plainsplit.md")))
+    add_shards_and_out(s, "plainsplit.json and plainsplit.md")
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench (default: the packaged benchmark prompts)")
     add_options(s, PlainSplitOptions, (
         Opt("rtt_ms", help="comma-separated added round trips"),
@@ -222,4 +220,4 @@ def register(sub) -> None:
     ))
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, help="dtype of hidden states on the wire (default: the "
                    "shard's)")
-    s.set_defaults(func=cmd_plain_split)
+    s.set_defaults(func=reporting(run))

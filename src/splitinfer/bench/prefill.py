@@ -25,12 +25,13 @@ from ..clients import open_client
 from ..local.client import SplitClient
 from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
+from ..wire.frame import DEFAULT_WIRE_DTYPE
 from .plan import message_bytes
 
 CHUNK = ClientConfig().prefill_chunk
 
 
-def chunk_plan(tokens: int, hidden: int, wire_dtype: str = "float16", chunk: int = CHUNK) -> list[dict]:
+def chunk_plan(tokens: int, hidden: int, wire_dtype: str = DEFAULT_WIRE_DTYPE, chunk: int = CHUNK) -> list[dict]:
     """Rows and exact message sizes of every prefill chunk of a `tokens`-token prompt."""
     plan = []
     for start in range(0, tokens, chunk):

@@ -126,6 +126,17 @@ def _save(fig, out: Path, name: str) -> str:
     return name
 
 
+def _label(ax, xlabel: str | None, ylabel: str, title: str, legend: str, grid: bool = True) -> None:
+    """Axis labels (no x label: None), the title, a small legend at `legend` and, with `grid`, a light grid."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc=legend)
+    if grid:
+        ax.grid(alpha=0.3)
+
+
 def plot(report: dict, out: Path) -> list[str]:
     """tok/s vs RTT per mode with the fitted curves, stacked breakdown bars, prefill traces."""
     import matplotlib
@@ -149,11 +160,7 @@ def plot(report: dict, out: Path) -> list[str]:
             curve = [(g, 1000 * entry["a"] / (g + entry["f_ms"])) for g in grid if g + entry["f_ms"] > 0]
             ax.plot([c[0] for c in curve], [c[1] for c in curve], "-", color=color, alpha=0.6,
                     label=f"  fit a={entry['a']:.2f}, f={entry['f_ms']:.0f} ms")
-    ax.set_xlabel("added round trip (ms)")
-    ax.set_ylabel("tokens/s (median)")
-    ax.set_title(f"{report['model']}: tok/s vs round trip")
-    ax.legend(fontsize=7, loc="upper right")
-    ax.grid(alpha=0.3)
+    _label(ax, "added round trip (ms)", "tokens/s (median)", f"{report['model']}: tok/s vs round trip", "upper right")
     made.append(_save(fig, out, PLOTS[0]))
 
     fig, ax = plt.subplots(figsize=(max(7, 0.45 * len(s["rows"])), 4.5))
@@ -164,9 +171,8 @@ def plot(report: dict, out: Path) -> list[str]:
         ax.bar(range(len(values)), values, bottom=bottom, label=key.removesuffix("_ms").replace("_", " "), color=f"C{j}")
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xticks(range(len(labels)), labels, fontsize=6)
-    ax.set_ylabel("ms per decode step (mean)")
-    ax.set_title("Where a step's time goes (mode, added RTT ms)")
-    ax.legend(fontsize=7, loc="upper left")
+    _label(ax, None, "ms per decode step (mean)", "Where a step's time goes (mode, added RTT ms)", "upper left",
+           grid=False)
     made.append(_save(fig, out, PLOTS[1]))
 
     prefill = report.get("prefill")
@@ -179,11 +185,9 @@ def plot(report: dict, out: Path) -> list[str]:
                 sent.append(sent[-1] + c["bytes_up"] / 1e6)
             ax.step(ends, sent, where="post", color=f"C{i}", label=f"{p['tokens']} tokens ({p['chunks']} chunks)")
             ax.axvline(p["link_floor_ms"], color=f"C{i}", linestyle=":", alpha=0.7)
-        ax.set_xlabel("ms since the first chunk was sent (dotted: link floor)")
-        ax.set_ylabel("MB of hidden states answered")
-        ax.set_title(f"Prefill over {prefill['bandwidth_mbit']:g} Mbit/s, +{prefill['rtt_ms']:g} ms: one step per chunk")
-        ax.legend(fontsize=7, loc="lower right")
-        ax.grid(alpha=0.3)
+        _label(ax, "ms since the first chunk was sent (dotted: link floor)", "MB of hidden states answered",
+               f"Prefill over {prefill['bandwidth_mbit']:g} Mbit/s, +{prefill['rtt_ms']:g} ms: one step per chunk",
+               "lower right")
         made.append(_save(fig, out, PLOTS[2]))
     return made
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from ..local.client import SplitClient
 from ..local.middle import RemoteMiddle
 from ..local.session import ClientConfig
 from ..progress import progress
+from ..telemetry import step_summary
 
 LOCAL_MODES = ("local-only", "local-only-pld")
 SPLIT_MODES = ("split-sequential", "split-lookahead", "split-tree")
@@ -82,23 +82,19 @@ def _mean(values: list[float]) -> float:
 
 def record_from_steps(stats: dict, steps: list[dict]) -> dict:
     """Per-generation figures from a Generation's telemetry: means per decode step, so parts add up."""
-    decode = [s for s in steps if s["kind"] == "decode"]
-    step_ms = [s["round_trip_ms"] + s["local_ms"] + s["serialize_ms"] for s in decode]
-    wall_ms = stats["decode_s"] * 1e3 / len(decode) if decode else 0.0
+    steps_n = sum(s["kind"] == "decode" for s in steps)
+    parts = step_summary(steps, average=_mean)
+    wall_ms = stats["decode_s"] * 1e3 / steps_n if steps_n else 0.0
     return {
         "tokens_per_s": stats["tokens_per_s"],
         "generated": stats["generated_tokens"],
-        "steps": len(decode),
-        "accepted_per_step": _mean([s["accepted"] for s in decode]),
-        "bytes_per_step": _mean([s["bytes_up"] + s["bytes_down"] for s in decode]),
-        "network_ms": _mean([max(s["round_trip_ms"] - s["server_ms"], 0.0) for s in decode]),
-        "cloud_compute_ms": _mean([s["cloud_compute_ms"] for s in decode]),
-        "server_other_ms": _mean([max(s["server_ms"] - s["cloud_compute_ms"], 0.0) for s in decode]),
-        "local_compute_ms": _mean([s["local_ms"] for s in decode]),
-        "serialize_ms": _mean([s["serialize_ms"] for s in decode]),
-        "step_ms": _mean(step_ms),
+        "steps": steps_n,
+        "accepted_per_step": parts["accepted"],
+        "bytes_per_step": parts["bytes"],
+        **{f"{part}_ms": parts[part] for part in
+           ("network", "cloud_compute", "server_other", "local_compute", "serialize", "step")},
         # decode wall time per step minus the measured step: drafting and bookkeeping between steps
-        "between_steps_ms": max(wall_ms - _mean(step_ms), 0.0),
+        "between_steps_ms": max(wall_ms - parts["step"], 0.0),
         "prefill_ms": stats["prefill_ms"],
     }
 
@@ -199,7 +195,3 @@ def run_sweep(shards: Path, prompts: list[dict], config: SweepConfig, log=print)
                         f"{record['accepted_per_step']:.2f} acc/step")
         bar.close()
     return {"runs": runs, "probe_rtt_ms": probes, "hidden_size": local_only.local.config.hidden_size}
-
-
-def log_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)

@@ -19,7 +19,6 @@ timed by bench/devicestep.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..options import Opt, add_options
+from ..options import Opt, check_args
 
 STAT_KEYS = ("cloud_compute", "local_compute", "round_trip")
 
@@ -57,7 +56,7 @@ def compare(runs: list[dict]) -> list[dict]:
 
 
 def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prompt_tokens: int, tokens: int,
-        strategies: list[str], threads: int, wire_dtype: str = "float32", log=print) -> dict:
+        strategies: list[str], threads: int, wire_dtype: str, log=print) -> dict:
     from ..clients import open_client
     from ..launch import cloud_server, wan_proxy
     from ..local.session import ClientConfig
@@ -108,11 +107,8 @@ OPTIONS = tuple(Opt(f) for f in ("device", "dtype", "wire_dtype", "rtt_ms", "pro
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shards", required=True, help="a prepared OUT directory (OUT/local and OUT/cloud)")
-    add_options(parser, SplitCheckOptions, OPTIONS)
-    parser.add_argument("--out", required=True, help="the JSON file to write")
-    args = parser.parse_args(argv)
+    args = check_args(__doc__, ("--shards", "a prepared OUT directory (OUT/local and OUT/cloud)"), SplitCheckOptions,
+                      OPTIONS, argv)
     strategies = [s for s in args.strategies.split(",") if s]
     if "sequential" not in strategies:
         strategies.insert(0, "sequential")

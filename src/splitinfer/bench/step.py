@@ -53,6 +53,7 @@ from ..model.stack import LayerStack
 from ..tables import table
 from .formats import stored_bytes
 from .anchors import e2e
+from .baseline import plain_model, with_ends
 from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
@@ -79,24 +80,15 @@ class StepBenchConfig:
 
 
 def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, with_norm: nn.Module | None) -> nn.Module:
-    """A plain transformers causal LM over the layers of `stacks` (renumbered 0..n-1), sharing their weights."""
-    from transformers import AutoModelForCausalLM
-
-    from .plaincloud import layers_config
-
+    """A plain transformers causal LM over the layers of `stacks` (renumbered 0..n-1), sharing their weights:
+    bench/baseline.py's model built on the meta device, given these layers as plain modules."""
     layers = [layer for stack in stacks for layer in stack.layers]
-    cfg = layers_config(config, [s.start + i for s in stacks for i in range(len(s.layers))])
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    body = model.model
-    body.layers = nn.ModuleList([_plain(layer, i, model.config) for i, layer in enumerate(layers)])
-    body.rotary_emb = stacks[0].rotary
-    body.norm = with_norm if with_norm is not None else nn.Identity()
-    body.embed_tokens = nn.Identity()
+    model = plain_model(config, [s.start + i for s in stacks for i in range(len(s.layers))], meta=True)
+    model.model.layers = nn.ModuleList([_plain(layer, i, model.config) for i, layer in enumerate(layers)])
+    model.model.rotary_emb = stacks[0].rotary
     # An integer-format head (model/formats.py) has no float weight to hand to F.linear: it stays as it is.
     plain = _plain_linear(with_head) if isinstance(with_head, nn.Linear) else with_head
-    model.lm_head = plain if with_head is not None else nn.Identity()
-    return model.eval()
+    return with_ends(model, None, with_norm, plain).eval()
 
 
 def _plain_linear(linear: nn.Linear) -> nn.Linear:
@@ -126,21 +118,25 @@ def _plain(layer: nn.Module, index: int, config) -> nn.Module:
 
 
 class Side:
-    """One side's step both ways at one context: `ours(q)` and `anchor(q)` each run one block of q rows."""
+    """One side's step both ways at one context: `ours(q)` and `anchor(q)` each run one block of q rows.
+
+    with_anchor=False builds no transformers model (bench formats times `ours` alone, in every weight format)."""
 
     def __init__(self, name: str, stacks: list[LayerStack], tail: tuple[nn.Module, nn.Module] | None, context: int,
-                 inputs: torch.Tensor):
+                 inputs: torch.Tensor, with_anchor: bool = True):
         from transformers import DynamicCache
 
         self.name, self.stacks, self.tail, self.context = name, stacks, tail, context
         self.inputs = inputs  # [1, n, d]: the side's real input rows, context first, then the blocks
         self.d, self.dtype = inputs.shape[-1], inputs.dtype
-        self.hf = hf_layers(stacks[0].config, stacks, *(tail or (None, None))[::-1])
-        self.hf_cache = DynamicCache(config=self.hf.config)
+        if with_anchor:
+            self.hf = hf_layers(stacks[0].config, stacks, *(tail or (None, None))[::-1])
+            self.hf_cache = DynamicCache(config=self.hf.config)
         self.caches = [s.new_cache() for s in stacks]
         with torch.inference_mode():
             prompt = inputs[:, :context]
-            self.hf(inputs_embeds=prompt, cache=self.hf_cache, use_cache=True, logits_to_keep=1)
+            if with_anchor:
+                self.hf(inputs_embeds=prompt, cache=self.hf_cache, use_cache=True, logits_to_keep=1)
             allowed = np.tril(np.ones((context, context), dtype=bool))
             for stack, cache in zip(stacks, self.caches):  # chained, as the anchor's layers are
                 prompt = stack(prompt, torch.arange(context), allowed, cache)
@@ -162,6 +158,13 @@ class Side:
             norm, lm_head = self.tail
             hidden = lm_head(norm(hidden))
         return hidden
+
+    def timed(self, q: int) -> float:
+        """ms of one `ours` step of q rows (its input rows taken before the clock starts)."""
+        hidden = self.block(q)
+        t0 = time.perf_counter()
+        self.ours(q, hidden)
+        return (time.perf_counter() - t0) * 1e3
 
     @torch.inference_mode()
     def anchor(self, q: int, hidden: torch.Tensor) -> torch.Tensor:

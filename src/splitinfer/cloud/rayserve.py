@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .server import ServerConfig
+from .server import ServerConfig, ServerThread
 
 log = logging.getLogger("splitinfer.cloud")
 
@@ -83,17 +83,19 @@ class RayConfig:
 class CloudReplica:
     """The body of one Serve replica: loads the shard and runs a CloudServer on a port of its own."""
 
+    # The replica's server; None until one binds a port, so `__del__` of a replica whose __init__ failed has
+    # nothing to close.
+    _thread: ServerThread | None = None
+
     def __init__(self, shard: str, config: ServerConfig, device: str = "cpu", dtype: str | None = None,
-                 threads: int | None = None, port_span: int = 64):
+                 threads: int | None = None, port_span: int = RayConfig.port_span):
         import torch
 
         from ..model.shards import load_cloud
-        from .server import ServerThread
 
         if threads:
             torch.set_num_threads(threads)
         half = load_cloud(shard, device=device, dtype=dtype)
-        self._thread = None
         for port in range(config.port, config.port + port_span):
             try:
                 self._thread = ServerThread(half, _with_port(config, port))
@@ -147,7 +149,7 @@ class CloudReplica:
         return {"kv_reserved_share": stats["kv_reserved_bytes"] / budget, "refusals": float(refusals)}
 
     def __del__(self):
-        if getattr(self, "_thread", None) is not None:
+        if self._thread is not None:
             self._thread.close()
 
 

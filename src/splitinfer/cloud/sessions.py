@@ -34,12 +34,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CapacityError, ProtocolError, SessionError, ShardMismatch, SplitInferError, VersionMismatch
+from ..hfconfig import context_limit
 from ..kv import KVCache
 from ..model.shards import CloudHalf
 from ..wire.inflight import Prefix
 from ..wire.serverlink import PendingBlock, check_resume, check_step
 from ..wire.messages import PIPELINE_VERSION, SUPPORTED_VERSIONS, Hello, Result, Step, Welcome
 from .batch import Block, LocalPasses
+
+UNNAMED_CONTEXT = 1 << 20  # a session's rows where the model's config names no context length
 
 log = logging.getLogger("splitinfer.cloud")
 
@@ -97,7 +100,8 @@ class SessionTable:
         self.config = config
         self.clock = clock
         self.passes = passes or LocalPasses(half)  # makes the sessions' caches and runs their passes
-        self.max_position = int(getattr(half.config, "max_position_embeddings", 1 << 20))
+        limit = context_limit(half.config)
+        self.max_position = UNNAMED_CONTEXT if limit is None else int(limit)  # rows a session may reach
         self._sessions: dict[str, CloudSession] = {}
         self._lock = threading.Lock()
         device = next(half.stack.parameters()).device

@@ -3,8 +3,8 @@
 `Backend` sits below both local/client.py (which builds one per conversation) and local/conversation.py
 (which only reads it), so neither imports the other's module for its types. It holds the local half, how
 to open a session, how to make a strategy from a name, the end-of-sequence ids and a label for the stats.
-It also reads the two facts of the model's config that the generation path needs (`stop_ids_of`,
-`context_limit_of`), so those reads are written once.
+It also gives the two facts of the model that the generation path needs (`stop_ids_of`, `context_limit_of`),
+read from its config through hfconfig.py, the one reader of a config's optional fields.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..decoding.strategies import Strategy
 from ..decoding.warm import SuffixMemory
+from ..hfconfig import context_limit, eos_ids
 from ..model.shards import LocalHalf
 from .session import SplitSession
 
@@ -29,17 +30,10 @@ class Backend:
 
 def stop_ids_of(local: LocalHalf) -> frozenset[int]:
     """The end-of-sequence ids of the model config and the tokenizer (either may have none)."""
-    ids: set[int] = set()
-    # a model config without generation fields has no eos_token_id (transformers 5's base config)
     tokenizer_eos = local.tokenizer.eos_token_id if local.tokenizer is not None else None
-    for source in (local.config.to_dict().get("eos_token_id"), tokenizer_eos):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
+    return eos_ids(local.config) | (frozenset((tokenizer_eos,)) if isinstance(tokenizer_eos, int) else frozenset())
 
 
 def context_limit_of(local: LocalHalf) -> int | None:
     """The model's context in tokens, or None where its config names none (not every architecture does)."""
-    return local.config.to_dict().get("max_position_embeddings")
+    return context_limit(local.config)

@@ -39,7 +39,7 @@ from .conversation import Conversation
 from .failover import FailoverMiddle, ReplicaSet, fetch_replicas, server_list
 from .middle import RemoteMiddle
 from .session import SplitSession
-from .text import chat_prompt_ids
+from .text import chat_prompt_ids, has_chat_template
 
 log = logging.getLogger("splitinfer.local")
 
@@ -185,7 +185,7 @@ class SplitClient:
     # -- prompts and text --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         tok = self._tokenizer()
-        if chat and tok.chat_template:
+        if chat and has_chat_template(tok):
             return chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
         return list(tok(prompt)["input_ids"])
 

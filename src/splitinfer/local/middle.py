@@ -27,6 +27,7 @@ from ..wire.messages import (
     Close, Error, Hello, Limits, Probe, ProbeReply, Result, Step, Welcome, decode_server_message,
 )
 from ..wire.cover import cover_probe
+from ..wire.frame import DEFAULT_WIRE_DTYPE
 from ..wire.link import DRAINING_CLOSE, PING_INTERVAL_S, PING_TIMEOUT_S
 from ..wire.transport import StepIO
 from .auth import ClientAuth
@@ -45,7 +46,7 @@ class RemoteMiddle:
         fingerprint: str,
         cloud_layers: tuple[int, int],
         hidden_size: int,
-        wire_dtype: str = "float16",
+        wire_dtype: str = DEFAULT_WIRE_DTYPE,
         open_timeout_s: float = 10.0,
         reply_timeout_s: float = 120.0,
         max_message_bytes: int = 64 * 1024 * 1024,
@@ -72,7 +73,7 @@ class RemoteMiddle:
         self.tap: list[tuple[str, float, int]] | None = None
 
     @classmethod
-    def for_shard(cls, url: str, manifest: dict, hidden_size: int, wire_dtype: str = "float16",
+    def for_shard(cls, url: str, manifest: dict, hidden_size: int, wire_dtype: str = DEFAULT_WIRE_DTYPE,
                   auth: ClientAuth = ClientAuth(), head_layers: int | None = None) -> "RemoteMiddle":
         """The middle that a shard's `manifest` (local or cloud: both name the cloud shard and the split) pins:
         the one way to build a RemoteMiddle that runs steps."""

@@ -19,6 +19,12 @@ except ImportError:  # pragma: no cover - tokenizers before 0.21: the whole repl
     DecodeStream = None
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether `tokenizer` (None where the shard has none) renders chat messages: the one test of it, made for
+    the Python API's text prompts, the terminal chat and the HTTP API's chat completions alike."""
+    return tokenizer is not None and bool(tokenizer.chat_template)
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The ids of `messages` rendered by the tokenizer's chat template, ending where the assistant's reply starts."""
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)

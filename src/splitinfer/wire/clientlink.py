@@ -24,7 +24,7 @@ from ..errors import ProtocolError
 from ..masks import BlockStructure
 from . import link
 from .link import Client
-from .frame import WIRE_DTYPES
+from .frame import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from .messages import PIPELINE_VERSION, Assumed, Close, Result, Step, Welcome
 
 
@@ -79,8 +79,8 @@ ROWS_PER_MESSAGE = 512  # rows per prompt chunk and per re-sent history chunk, b
 class ClientLink:
     """The client's side of one cloud session. See the module docstring for what it decides."""
 
-    def __init__(self, wire_dtype: str = "float16", max_retries: int = MAX_RETRIES, replay_rows: int = ROWS_PER_MESSAGE,
-                 pad_rows: int = 0, pad_prompt_rows: int = 0, hold_ms: int = 0):
+    def __init__(self, wire_dtype: str = DEFAULT_WIRE_DTYPE, max_retries: int = MAX_RETRIES,
+                 replay_rows: int = ROWS_PER_MESSAGE, pad_rows: int = 0, pad_prompt_rows: int = 0, hold_ms: int = 0):
         self.wire_dtype = wire_dtype
         self.pad_rows = pad_rows  # every step and its reply padded to multiples of this many rows (padding.py); 0: off
         self.pad_prompt_rows = pad_prompt_rows  # the same for prompt chunks and replayed history; 0: as pad_rows

@@ -25,6 +25,7 @@ assert tuple(WIRE_DTYPES) == DTYPE_NAMES, "one list of wire dtypes, in the order
 # few layers, so `prepare` records bfloat16 (float32's exponent range) for it; clients use what the shard
 # records unless told otherwise.
 BFLOAT16_WIRE_MODELS = ("gemma3", "gemma3_text")
+DEFAULT_WIRE_DTYPE = "float16"  # shards whose manifest records none, and links and plans told none
 _LENGTH = struct.Struct(">I")
 
 # The codec writes the host's bytes as they are; every platform torch supports in practice is
@@ -86,7 +87,7 @@ def default_wire_dtype(model_type: str) -> str:
 
 def wire_dtype_of(manifest: dict) -> str:
     """The wire dtype a shard's manifest records; float16 for shards prepared before manifests recorded one."""
-    return manifest.get("wire_dtype", "float16")
+    return manifest.get("wire_dtype", DEFAULT_WIRE_DTYPE)
 
 
 def encode_tensor(tensor: torch.Tensor, dtype: str) -> tuple[dict, bytes]:
