@@ -126,7 +126,9 @@ def test_shards_record_each_part_and_store_only_its_own(tmp_path):
     model, shards = _prepare(tmp_path, "llama", "int4,cloud=int8,lm_head=bfloat16")
     assert read_manifest(shards / "local", "local")["weights"] == {"local": "int4", "cloud": "int8", "lm_head": "bfloat16"}
     local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
-    assert isinstance(local.head.layers[0].self_attn.q_proj, Int4Linear)
+    assert isinstance(local.head.layers[0].self_attn.fused_qkv, Int4Linear)  # q/k/v fused at load (model/fused.py)
+    assert isinstance(cloud.stack.layers[0].self_attn.fused_qkv, Int8Linear)  # one smoothing for q/k/v at prepare
+    assert isinstance(cloud.stack.layers[0].mlp.fused_gate_up, Int8Linear)
     assert isinstance(cloud.stack.layers[0].mlp.down_proj, Int8Linear)
     assert local.lm_head.weight.dtype == torch.bfloat16
     expected = model.lm_head.weight.detach().to(torch.bfloat16)
