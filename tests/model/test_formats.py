@@ -70,6 +70,20 @@ def test_every_row_of_a_product_has_the_bits_it_has_alone(fmt, shape, threads):
         torch.set_num_threads(before)
 
 
+def test_int8_takes_fbgemm_with_the_sums_of_int_mm():
+    """FBGEMM's packed product (scales 1) and torch._int_mm hand the epilogue the same float(acc): the
+    kernel can differ between machines without changing a bit."""
+    torch.manual_seed(2)
+    module = _linear("int8", 192, 576)
+    if module._packed is None:
+        pytest.skip("this torch has no FBGEMM int8 product")
+    x = torch.randn(9, 576) * 3
+    with torch.inference_mode():
+        packed = module(x)
+        module._packed = None
+        assert torch.equal(module(x), packed)
+
+
 def _prepare(tmp_path, family: str, weights: str):
     model = tiny_model(family)
     out = tmp_path / f"{family}-{weights}"
