@@ -52,3 +52,42 @@ def test_int8_siblings_smoothed_one_by_one_stay_unfused():
     layer, alone = _layer("int8", shared_smoothing=False)
     assert fuse_layer(layer) == 0
     assert layer.self_attn.q_proj is alone["q_proj"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fused_layers_take_the_direct_forwards_with_transformers_bits(tmp_path, family, fmt):
+    """model/fastpath.py: a tree block on a cache through the direct attention and MLP forwards, and through
+    transformers' own forwards (over the same fused products): the same bits."""
+    import numpy as np
+
+    from splitinfer.masks import chain_allowed, tree_allowed, tree_depths
+    from splitinfer.model.fastpath import FusedAttention, FusedMLP
+    from splitinfer.model.formats import WeightFormats
+    from splitinfer.model.prepare import prepare
+    from splitinfer.model.shards import load_cloud
+    from splitinfer.model.source import SourceModel
+    from tiny import tiny_model
+
+    model = tiny_model(family)
+    out = prepare(SourceModel(f"tiny-{family}", model.config, model, None), tmp_path / "shards", 2, 1, "float32",
+                  weights=WeightFormats.parse(fmt))
+    stack = load_cloud(out / "cloud").stack
+    assert all(isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedMLP) for layer in stack.layers)
+    parents = [-1, 0, 0, 1, 2, 2, 4, 0]
+    torch.manual_seed(3)
+    hidden = torch.randn(1, 20 + len(parents), stack.config.hidden_size)
+    positions = torch.tensor([20 + d for d in tree_depths(parents)])
+
+    def block():
+        cache = stack.new_cache()
+        stack(hidden[:, :20], torch.arange(20), chain_allowed(20), cache)
+        cache.commit_all()
+        return stack(hidden[:, 20:], positions, np.asarray(tree_allowed(parents)), cache)
+
+    with torch.inference_mode():
+        direct = block()
+        for layer in stack.layers:
+            layer.self_attn.__class__ = type(layer.self_attn).__bases__[1]
+            layer.mlp.__class__ = type(layer.mlp).__bases__[1]
+        assert torch.equal(block(), direct)

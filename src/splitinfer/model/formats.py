@@ -182,37 +182,44 @@ TINY = torch.finfo(torch.float32).tiny
 
 
 def quantize_rows(x: torch.Tensor, own: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float32 -> (float32 integers in -127..127 [M, K], float32 scale [M, 1]), each row on its own
-    scale. `own`: x is a temporary of the caller's, divided in place (one allocation fewer a product)."""
-    scale = x.abs().amax(dim=1, keepdim=True).div_(127).clamp_min_(TINY)
+    """x [..., K] float32 -> (float32 integers in -127..127 [..., K], float32 scale [..., 1]), each row on its
+    own scale. `own`: x is a temporary of the caller's, divided in place (one allocation fewer a product)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).div_(127).clamp_min_(TINY)
     return (x.div_(scale) if own else x / scale).round_(), scale
 
 
-def fbgemm_pack(qweight: torch.Tensor):
-    """qweight int8 [N, K] packed for FBGEMM's int8 product (`int8_sums`) with every scale 1, or None where
-    this torch has no such kernel or it does not give `torch._int_mm`'s sums on a probe (a saturating
-    kernel would not). FBGEMM measured 1.5-8x faster than _int_mm here: one core, SmolLM2's 26 layers
-    7.0 / 6.6 / 6.8 / 7.9 ms at 1 / 2 / 4 / 8 rows against 10.4 / 13.4 / 15.0 / 16.1, and a 4,096-wide
-    layer of a 7B model 8.7 / 9.1 ms at 1 / 2 rows (its bytes bound: 8.7) against 10.5 / 69.1."""
+def fbgemm_pack(qweight: torch.Tensor, scale: torch.Tensor):
+    """qweight int8 [N, K] with its row scales [N] packed for FBGEMM's int8 product (`int8_product`), or
+    None where this torch has no such kernel or it does not give `int_mm_product`'s bits on a probe (a
+    saturating kernel would not). FBGEMM measured 1.5-8x faster than torch._int_mm here: one core,
+    SmolLM2's 26 layers 7.0 / 6.6 / 6.8 / 7.9 ms at 1 / 2 / 4 / 8 rows against 10.4 / 13.4 / 15.0 / 16.1, and
+    a 4,096-wide layer of a 7B model 8.7 / 9.1 ms at 1 / 2 rows (its bytes bound: 8.7) against 10.5 / 69.1."""
     n, k = qweight.shape
     try:
         with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch; this one lives only here
             warnings.simplefilter("ignore")
-            unit = torch._make_per_channel_quantized_tensor(
-                qweight, torch.ones(n, dtype=torch.double), torch.zeros(n, dtype=torch.int64), 0)
-            packed = torch.ops.quantized.linear_prepack(unit, None)
+            stored = torch._make_per_channel_quantized_tensor(
+                qweight, scale.double(), torch.zeros(n, dtype=torch.int64), 0)
+            packed = torch.ops.quantized.linear_prepack(stored, None)
         extreme = torch.where(qweight[0] < 0, -127.0, 127.0)
-        probe = torch.stack((extreme, -extreme, torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(0)).float()))
-        ok = torch.equal(int8_sums(probe, packed), torch._int_mm(probe.to(torch.int8), qweight.t()).float())
+        seeded = torch.randint(-127, 128, (k,), generator=torch.Generator().manual_seed(0)).float()
+        probe = torch.stack((extreme, -extreme, seeded))
+        ok = torch.equal(int8_product(probe, packed), int_mm_product(probe, qweight.t(), scale[None, :]))
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
     return packed if ok else None
 
 
-def int8_sums(xq: torch.Tensor, packed) -> torch.Tensor:
-    """xq [M, K] float integers in -127..127 times a `fbgemm_pack`ed weight -> float32 [M, N]: each integer
-    dot product accumulated in int32 and converted once (the input quantized with scale 1, zero point 128)."""
+def int8_product(xq: torch.Tensor, packed) -> torch.Tensor:
+    """xq [..., K] float integers in -127..127 times a `fbgemm_pack`ed weight -> float32 [..., N]: each dot
+    product accumulated in int32, converted once and multiplied by its row's weight scale (the input is
+    quantized with scale 1, zero point 128)."""
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, 128, packed)
+
+
+def int_mm_product(xq: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_product` by torch._int_mm: xq [M, K], qweight_t int8 [K, N], scale [1, N] -> [M, N]."""
+    return torch._int_mm(xq.to(torch.int8), qweight_t).float().mul_(scale)
 
 
 class QuantLinear(nn.Module):
@@ -240,24 +247,23 @@ class Int8Linear(QuantLinear):
         copy), or as [K, N] (a view) for `torch._int_mm` where FBGEMM is not there."""
         self._scale = self.scale.float()[None, :]
         self._bias = None if self.bias is None else self.bias.float()
-        self._packed = fbgemm_pack(self.qweight) if self.qweight.device.type == "cpu" else None
+        self._packed = fbgemm_pack(self.qweight, self.scale.float()) if self.qweight.device.type == "cpu" else None
         self._qweight_t = self.qweight.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape  # [..., K]
-        x2 = x.reshape(-1, self.in_features)
-        x2 = x2 if x2.dtype == torch.float32 else x2.float()
+        dtype = x.dtype
+        x = x if dtype == torch.float32 else x.float()  # [..., K]
         smooth = self.smooth is not None
-        xq, sx = quantize_rows(x2 * self.smooth if smooth else x2, own=smooth)
+        xq, sx = quantize_rows(x * self.smooth if smooth else x, own=smooth)
         if self._packed is not None:
-            y = int8_sums(xq, self._packed)
+            y = int8_product(xq, self._packed)
         else:
-            y = torch._int_mm(xq.to(torch.int8), self._qweight_t).float()
-        y = y.mul_(sx).mul_(self._scale)  # [M, N]
+            y = int_mm_product(xq.reshape(-1, self.in_features), self._qweight_t, self._scale)
+            y = y.view(*xq.shape[:-1], self.out_features)
+        y = y.mul_(sx)  # [..., N]
         if self.bias is not None:
             y = y.add_(self._bias)
-        y = y if x.dtype == torch.float32 else y.to(x.dtype)
-        return y.view(*shape[:-1], self.out_features)
+        return y if dtype == torch.float32 else y.to(dtype)
 
 
 class Int4Linear(QuantLinear):
