@@ -71,16 +71,25 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
         raise NotImplementedError("exact-rows attention does not take soft-capping or sink tokens")
     batch, heads, rows, dim = query.shape  # [B, H, q, d]
     kv_heads, keys = key.shape[1], key.shape[2]
+    if batch == rows == 1:  # a decode step: the loop's one call, without the copy into `out`
+        out = _row(query[:, :, 0], key, value, visible_keys(attention_mask, 0, 1, keys)[0], scaling)
+        return out.view(1, 1, heads, dim), None
     out = query.new_empty((batch, rows, heads, dim))
     for b in range(batch):
         for i, seen in enumerate(visible_keys(attention_mask, b, rows, keys)):
-            q_i = query[b : b + 1, :, i].reshape(1, kv_heads, heads // kv_heads, dim)  # groups as query rows
-            if isinstance(seen, slice):
-                k_i, v_i = key[b : b + 1, :, seen], value[b : b + 1, :, seen]
-            else:
-                k_i, v_i = key[b : b + 1].index_select(2, seen), value[b : b + 1].index_select(2, seen)
-            out[b, i] = F.scaled_dot_product_attention(q_i, k_i, v_i, scale=scaling).reshape(heads, dim)
+            out[b, i] = _row(query[b : b + 1, :, i], key[b : b + 1], value[b : b + 1], seen, scaling).reshape(heads, dim)
     return out, None
+
+
+def _row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seen, scaling) -> torch.Tensor:
+    """query [1, H, d] of one row; key, value [1, KVH, K, d]; seen: the keys it sees -> [1, KVH, H/KVH, d]."""
+    kv_heads = key.shape[1]
+    query = query.reshape(1, kv_heads, query.shape[1] // kv_heads, query.shape[2])  # groups as query rows
+    if isinstance(seen, slice):
+        key, value = key[:, :, seen], value[:, :, seen]
+    else:
+        key, value = key.index_select(2, seen), value.index_select(2, seen)
+    return F.scaled_dot_product_attention(query, key, value, scale=scaling)
 
 
 class _Memo:
