@@ -12,6 +12,7 @@ The transformers layer still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` in turn
 `Slice` that hands back its columns of the fused output. The first slice computes the fused product and
 keeps it for the others while they are called with the same input tensor (by identity); a slice called on
 another input computes the fused product for itself, so the result never depends on the call order.
+(Families whose attention is transformers' plain one skip the slices: model/fastpath.py.)
 
 When siblings fuse: int4 always (a group of 32 weights stands alone, so rows concatenate). int8 when the
 siblings were smoothed with one vector: `prepare` calibrates a fusion group's SmoothQuant factors
