@@ -70,6 +70,20 @@ def test_every_row_of_a_product_has_the_bits_it_has_alone(fmt, shape, threads):
         torch.set_num_threads(before)
 
 
+def test_int8_takes_fbgemm_with_the_sums_of_int_mm():
+    """FBGEMM's packed product (scales 1) and torch._int_mm hand the epilogue the same float(acc): the
+    kernel can differ between machines without changing a bit."""
+    torch.manual_seed(2)
+    module = _linear("int8", 192, 576)
+    if module._packed is None:
+        pytest.skip("this torch has no FBGEMM int8 product")
+    x = torch.randn(9, 576) * 3
+    with torch.inference_mode():
+        packed = module(x)
+        module._packed = None
+        assert torch.equal(module(x), packed)
+
+
 def _prepare(tmp_path, family: str, weights: str):
     model = tiny_model(family)
     out = tmp_path / f"{family}-{weights}"
@@ -126,7 +140,9 @@ def test_shards_record_each_part_and_store_only_its_own(tmp_path):
     model, shards = _prepare(tmp_path, "llama", "int4,cloud=int8,lm_head=bfloat16")
     assert read_manifest(shards / "local", "local")["weights"] == {"local": "int4", "cloud": "int8", "lm_head": "bfloat16"}
     local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
-    assert isinstance(local.head.layers[0].self_attn.q_proj, Int4Linear)
+    assert isinstance(local.head.layers[0].self_attn.fused_qkv, Int4Linear)  # q/k/v fused at load (model/fused.py)
+    assert isinstance(cloud.stack.layers[0].self_attn.fused_qkv, Int8Linear)  # one smoothing for q/k/v at prepare
+    assert isinstance(cloud.stack.layers[0].mlp.fused_gate_up, Int8Linear)
     assert isinstance(cloud.stack.layers[0].mlp.down_proj, Int8Linear)
     assert local.lm_head.weight.dtype == torch.bfloat16
     expected = model.lm_head.weight.detach().to(torch.bfloat16)

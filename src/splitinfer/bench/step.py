@@ -57,7 +57,9 @@ from .baseline import plain_model, with_ends
 from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
-PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul")
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul",
+               "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu",
+               "quantized::linear_with_input_q_dq_qweight_dq_output_fp32")  # the integer formats' (model/formats.py)
 
 
 @dataclass(frozen=True)

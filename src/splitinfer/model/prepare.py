@@ -23,6 +23,7 @@ from ..errors import ModelError
 from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, sha256_file
 from .calibrate import activation_maxima, calibration_ids
 from .formats import PARTS, WeightFormats, int4_state, quantize
+from .fused import group_column_maxima
 from .source import SourceModel
 from ..wire.frame import default_wire_dtype
 
@@ -52,9 +53,10 @@ def _parts(source: SourceModel, split: Split, dtype: str, formats: dict[str, str
     state = source.model.state_dict()
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     blocks = getattr(source, "blocks", None) or {}
-    maxima = {}
+    maxima, columns = {}, {}
     if "int8" in formats.values():
         maxima = activation_maxima(source.model, calibration_ids(source.tokenizer, source.config.vocab_size))
+        columns = group_column_maxima(state)  # q/k/v and gate/up share one smoothing (model/fused.py)
     parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
     for key, tensor in state.items():
         if key == "lm_head.weight":
@@ -65,7 +67,7 @@ def _parts(source: SourceModel, split: Split, dtype: str, formats: dict[str, str
                 # clone: tied or shared storage would make safetensors refuse to save
                 parts[owner][key] = tensor.detach().to(DTYPES[dtype]).contiguous().clone()
             else:
-                parts[owner].update(stored_linear(key, tensor, fmt, blocks.get(key), maxima.get(key)))
+                parts[owner].update(stored_linear(key, tensor, fmt, blocks.get(key), maxima.get(key), columns.get(key)))
     head = state["model.embed_tokens.weight"] if tied else state["lm_head.weight"]
     if formats["lm_head"] != dtype or not tied:
         parts["local"].update(stored_linear("lm_head.weight", head, formats["lm_head"], blocks.get("lm_head.weight"),
@@ -80,15 +82,15 @@ def _is_layer_linear(model: torch.nn.Module, key: str) -> bool:
 
 
 def stored_linear(key: str, weight: torch.Tensor, fmt: str, block: tuple | None = None,
-                  act_max: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  act_max: torch.Tensor | None = None, column_max: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The shard entries of one linear weight ('...q_proj.weight') in `fmt`. `block`: the GGUF's own 4-bit
     blocks of this weight (q, d, m), kept as they are when `fmt` is int4 instead of quantizing again;
-    `act_max`: int8's calibration (model/calibrate.py)."""
+    `act_max`, `column_max`: int8's calibration (model/calibrate.py, model/fused.py)."""
     prefix = key[: -len("weight")]
     if fmt == "int4" and block is not None:
         state = int4_state(*block)
     else:
-        state = quantize(weight, fmt, act_max)
+        state = quantize(weight, fmt, act_max, column_max)
     return {prefix + name: value for name, value in state.items()}
 
 

@@ -18,8 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..errors import ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
-from . import formats
+from . import fastpath, formats
 from .attention import install as install_attention
+from .fused import fuse_layer, fuse_norms
 from .rows import use_row_kernels
 
 # Families whose layers take (hidden, position_embeddings, attention_mask, cache) and whose model has
@@ -298,6 +299,9 @@ def build_stack(
         prefix = f"model.layers.{i}."
         layer_weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         layer = materialize(model.model.layers[i], layer_weights, device, dtype)
+        fuse_layer(layer)  # q/k/v and gate/up as one product each, where stored in an integer format
+        fuse_norms(layer)  # RMS norms as one call each, where that gives transformers' bits
+        fastpath.install(layer)  # fused layers: attention and MLP without transformers' glue
         # Row-invariant products (int8/int4) need row-invariant attention to keep speculation exact.
         layer.self_attn.exact_rows = any(isinstance(m, formats.QuantLinear) for m in layer.modules())
         layers.append(layer)

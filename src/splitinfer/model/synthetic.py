@@ -37,6 +37,7 @@ from .. import __version__
 from ..errors import ModelError
 from ..wire.frame import default_wire_dtype
 from .formats import WeightFormats, quantize
+from .fused import group_keys
 from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, read_manifest
 from .prepare import _clean_config, _is_layer_linear, _owners
 from .stack import config_from_dict, skeleton
@@ -148,11 +149,14 @@ def weight_entries(key: str, shape: tuple[int, ...], fmt: str, pool: ValuePool) 
     """A linear weight [N, K] stored in `fmt` (model/formats.py): a float weight, or the integer state
     `quantize` makes of the pool's values, quantized whole (int8's smoothing reads every row of a column)
     and held for one weight at a time. int8 is smoothed against unit activation maxima, so its stored
-    state (and its step) has the `smooth` vector a calibrated `prepare --weights int8` writes."""
+    state (and its step) has the `smooth` vector a calibrated `prepare --weights int8` writes; the siblings
+    of a fusion group (q/k/v, gate/up) against unit column maxima too, so they share that vector and fuse
+    at load (model/fused.py) as a calibrated shard's do."""
     if fmt in DTYPES:
         return float_entries(key, shape, DTYPES[fmt], pool)
     n, k = shape
     act_max = torch.ones(k) if fmt == "int8" else None
+    column_max = torch.ones(k) if fmt == "int8" and group_keys(key) else None
     one, two = quantize(torch.ones(1, k), fmt, act_max), quantize(torch.ones(2, k), fmt, act_max)
     # a tensor with a row per output row grows with the rows; the others (int8's `smooth` [K]) do not
     shapes = {name: (n, *t.shape[1:]) if two[name].shape[0] == 2 * t.shape[0] else tuple(t.shape)
@@ -162,7 +166,7 @@ def weight_entries(key: str, shape: tuple[int, ...], fmt: str, pool: ValuePool) 
     def chunks(name: str):
         if not state:
             weight = torch.cat(list(tensor_chunks(key, shape, torch.float32, pool))).view(n, k)
-            state.update(quantize(weight, fmt, act_max))
+            state.update(quantize(weight, fmt, act_max, column_max))
         yield state.pop(name).reshape(-1)
 
     prefix = key[: -len("weight")]

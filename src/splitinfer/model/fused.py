@@ -1,0 +1,179 @@
+"""Fewer calls a decoder layer: sibling products fused (q/k/v as one integer product, gate/up as
+another), and RMS norms as one call.
+
+A decoder layer multiplies the same input by q_proj, k_proj and v_proj, and the MLP's input by gate_proj
+and up_proj. In an integer format (model/formats.py) each of those products quantizes its input on its
+own and calls its kernel on its own; at one or a few rows, where a product streams a small weight, that
+per-call work is a large share of the step. Here the siblings' stored rows are concatenated at load into
+one module (`fused_qkv` on the attention module, `fused_gate_up` on the MLP): one input quantization and
+one kernel call, whose output columns are the siblings' outputs side by side.
+
+The transformers layer still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` in turn; each is now a
+`Slice` that hands back its columns of the fused output. The first slice computes the fused product and
+keeps it for the others while they are called with the same input tensor (by identity); a slice called on
+another input computes the fused product for itself, so the result never depends on the call order.
+(Families whose attention is transformers' plain one skip the slices: model/fastpath.py.)
+
+When siblings fuse: int4 always (a group of 32 weights stands alone, so rows concatenate). int8 when the
+siblings were smoothed with one vector: `prepare` calibrates a fusion group's SmoothQuant factors
+against the maximum over all its weights' columns (`group_column_maxima`), so one quantized input serves
+every sibling. Shards made before that keep their own vectors and stay unfused. The integer products
+are the same per row either way, so rows stay invariant (tests/model/test_formats.py).
+
+A llama-family RMS norm is eight tensor calls in transformers' Python; `fuse_norms` swaps each for
+`torch.nn.functional.rms_norm`, one call doing the same operations in the same order, where a probe at
+load gives the same bits (else it leaves the norm as it is).
+
+The stored state is untouched: shards, manifests and `load_whole_hf` (the float reference) see q/k/v as
+they were stored. This module knows nothing of shards or steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .formats import Int4Linear, Int8Linear, QuantLinear
+
+# {submodule of a decoder layer: (fused attribute, sibling linears in the order the layer calls them)}
+GROUPS = {"self_attn": ("fused_qkv", ("q_proj", "k_proj", "v_proj")), "mlp": ("fused_gate_up", ("gate_proj", "up_proj"))}
+
+
+def group_keys(key: str) -> list[str] | None:
+    """The state keys of the fusion group '<layer>.self_attn.k_proj.weight' belongs to, or None."""
+    owner, _, leaf = key.rpartition(".")
+    parent, _, name = owner.rpartition(".")
+    siblings = GROUPS.get(parent.rpartition(".")[2], (None, ()))[1]
+    if name not in siblings:
+        return None
+    return [f"{parent}.{sibling}.{leaf}" for sibling in siblings]
+
+
+def group_column_maxima(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """{weight key: max |W[:, k]| over every weight of its fusion group} [K], for the group's one shared
+    SmoothQuant vector (formats.quantize_int8's `column_max`)."""
+    out = {}
+    for key in state:
+        keys = group_keys(key)
+        if keys is None or key in out or not all(k in state for k in keys):
+            continue
+        column_max = torch.stack([state[k].detach().float().abs().amax(dim=0) for k in keys]).amax(dim=0)
+        out.update({k: column_max for k in keys})
+    return out
+
+
+class Slice(nn.Module):
+    """Columns [start, end) of a fused product, in the place of the sibling linear they stand for."""
+
+    def __init__(self, group: "_Shared", start: int, end: int, in_features: int, last: bool):
+        super().__init__()
+        object.__setattr__(self, "group", group)  # not a submodule: its state belongs to the parent
+        self.start, self.end, self.last = start, end, last
+        self.in_features, self.out_features = in_features, end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.last)[..., self.start : self.end]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float32 weight this slice stands for (readers outside the step, as QuantLinear's)."""
+        return self.group.fused.weight[self.start : self.end]
+
+
+class _Shared:
+    """The fused module and its last input/output pair (held until the group's last sibling has read it)."""
+
+    def __init__(self, fused: QuantLinear):
+        self.fused = fused
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+
+    def output(self, x: torch.Tensor, last: bool) -> torch.Tensor:
+        out = self._output if x is self._input else self.fused(x)
+        self._input, self._output = (None, None) if last else (x, out)
+        return out
+
+
+def _concatenated(modules: list[QuantLinear]) -> QuantLinear | None:
+    """One module holding `modules`' rows in order, or None where they cannot share an input."""
+    first = modules[0]
+    kinds = {type(m) for m in modules}
+    if len(kinds) != 1 or kinds.pop() not in (Int8Linear, Int4Linear):
+        return None
+    if len({m.in_features for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
+        return None
+    names = ["qweight", "scale", "min", "bias"]
+    if isinstance(first, Int8Linear):
+        if len({m.smooth is None for m in modules}) != 1:
+            return None
+        if first.smooth is not None and not all(torch.equal(m.smooth, first.smooth) for m in modules):
+            return None  # smoothed one by one (a shard from before group calibration)
+        names = ["qweight", "scale", "bias"]
+    out_features = sum(m.out_features for m in modules)
+    if isinstance(first, Int8Linear):
+        fused = Int8Linear(first.in_features, out_features, bias=first.bias is not None, smooth=first.smooth is not None)
+        if first.smooth is not None:
+            fused.smooth = first.smooth
+    else:
+        fused = Int4Linear(first.in_features, out_features, bias=first.bias is not None)
+    for name in names:
+        if getattr(first, name, None) is not None:
+            setattr(fused, name, torch.cat([getattr(m, name) for m in modules]))
+    fused.finish()
+    return fused
+
+
+def fuse_layer(layer: nn.Module) -> int:
+    """Fuse the sibling products of one loaded decoder layer in place; returns the groups fused."""
+    fused_groups = 0
+    for owner_name, (attr, siblings) in GROUPS.items():
+        owner = getattr(layer, owner_name, None)
+        modules = [getattr(owner, name, None) for name in siblings]
+        if owner is None or not all(isinstance(m, QuantLinear) for m in modules):
+            continue
+        fused = _concatenated(modules)
+        if fused is None:
+            continue
+        setattr(owner, attr, fused)
+        shared, start = _Shared(fused), 0
+        for name, module in zip(siblings, modules):
+            end = start + module.out_features
+            setattr(owner, name, Slice(shared, start, end, module.in_features, last=name == siblings[-1]))
+            start += module.out_features
+        fused_groups += 1
+    return fused_groups
+
+
+class RMSNormCall(nn.Module):
+    """A transformers RMS norm as one `F.rms_norm` call: y = x * rsqrt(mean(x^2) + eps) * weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self._shape, self._weight, self._eps)
+
+
+@functools.cache
+def _norm_call_class(cls: type) -> type:
+    return type("Fused" + cls.__name__, (RMSNormCall, cls), {})
+
+
+def fuse_norms(layer: nn.Module) -> int:
+    """Swap the RMS norms of a loaded float32 decoder layer for `RMSNormCall` where a probe of a few rows
+    gives transformers' bits; returns the norms swapped."""
+    swapped = 0
+    for norm in [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]:
+        weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or eps is None:
+            continue
+        probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
+        probe = probe.to(weight.device) * torch.tensor([[1e-3], [1.0], [1e3]], device=weight.device)
+        with torch.no_grad():
+            expected = norm(probe)
+            fast = F.rms_norm(probe, (weight.shape[-1],), weight, eps)
+        if torch.equal(expected, fast):
+            norm._shape, norm._weight, norm._eps = (weight.shape[-1],), weight, eps
+            norm.__class__ = _norm_call_class(type(norm))
+            swapped += 1
+    return swapped
