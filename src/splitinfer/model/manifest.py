@@ -132,16 +132,16 @@ def local_weights_are_public(manifest: dict) -> bool:
     return private.get("public_weights_sha256") == manifest.get("files", {}).get(WEIGHTS)
 
 
-def mark_private_local(directory: Path, state: dict[str, torch.Tensor], record: dict) -> None:
-    """Replace the local layers in `directory` (a copy of a local shard) with private ones from `state`
-    (a whole-model state dict), and pin the new file hash in the manifest. The cloud fingerprint is kept:
-    the cloud shard is unchanged."""
+def mark_private_local(directory: Path, layers: dict[str, torch.Tensor], record: dict) -> None:
+    """Replace the local layers in `directory` (a copy of a local shard) with private ones: `layers` holds
+    every 'model.layers.' key of the shard, in the shard's own formats (model/prepare.py `restored_layers`).
+    Pins the new file hash in the manifest. The cloud fingerprint is kept: the cloud shard is unchanged."""
     manifest = read_manifest(directory, "local")
     public_hash = manifest["files"][WEIGHTS]
     weights = load_file(str(directory / WEIGHTS))
     for key in weights:
         if key.startswith("model.layers."):
-            weights[key] = state[key].detach().to(weights[key].dtype).contiguous().clone()
+            weights[key] = layers[key].detach().to(weights[key].dtype).contiguous().clone()
     save_file(weights, str(directory / WEIGHTS), metadata={"format": "pt"})
     manifest["files"][WEIGHTS] = sha256_file(directory / WEIGHTS)
     manifest["private_local_weights"] = {"public_weights_sha256": public_hash, **record}

@@ -22,7 +22,7 @@ from .. import __version__
 from ..errors import ModelError
 from .manifest import DTYPES, FORMAT, FORMAT_VERSION, WEIGHTS, Split, fingerprint, sha256_file
 from .calibrate import activation_maxima, calibration_ids
-from .formats import PARTS, WeightFormats, int4_state, quantize
+from .formats import PARTS, WeightFormats, int4_state, quantize, stored_format
 from .fused import group_column_maxima
 from .source import SourceModel
 from ..wire.frame import default_wire_dtype
@@ -92,6 +92,29 @@ def stored_linear(key: str, weight: torch.Tensor, fmt: str, block: tuple | None 
     else:
         state = quantize(weight, fmt, act_max, column_max)
     return {prefix + name: value for name, value in state.items()}
+
+
+def restored_layers(model: torch.nn.Module, stored: dict[str, torch.Tensor], tokenizer=None) -> dict[str, torch.Tensor]:
+    """`model`'s decoder-layer tensors for every 'model.layers.' key of a shard's `stored` state, in the
+    formats `stored` holds them: float tensors cast to their stored dtype, int8/int4 linears quantized again
+    from `model`'s float weights (int8 calibrated on `model`, as `prepare` calibrates). What a shard writer
+    uses when new weights (privatized ones) replace a prepared shard's layers."""
+    state = model.state_dict()
+    keys = [k for k in stored if k.startswith("model.layers.")]
+    linears = sorted({k[: -len("qweight")] for k in keys if k.endswith("qweight")})
+    maxima, columns = {}, {}
+    if any(stored_format(stored, prefix) == "int8" for prefix in linears):
+        maxima = activation_maxima(model, calibration_ids(tokenizer, model.config.vocab_size))
+        columns = group_column_maxima(state)
+    out = {k: state[k].detach().to(stored[k].dtype).contiguous().clone()
+           for k in keys if k.rpartition(".")[0] + "." not in linears}
+    for prefix in linears:
+        key = prefix + "weight"
+        out.update(stored_linear(key, state[key], stored_format(stored, prefix), None, maxima.get(key), columns.get(key)))
+    if set(out) != set(keys):
+        raise ModelError(f"the shard's layers hold {sorted(set(keys) - set(out))[:3]}..., which new weights cannot "
+                         "restore; prepare the shard again.")
+    return out
 
 
 def prepare(

@@ -345,6 +345,7 @@ def write_basis_shards(model: nn.Module, secret: Basis, shards: Path, out: Path,
     new: the cloud shard belongs to this deployment only. Returns OUT and a sentence about the draft head."""
     from transformers import AutoTokenizer
 
+    from ..model.formats import WeightFormats
     from ..model.manifest import model_identity, read_manifest
     from ..model.prepare import prepare
     from ..model.source import SourceModel
@@ -361,6 +362,7 @@ def write_basis_shards(model: nn.Module, secret: Basis, shards: Path, out: Path,
         SourceModel(manifest["model_id"], model.config, model, tokenizer), out,
         head_layers=split["head_layers"], tail_layers=split["tail_layers"], dtype=manifest["dtype"],
         split_range=tuple(head_range) if head_range else None,
+        weights=WeightFormats(**manifest["weights"]) if manifest.get("weights") else None,  # int8/int4 again
     )
     local = read_manifest(out / "local", "local")
     # The public model's identity, so that heads made for this model are recognised, and the key's name,

@@ -268,7 +268,10 @@ def _merge(installed: list[tuple[nn.Module, str, _Delta]]) -> list[float]:
 
 def write_private_shard(private: nn.Module, shards: Path, out: Path, record: dict) -> Path:
     """OUT/local (new private local weights, manifest pinning them) + OUT/cloud (copied unchanged)."""
-    from ..model.manifest import mark_private_local, read_manifest
+    from safetensors.torch import load_file
+
+    from ..model.manifest import WEIGHTS, mark_private_local, read_manifest
+    from ..model.prepare import restored_layers
 
     manifest = read_manifest(shards / "local", "local")
     split = manifest["split"]
@@ -283,6 +286,12 @@ def write_private_shard(private: nn.Module, shards: Path, out: Path, record: dic
         raise ConfigError(f"{out} exists; choose a new --out directory.")
     shutil.copytree(shards / "cloud", out / "cloud")
     shutil.copytree(shards / "local", out / "local")
-    state = {k: v.contiguous() for k, v in private.state_dict().items()}
-    mark_private_local(out / "local", state, record)
+    stored = load_file(str(out / "local" / WEIGHTS))
+    tokenizer = None
+    if manifest.get("has_tokenizer"):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(shards / "local", local_files_only=True)
+    # int8/int4 local layers are quantized again from the private float weights (int8 calibrated on them)
+    mark_private_local(out / "local", restored_layers(private, stored, tokenizer), record)
     return out
