@@ -1,6 +1,7 @@
 """A quantized shard off the CPU: the int8/int4 products are CPU kernels, so another device (a GPU cloud) loads
 the float weights the shard stands for (formats.for_device). Checked on the CPU with the kernels declared absent:
-no integer module is built, and split greedy decoding equals transformers on the dequantized model."""
+no integer module is built, and split greedy decoding equals transformers on the dequantized model. And
+`prepare --weights auto`: which sources keep their 4-bit blocks."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ def test_a_device_without_integer_kernels_computes_with_the_weights_they_stand_f
     for module in (local.head, local.tail, local.lm_head, cloud.stack):
         assert not any(isinstance(m, QuantLinear) for m in module.modules())
     assert_local_only_matches_hf(load_whole_hf(shards), shards, [3, 5, 7, 11], 8)
+
+
+def test_auto_keeps_a_4bit_gguf_as_it_ships_and_a_float_model_in_floats():
+    from splitinfer.model.prepare import AS_SHIPPED_4BIT, shipped_formats
+
+    model = tiny_model("llama", 0)
+    linears = [k for k in model.state_dict() if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    blocks = {k: None for k in linears}  # only which weights have blocks matters here
+    assert shipped_formats(SourceModel("m", model.config, model, None, blocks=blocks)) == AS_SHIPPED_4BIT
+    assert shipped_formats(SourceModel("m", model.config, model, None, blocks=dict(list(blocks.items())[1:]))) is None
+    assert shipped_formats(SourceModel("m", model.config, model, None)) is None
