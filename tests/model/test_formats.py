@@ -154,10 +154,11 @@ def test_int4_needs_a_width_divisible_by_its_group():
         formats.quantize(torch.randn(8, 48), "int4")
 
 
-def test_a_quantized_shard_refuses_a_device_without_its_kernels(tmp_path):
-    _, shards = _prepare(tmp_path, "llama", "int8")
+def test_integer_modules_refuse_a_device_without_their_kernels():
+    # Shards never get there (formats.for_device dequantizes first: tests/model/test_formats_device.py).
+    module = torch.nn.Sequential(Int8Linear(64, 32))
     with pytest.raises(ModelError, match="CPU kernels"):
-        load_cloud(shards / "cloud", device="meta")
+        formats.finish(module, "meta")
 
 
 def test_int8_is_calibrated_and_the_transformers_reference_reads_every_format(tmp_path):

@@ -23,8 +23,8 @@ class SplitOptions:
     tail_layers: int = 2  # m: decoder layers kept local after the cloud
     dtype: str = "float32"  # the compute dtype of prepared shards (activations, norms, the embedding)
     # Each part's weight format (model/formats.py): one format, or PART=FORMAT entries (local, cloud, lm_head);
-    # "" stores every weight in `dtype`.
-    weights: str = ""
+    # "auto": as the model ships (a 4-bit GGUF: int4 layers, int8 LM head; else `dtype`); "" every weight in `dtype`.
+    weights: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -80,15 +80,17 @@ def cmd_prepare(args) -> int:
     if is_gguf_source(args.model):
         require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
     from ..progress import progress
-    from .prepare import prepare
+    from .prepare import prepare, shipped_formats
     from .source import load_source
 
     from .formats import WeightFormats
 
     split_range = parse_split_range(args.split_range) if args.split_range else None  # fail before loading
-    weights = WeightFormats.parse(args.weights) if args.weights else None
+    weights = WeightFormats.parse(args.weights) if args.weights not in ("", "auto") else None
     with progress(total=2, desc="prepare: loading the model", unit="step") as bar:
         source = load_source(args.model)
+        if args.weights == "auto":
+            weights = shipped_formats(source)
         bar.set_description("prepare: writing the shards")
         bar.update(1)
         out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range,
@@ -121,7 +123,7 @@ def cmd_prepare_synthetic(args) -> int:
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     from .formats import WeightFormats
 
-    weights = WeightFormats.parse(args.weights) if args.weights else None
+    weights = WeightFormats.parse(args.weights) if args.weights not in ("", "auto") else None  # random: dtype
     out = prepare_synthetic(args.synthetic, args.out, args.seed, args.head_layers, args.tail_layers, args.dtype,
                             args.cloud_dtype, sides, split_range, weights)
     for side in sides:
@@ -146,7 +148,9 @@ def register(subparsers) -> None:
         Opt("dtype", choices=DTYPE_NAMES, help="compute dtype of the shards (activations, norms, embedding)"),
         Opt("weights", help="weight format of the decoder layers and LM head: float32, bfloat16, int8 or int4, "
                             "or PART=FORMAT entries for local, cloud, lm_head (e.g. int4,lm_head=int8); "
-                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; default: every weight in --dtype"),
+                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; auto: as the model ships (a 4-bit GGUF keeps its "
+                            "blocks, int4, with an int8 LM head; other models and --synthetic every weight in "
+                            "--dtype); '' or float32: every weight in --dtype"),
     ))
     s.add_argument("--allow-public-weights", action="store_true",
                    help="accept, once for this shard, that its local layers are the stock public weights (the cloud "

@@ -340,12 +340,23 @@ def install(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
         setattr(parent, attr, swapped)
 
 
+def has_integer_kernels(device: torch.device | str) -> bool:
+    """Whether the int8/int4 products run on `device`: PyTorch's kernels used here are CPU kernels. Elsewhere
+    (a GPU cloud) a quantized shard computes with the float weights it stands for, in the compute dtype."""
+    return torch.device(device).type == "cpu"
+
+
+def for_device(weights: dict[str, torch.Tensor], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """`weights` as `device` multiplies by them: as stored on a CPU, dequantized elsewhere."""
+    return weights if has_integer_kernels(device) else dequantized_state(weights)
+
+
 def finish(module: nn.Module, device: torch.device | str) -> None:
     """Ready every quantized linear of a loaded module; refuse devices without the kernels."""
     quantized = [m for m in module.modules() if isinstance(m, QuantLinear)]
-    if quantized and torch.device(device).type != "cpu":
-        raise ModelError(f"this shard stores int8/int4 weights, whose kernels here are CPU kernels; on {device} "
-                         "prepare it with --weights bfloat16 (or cloud=bfloat16 for a GPU cloud).")
+    if quantized and not has_integer_kernels(device):  # materialize dequantizes first (for_device)
+        raise ModelError(f"int8/int4 modules reached {device}, whose products are CPU kernels; load the shard "
+                         "through model/shards.py, which gives other devices the float weights.")
     for m in quantized:
         m.finish()
 

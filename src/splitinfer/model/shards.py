@@ -171,6 +171,7 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
 
 def _lm_head(config, model, weights: dict, stored: dict, device: str, dtype: torch.dtype) -> nn.Module:
     """The LM head: stored quantized (`prepare --weights lm_head=int8`), or tied to the embedding, or its own."""
+    stored = formats.for_device(stored, device)
     fmt = formats.stored_format(stored, "")
     if fmt is not None:
         with torch.device("meta"):

@@ -59,6 +59,7 @@ def skeleton(config: PretrainedConfig) -> nn.Module:
 
 def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> nn.Module:
     """Allocate `module` on `device` and load exactly `weights` into it (strict: no missing, no extra)."""
+    weights = formats.for_device(weights, device)  # off the CPU, int8/int4 as the float weights they stand for
     formats.install(module, weights)  # int8/int4 linears: the modules that multiply by them
     module = module.to_empty(device=device).to(dtype)
     expected = set(module.state_dict())

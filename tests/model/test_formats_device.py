@@ -1,0 +1,39 @@
+"""A quantized shard off the CPU: the int8/int4 products are CPU kernels, so another device (a GPU cloud) loads
+the float weights the shard stands for (formats.for_device). Checked on the CPU with the kernels declared absent:
+no integer module is built, and split greedy decoding equals transformers on the dequantized model. And
+`prepare --weights auto`: which sources keep their 4-bit blocks."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import assert_local_only_matches_hf, tiny_model
+
+from splitinfer.model import formats
+from splitinfer.model.formats import QuantLinear, WeightFormats
+from splitinfer.model.prepare import prepare
+from splitinfer.model.shards import load_cloud, load_local, load_whole_hf
+from splitinfer.model.source import SourceModel
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4,lm_head=int8"])
+def test_a_device_without_integer_kernels_computes_with_the_weights_they_stand_for(tmp_path, monkeypatch, spec):
+    model = tiny_model("llama", 0)
+    shards = prepare(SourceModel("tiny-llama", model.config, model, None), tmp_path / "s", 2, 2, "float32",
+                     weights=WeightFormats.parse(spec))
+    assert any(isinstance(m, QuantLinear) for m in load_cloud(shards / "cloud").stack.modules())  # on the CPU
+    monkeypatch.setattr(formats, "has_integer_kernels", lambda device: False)
+    local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
+    for module in (local.head, local.tail, local.lm_head, cloud.stack):
+        assert not any(isinstance(m, QuantLinear) for m in module.modules())
+    assert_local_only_matches_hf(load_whole_hf(shards), shards, [3, 5, 7, 11], 8)
+
+
+def test_auto_keeps_a_4bit_gguf_as_it_ships_and_a_float_model_in_floats():
+    from splitinfer.model.prepare import AS_SHIPPED_4BIT, shipped_formats
+
+    model = tiny_model("llama", 0)
+    linears = [k for k in model.state_dict() if k.startswith("model.layers.") and k.endswith("proj.weight")]
+    blocks = {k: None for k in linears}  # only which weights have blocks matters here
+    assert shipped_formats(SourceModel("m", model.config, model, None, blocks=blocks)) == AS_SHIPPED_4BIT
+    assert shipped_formats(SourceModel("m", model.config, model, None, blocks=dict(list(blocks.items())[1:]))) is None
+    assert shipped_formats(SourceModel("m", model.config, model, None)) is None
