@@ -58,7 +58,8 @@ test-tp: venv
 # (`make test` runs them on the newest). Keep TRANSFORMERS_FLOOR equal to the floor in pyproject.toml.
 FLOOR_VENV ?= .venv-floor
 TRANSFORMERS_FLOOR ?= 5.0.0
-FLOOR_TESTS ?= tests/model/test_exactness.py tests/test_families.py tests/drafter/test_generate.py
+FLOOR_TESTS ?= tests/model/test_exactness.py tests/test_families.py tests/drafter/test_generate.py \
+	tests/model/test_fused.py tests/model/test_formats.py
 
 test-floor: $(FLOOR_VENV)/.installed
 	$(FLOOR_VENV)/bin/python -m pytest -q $(FLOOR_TESTS)
