@@ -50,12 +50,13 @@ def device_bandwidth_gbps(device: torch.device, repeats: int = 10) -> float:
     return 2 * src.numel() / timed(lambda: dst.copy_(src), device, repeats) / 1e6
 
 
-def timed(run, device: torch.device, repeats: int) -> float:
-    """Median ms of `run()` after one warm-up: device events on a GPU, the wall clock elsewhere."""
+def timed(run, device: torch.device, repeats: int, wall: bool = False) -> float:
+    """Median ms of `run()` after one warm-up: device events on a GPU, the wall clock elsewhere or with `wall`
+    (to the last kernel's end: synchronized on a GPU)."""
     run()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
+        if device.type == "cuda" and not wall:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             run()
@@ -65,6 +66,8 @@ def timed(run, device: torch.device, repeats: int) -> float:
         else:
             t0 = time.perf_counter()
             run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -103,19 +106,6 @@ class Block:
         return graph.replay, out
 
 
-def wall_ms(run, device: torch.device, repeats: int) -> float:
-    """Median wall-clock ms of `run()` to its last kernel's end, after two warm-ups."""
-    times = []
-    for i in range(repeats + 2):
-        t0 = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 2:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def thread_hop(block: Block, device: torch.device, repeats: int) -> dict:
     """Wall ms of a one-row step called directly and through a one-thread executor, unpinned and pinned."""
     from ..launch import pinned
@@ -127,8 +117,8 @@ def thread_hop(block: Block, device: torch.device, repeats: int) -> dict:
     out = {}
     for where in ("unpinned", "pinned"):
         with pinned(0 if where == "pinned" else None, torch.get_num_threads()), ThreadPoolExecutor(1) as executor:
-            out[f"{where}_direct_ms"] = round(wall_ms(block.eager, device, repeats), 4)
-            out[f"{where}_executor_ms"] = round(wall_ms(hop(executor), device, repeats), 4)
+            out[f"{where}_direct_ms"] = round(timed(block.eager, device, repeats, wall=True), 4)
+            out[f"{where}_executor_ms"] = round(timed(hop(executor), device, repeats, wall=True), 4)
     return out
 
 

@@ -53,10 +53,7 @@ def _parts(source: SourceModel, split: Split, dtype: str, formats: dict[str, str
     state = source.model.state_dict()
     tied = bool(getattr(source.config, "tie_word_embeddings", False))
     blocks = getattr(source, "blocks", None) or {}
-    maxima, columns = {}, {}
-    if "int8" in formats.values():
-        maxima = activation_maxima(source.model, calibration_ids(source.tokenizer, source.config.vocab_size))
-        columns = group_column_maxima(state)  # q/k/v and gate/up share one smoothing (model/fused.py)
+    maxima, columns = int8_calibration(source.model, source.tokenizer, state) if "int8" in formats.values() else ({}, {})
     parts: dict[str, dict[str, torch.Tensor]] = {"local": {}, "cloud": {}}
     for key, tensor in state.items():
         if key == "lm_head.weight":
@@ -73,6 +70,13 @@ def _parts(source: SourceModel, split: Split, dtype: str, formats: dict[str, str
         parts["local"].update(stored_linear("lm_head.weight", head, formats["lm_head"], blocks.get("lm_head.weight"),
                                             maxima.get("lm_head.weight")))
     return parts
+
+
+def int8_calibration(model: torch.nn.Module, tokenizer, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """int8's calibration of `model` (its float `state`): (activation maxima per linear weight key, the column
+    maxima each fusion group shares: q/k/v and gate/up get one smoothing, model/fused.py)."""
+    maxima = activation_maxima(model, calibration_ids(tokenizer, model.config.vocab_size))
+    return maxima, group_column_maxima(state)
 
 
 def _is_layer_linear(model: torch.nn.Module, key: str) -> bool:
@@ -117,10 +121,8 @@ def restored_layers(model: torch.nn.Module, stored: dict[str, torch.Tensor], tok
     state = model.state_dict()
     keys = [k for k in stored if k.startswith("model.layers.")]
     linears = sorted({k[: -len("qweight")] for k in keys if k.endswith("qweight")})
-    maxima, columns = {}, {}
-    if any(stored_format(stored, prefix) == "int8" for prefix in linears):
-        maxima = activation_maxima(model, calibration_ids(tokenizer, model.config.vocab_size))
-        columns = group_column_maxima(state)
+    int8 = any(stored_format(stored, prefix) == "int8" for prefix in linears)
+    maxima, columns = int8_calibration(model, tokenizer, state) if int8 else ({}, {})
     out = {k: state[k].detach().to(stored[k].dtype).contiguous().clone()
            for k in keys if k.rpartition(".")[0] + "." not in linears}
     for prefix in linears:
