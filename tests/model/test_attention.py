@@ -1,7 +1,9 @@
 """model/attention.py: grouped queries stacked as rows compute transformers' sdpa result, and loaded shards use it."""
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from splitinfer.model import attention
@@ -66,3 +68,81 @@ def test_exact_rows_attention_gives_each_row_the_bits_of_the_row_alone(cached, w
         assert torch.equal(tree[0, row], alone[0, 0]), row
     theirs, _ = sdpa_attention_forward(Attn(3), query, key, value, mask, scaling=0.25)
     torch.testing.assert_close(tree, theirs, rtol=1e-5, atol=1e-5)
+
+
+def _gathering_exact_rows(query, key, value, mask, scaling):
+    """The implementation exact_rows_sdpa had before it wrote scattered keys in place (the reference): each
+    row's visible keys, a slice where they are one run, else gathered with index_select."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    out = query.new_empty((batch, rows, heads, dim))
+    for b in range(batch):
+        seen = (mask[b if mask.shape[0] > 1 else 0, 0, :, :keys] == 0).expand(rows, keys).numpy()
+        for i in range(rows):
+            index = np.flatnonzero(seen[i])
+            run = slice(index[0], index[-1] + 1)
+            if index[-1] - index[0] + 1 == len(index):
+                k, v = key[b : b + 1, :, run], value[b : b + 1, :, run]
+            else:
+                k, v = (t[b : b + 1].index_select(2, torch.from_numpy(index)) for t in (key, value))
+            q = query[b : b + 1, :, i].reshape(1, kv_heads, heads // kv_heads, dim)
+            out[b, i] = F.scaled_dot_product_attention(q, k, v, scale=scaling).reshape(heads, dim)
+    return out
+
+
+def _random_block(gen, batch: int, cached: int, window: int | None, rows: int = 12):
+    """query [B, 9, q, 16]; a cache-like buffer [B, 3, capacity, 16] and its key/value views [:K]; random
+    trees (one per batch row) as a mask [B, 1, q, K]."""
+    keys = cached + rows
+    query = torch.randn(batch, 9, rows, 16, generator=gen)
+    buffers = torch.randn(2, batch, 3, keys + 5, 16, generator=gen)
+    parents = [[-1] + [int(torch.randint(-1 if i > 3 else 0, i, (), generator=gen)) for i in range(1, rows)]
+               for _ in range(batch)]
+    mask = torch.cat([_tree_mask(p, cached, window) for p in parents])
+    return query, buffers, buffers[0, :, :, :keys], buffers[1, :, :, :keys], mask
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("cached", [0, 1, 37, 300])
+def test_exact_rows_attention_has_the_bits_of_gathering_and_leaves_the_cache_as_it_was(cached, batch, window):
+    gen = torch.Generator().manual_seed(cached * 10 + batch)
+    for _ in range(3):
+        query, buffers, key, value, mask = _random_block(gen, batch, cached, window)
+        before = buffers.clone()
+        ours, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
+        assert torch.equal(buffers, before)  # every key and value back in place, also past the views' end
+        assert torch.equal(ours, _gathering_exact_rows(query, key, value, mask, 0.25))
+
+
+@pytest.mark.parametrize("mode", ["inference", "inference tensor outside it", "grad"])
+def test_exact_rows_attention_writes_in_place_only_where_allowed(mode):
+    """A cache's buffers are inference tensors written under inference mode; outside it, or with autograd,
+    the keys are copied first: the same bits either way, and the cache untouched."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.inference_mode(mode != "grad"):
+        query, buffers, key, value, mask = _random_block(gen, 1, 37, None)
+        reference = _gathering_exact_rows(query, key, value, mask, 0.25)
+    before = buffers.clone()
+    with torch.inference_mode(mode == "inference"):
+        if mode == "grad":
+            key.requires_grad_(), value.requires_grad_()
+        ours, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
+    assert torch.equal(buffers, before) and torch.equal(ours, reference)
+
+
+def test_exact_rows_attention_puts_the_cache_back_when_a_row_raises(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    query, buffers, key, value, mask = _random_block(gen, 1, 37, None)
+    before, calls, row = buffers.clone(), [], attention._row
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 9:
+            raise RuntimeError("row 9 fails")
+        return row(*args)
+
+    monkeypatch.setattr(attention, "_row", failing)
+    with pytest.raises(RuntimeError, match="row 9 fails"):
+        attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
+    assert torch.equal(buffers, before)
