@@ -5,9 +5,9 @@ KV cache in step with the committed context: the prompt's pairs after prefill, t
 pairs of the accepted path (root, accepted drafts, each with the token that followed it). Rejected rows
 never enter the cache, so nothing has to be undone. The pairs of steps that draft nothing with the head
 wait in a backlog and enter the cache in one head pass before it next drafts (`catch_up`): where the head
-does not pay, the tree drafts with it on few steps, and a pass on every step cost the trusted side time on
-every step (docs/benchmarks.md, weight formats). The newest pair's prediction (the "tip") is the
-model's next feature as the head sees it; `propose` grows a tree below the root from it, EAGLE-2 style:
+does not pay, the tree drafts with it on few steps, and a pass on every step cost drafting 6.3 ms a tree
+step against 4.3 without (notes/benchmarks.md, weight formats). The newest pair's prediction (the "tip") is
+the model's next feature as the head sees it; `propose` grows a tree below the root from it, EAGLE-2 style:
 every depth expands the `beam` nodes of highest path probability into their `top_k` children, for at
 most `max_depth` levels and `max_nodes` nodes, and adds each node with its conditional probability.
 Expansion stops where no node of a level reaches `min_path_prob`: on text the head cannot predict,
