@@ -6,12 +6,17 @@ never prepares it; `make test-all` runs them.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
 
-from splitinfer.model.prepare import prepare
+# torch.compile's tests compile in this process: inductor's pool of compile worker processes (one a core
+# by default) is not needed for their few small graphs, and a test run should hold no processes it did not start.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+from splitinfer.model.prepare import prepare  # noqa: E402
 from splitinfer.model.source import load_source
 
 

@@ -44,6 +44,18 @@ def test_stored_state_stands_for_the_weight(fmt):
     assert (back - weight).abs().le(bound * 1.001).all()
 
 
+# Every int4 test runs on both kernels: model/w4a8.py's (where this CPU runs it) and PyTorch's ("int4-pytorch").
+KERNELS = ["int8", "int4", "int4-pytorch"]
+
+
+def _kernel(fmt: str, monkeypatch) -> str:
+    """The stored format of a test's `fmt`; for 'int4-pytorch' int4 is made to take PyTorch's kernel."""
+    if fmt == "int4-pytorch":
+        monkeypatch.setattr(formats.w4a8, "available", lambda: False)
+        return "int4"
+    return fmt
+
+
 def _linear(fmt: str, out_features: int, in_features: int) -> torch.nn.Module:
     state = formats.quantize(torch.randn(out_features, in_features), fmt)
     module = (Int8Linear if fmt == "int8" else Int4Linear)(in_features, out_features)
@@ -53,9 +65,10 @@ def _linear(fmt: str, out_features: int, in_features: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", KERNELS)
 @pytest.mark.parametrize("shape", [(96, 64), (192, 576), (576, 1536)])
-def test_every_row_of_a_product_has_the_bits_it_has_alone(fmt, shape, threads):
+def test_every_row_of_a_product_has_the_bits_it_has_alone(fmt, shape, threads, monkeypatch):
+    fmt = _kernel(fmt, monkeypatch)
     torch.manual_seed(1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -102,11 +115,11 @@ def _block(stack, cache_rows: int, hidden: torch.Tensor, allowed: np.ndarray, po
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma3"])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_every_row_of_a_step_has_the_bits_it_has_alone(tmp_path, family, fmt):
+@pytest.mark.parametrize("fmt", KERNELS)
+def test_every_row_of_a_step_has_the_bits_it_has_alone(tmp_path, family, fmt, monkeypatch):
     """A tree of 64 rows on 0, 9 and 40 cached rows (mistral's window is 12, gemma3's 6): each row's output
     equals, bit for bit, the last row of a sequential chain along its path."""
-    _, shards = _prepare(tmp_path, family, fmt)
+    _, shards = _prepare(tmp_path, family, _kernel(fmt, monkeypatch))
     stack = load_cloud(shards / "cloud").stack
     rng = np.random.default_rng(0)
     parents = [-1] + [int(rng.integers(0, i)) for i in range(1, 64)]
@@ -126,9 +139,9 @@ def test_every_row_of_a_step_has_the_bits_it_has_alone(tmp_path, family, fmt):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["int8", "int4", "int4,lm_head=int8", "bfloat16"])
-def test_speculation_is_token_identical_to_sequential_in_each_format(tmp_path, family, weights):
-    _, shards = _prepare(tmp_path, family, weights)
+@pytest.mark.parametrize("weights", ["int8", "int4", "int4-pytorch", "int4,lm_head=int8", "bfloat16"])
+def test_speculation_is_token_identical_to_sequential_in_each_format(tmp_path, family, weights, monkeypatch):
+    _, shards = _prepare(tmp_path, family, _kernel(weights, monkeypatch))
     client = open_client(local_only=True, shards=shards)
     sequential = client.generate(PROMPT, max_new_tokens=24, stop_ids=set(), strategy="sequential")
     for strategy in ("tree-nohead", "lookahead"):

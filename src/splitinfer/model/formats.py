@@ -9,10 +9,11 @@ shard's decoder layers and LM head are each stored in one of four formats:
               (symmetric, scale = max |x| / 127) and multiplied by FBGEMM's int8 product on a weight packed
               once (`torch._int_mm` where FBGEMM is not there): integer accumulation, so every row gets the
               same bits whatever else is in the block
-    int4      half a byte a weight in groups of 32 along the input, each with a scale and a minimum
-              (GGUF's Q4_1 layout: w = d * q + m, q in 0..15); PyTorch's `_weight_int4pack_mm_for_cpu`
-              on bfloat16 inputs (a float kernel: its row invariance is tested bitwise, tests/model/
-              test_formats.py, not assumed)
+    int4      half a byte a weight in groups of 32 along the input, each with a float16 scale and minimum
+              (GGUF's Q4_1 layout: w = d * q + m, q in 0..15); on AVX512-VNNI our own kernel with the
+              input quantized to int8 per group of 32 (model/w4a8.py, llama.cpp's recipe for Q4_1), else
+              PyTorch's `_weight_int4pack_mm_for_cpu` on bfloat16 inputs (a float kernel: its row
+              invariance is tested bitwise, tests/model/test_formats.py, not assumed)
 
 Integer formats keep their state under `qweight`, `scale` (and `min` for int4) in the shard, and the
 module that multiplies by them is swapped in when the shard is loaded (`install`). Only the CPU has
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, ModelError
+from . import w4a8
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 PARTS = ("local", "cloud", "lm_head")  # local decoder layers, cloud decoder layers, the LM head
@@ -117,13 +119,15 @@ def quantize_int8(weight: torch.Tensor, act_max: torch.Tensor | None = None,
 
 def quantize_int4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """weight [N, K] float -> int4 state with groups of 32 along K (Q4_1's recipe: d = (max - min) / 15,
-    m = min, q = round((w - m) / d))."""
+    m = min, both rounded to float16, q = round((w - m) / d))."""
     n, k = weight.shape
     check_int4_shape(n, k)
     w = weight.detach().float().reshape(n, k // GROUP, GROUP)
     low, high = w.amin(dim=2), w.amax(dim=2)
-    d = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round((w - low[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    low = low.half().float()  # d and m are float16, as in a GGUF (and in model/w4a8.py's kernel)
+    d = ((high - low) / 15).half().float()
+    step = d.clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((w - low[..., None]) / step[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
     return int4_state(q, d, low)
 
 
@@ -267,7 +271,8 @@ class Int8Linear(QuantLinear):
 
 
 class Int4Linear(QuantLinear):
-    """y = x W^T with W in 4-bit groups of 32 (scale and minimum per group), on bfloat16 inputs."""
+    """y = x W^T with W in 4-bit groups of 32 (scale and minimum per group): model/w4a8.py's kernel on
+    int8 inputs where it runs, else PyTorch's on bfloat16 inputs."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -280,9 +285,14 @@ class Int4Linear(QuantLinear):
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
 
     def finish(self) -> None:
-        """Pack the nibbles into the CPU kernel's layout and fold each group's minimum into its zero point:
-        the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale (both rounded to bfloat16,
-        the kernel's scale type)."""
+        """Pack the weight for the kernel that runs here: model/w4a8.py's where it is available (this CPU
+        has AVX512-VNNI and it was built), else PyTorch's, whose layout computes (q - 8) * scale + zero, so
+        zero = min + 8 * scale (both rounded to bfloat16, its scale type)."""
+        self._bias = None if self.bias is None else self.bias.float()
+        self._w4a8 = None
+        if w4a8.supports_shape(self.out_features, self.in_features) and w4a8.available():
+            self._w4a8 = w4a8.pack(self.qweight, self.scale, self.min)
+            return
         packed = self.qweight
         q = torch.stack((packed & 0xF, packed >> 4), dim=2).reshape(self.out_features, -1).to(torch.int32)
         self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
@@ -292,6 +302,10 @@ class Int4Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., K]
+        if self._w4a8 is not None:
+            y = w4a8.matmul(x.reshape(-1, self.in_features).float(), self._w4a8, self.out_features)  # [M, N]
+            y = y if self._bias is None else y.add_(self._bias)
+            return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         xb = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self._packed, GROUP, self._scale_zero)  # [M, N]
         if self.bias is not None:

@@ -1,0 +1,119 @@
+"""The int4 format's own CPU kernel: 4-bit weights times activations quantized to int8 in groups of 32.
+
+PyTorch's `_weight_int4pack_mm_for_cpu` multiplies in float (bfloat16 inputs): from four rows it runs at
+the core's float peak (notes/bench/step-int4-rows: 91 GFLOP/s of 100 at 4 and 8 rows), so a verification
+step of a tree costs 2-4x a one-row step. No maintained PyTorch or torchao CPU kernel multiplies 4-bit
+weights by integer activations on x86 (`_dyn_quant_matmul_4bit` falls back to float there), so this one is
+ours: w4a8.cpp, built once with PyTorch's C++ extension tools and cached on disk, the recipe llama.cpp
+uses for a Q4_1 GGUF (Q8_1 activations, integer dot products on AVX512-VNNI). See w4a8.cpp for the math.
+
+Each row's activations are quantized on their own, in blocks of 32 (scale = max |x| / 127), and each
+block's integer sum is exact, so a row's bits do not depend on the other rows of the call: the kernel is
+row-invariant by construction, and tests/model/test_w4a8.py checks it bitwise at 1-64 rows.
+
+`available()` says whether the kernel runs here: a CPU with AVX512 (F, BW, VL, VNNI) and F16C, a C++
+compiler, and SPLITINFER_W4A8 not set to 0. Elsewhere int4 uses PyTorch's kernel (different rounding,
+still row-invariant: tests/model/test_formats.py); a model's text may then differ where two logits are
+within rounding, as between any two kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GROUP = 32  # inputs a block (GGUF's Q4_1 and Q8_1)
+COLS = 16  # output columns a packed tile
+TILE_BYTES = COLS * GROUP // 2 + 2 * COLS * 2  # 256 bytes of nibbles, 16 float16 scales, 16 float16 minima
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+SOURCE = Path(__file__).with_name("w4a8.cpp")
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off"]
+ENV = "SPLITINFER_W4A8"  # 0: never build or use the kernel
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU has the instructions w4a8.cpp is built for (Linux's /proc/cpuinfo flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return all(flag in flags for flag in CPU_FLAGS)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `matmul` runs here: builds the kernel on first call (once per machine: ~30 s, then cached by
+    PyTorch under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)."""
+    if os.environ.get(ENV, "1") == "0" or not cpu_supports():
+        return False
+    try:
+        _build()
+    except Exception as exc:  # no compiler, no ninja, headers missing: int4 keeps PyTorch's kernel
+        log.warning("int4: the w4a8 kernel could not be built (%s); using PyTorch's int4 kernel instead", exc)
+        return False
+    return True
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    start = time.perf_counter()
+    cpp_extension.load(name="splitinfer_w4a8", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                       is_python_module=False, verbose=False)
+    seconds = time.perf_counter() - start
+    if seconds > 5:
+        log.info("int4: built the w4a8 kernel in %.0f s (cached for the next start)", seconds)
+
+    @torch.library.register_fake("splitinfer::w4a8_mm")
+    def _(x, packed, n):
+        return x.new_empty(x.shape[0], n)
+
+
+def pack(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The stored int4 state (qweight uint8 [N, K/2], even inputs in the low nibbles; scale and min [N, K/32])
+    -> the kernel's tiles, uint8 [N/16, K/32, 320]. Scales and minima become float16, which a GGUF's are."""
+    n = qweight.shape[0]
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=2).reshape(n, -1)  # [N, K], values 0..15
+    k = q.shape[1]
+    tiles, blocks = n // COLS, k // GROUP
+    # input 32b + 16h + 4j + i of column c -> vector j, lane c, byte i, nibble h
+    q = q.reshape(tiles, COLS, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [T, B, j, c, i, h]
+    nibbles = (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, blocks, -1)  # [T, B, 256]
+    halves = torch.stack((scale, minimum)).to(torch.float16).reshape(2, tiles, COLS, blocks)
+    halves = halves.permute(1, 3, 0, 2).contiguous().view(torch.uint8).reshape(tiles, blocks, -1)  # [T, B, 64]
+    return torch.cat((nibbles, halves), dim=2).contiguous()
+
+
+def supports_shape(n: int, k: int) -> bool:
+    return n % COLS == 0 and k % GROUP == 0
+
+
+def matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float32 times the packed weight -> [M, n] float32 (`available()` must be True)."""
+    return torch.ops.splitinfer.w4a8_mm(x, packed, n)
+
+
+def reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The kernel's math in float64 PyTorch (tests): activations quantized per block of 32, half-even."""
+    x = x.double()
+    m, k = x.shape
+    xb = x.reshape(m, k // GROUP, GROUP)
+    amax = xb.abs().amax(dim=2, keepdim=True).float()
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    qx = torch.round(xb.float() * inv).double()  # [M, B, 32]
+    dx = (amax / 127).double()
+    q = torch.stack((qweight & 0xF, qweight >> 4), dim=2).reshape(qweight.shape[0], -1).double()
+    qb = q.reshape(q.shape[0], k // GROUP, GROUP)  # [N, B, 32]
+    d = scale.to(torch.float16).double()  # [N, B]
+    mn = minimum.to(torch.float16).double()
+    dots = torch.einsum("mbi,nbi->mnb", qx, qb)  # exact integers
+    sx = dx[..., 0] * qx.sum(dim=2)  # [M, B]
+    return (dots * dx[..., 0][:, None, :] * d[None] + mn[None] * sx[:, None, :]).sum(dim=2)
