@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .. import __version__
+from ..model import w4a8
 from ..model.formats import WeightFormats
 from ..tables import table
 from .machine import bandwidth_gbps, cpu_flags
@@ -265,8 +266,8 @@ def run(model: str | None, shards_dir: Path, config: FormatsBenchConfig, log=pri
                if line.strip()]
     return {
         "command": "splitinfer " + shlex.join(sys.argv[1:]), "version": __version__, "config": asdict(config),
-        "machine": {"cpu_flags": cpu_flags(), "bandwidth_gbps": round(gbps, 2), "threads": config.threads,
-                    "pinned_cpu": config.cpu},
+        "machine": {"cpu_flags": cpu_flags(), "int4_kernel": w4a8.kernel_name(), "bandwidth_gbps": round(gbps, 2),
+                    "threads": config.threads, "pinned_cpu": config.cpu},
         "steps": step_table, "generations": gen["summary"], "generation_runs": gen["runs"],
         "quality": quality(dirs, prompts, gen["replies"], heldout),
         "tree_equals_sequential": exactness(dirs, prompts, gen["replies"], config.tokens),
@@ -277,6 +278,7 @@ def markdown(report: dict) -> str:
     gen, quality_, exact = report["generations"], report["quality"], report["tree_equals_sequential"]
     lines = [f"Command: `{report['command']}`", "",
              f"One thread pinned to one core; bandwidth {report['machine']['bandwidth_gbps']} GB/s; "
+             f"int4 kernel: {report['machine'].get('int4_kernel', 'pytorch (_weight_int4pack_mm_for_cpu)')}; "
              f"{report['config']['prompts']} prompts x {report['config']['tokens']} tokens, "
              f"{report['config']['repeats']} rounds (medians).", ""]
     rows = [[spec, gen[spec]["tok_s"], gen[spec]["ms_per_token"], gen[spec]["speedup_vs_transformers_f32"],

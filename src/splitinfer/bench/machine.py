@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
-
 import torch
+
+from ..model import w4a8
 
 PEAK_SIZE = 1024  # n of the n x n x n product that measures the peak: compute-bound, and in cache blocks
 
 
 def cpu_flags() -> list[str]:
     """The CPU features the products' speed depends on (the same torch differs between CPUs of one kind)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-    return sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+    return sorted(w4a8.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
 
 
 def _median_s(run, repeats: int) -> float:

@@ -38,14 +38,23 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16
 ENV = "SPLITINFER_W4A8"  # 0: never build or use the kernel
 
 
-def cpu_supports() -> bool:
-    """Whether this CPU has the instructions w4a8.cpp is built for (Linux's /proc/cpuinfo flags)."""
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in CPU_FLAGS)
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU has the instructions w4a8.cpp is built for."""
+    return set(CPU_FLAGS) <= cpu_flags()
+
+
+def kernel_name() -> str:
+    """Which kernel int4 multiplies with here, as reports name it."""
+    return "w4a8 (model/w4a8.py)" if available() else "pytorch (_weight_int4pack_mm_for_cpu)"
 
 
 @functools.cache
