@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from splitinfer.model import attention
+from splitinfer.model import attention, native
 from splitinfer.model.shards import load_cloud, load_local
 from tiny import prepare_tiny
 
@@ -48,11 +48,24 @@ def _tree_mask(parents: list[int], cached: int, window: int | None) -> torch.Ten
     return attention_mask(cached, positions, tree_allowed(parents), torch.float32, window=window)
 
 
+def _pytorch_rows(monkeypatch) -> None:
+    """Exact-rows attention through PyTorch's SDPA a row, as where model/native.py's kernels do not run."""
+    monkeypatch.setattr(attention.native, "available", lambda: False)
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="model/native.py's kernels do not run on this CPU")
+
+
+@pytest.mark.parametrize("kernel", ["native", "pytorch"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("cached", [0, 7, 600])
-def test_exact_rows_attention_gives_each_row_the_bits_of_the_row_alone(cached, window):
+def test_exact_rows_attention_gives_each_row_the_bits_of_the_row_alone(cached, window, kernel, monkeypatch):
     """A tree row against the same query on a cache holding only its visible keys (a chain decoded one row
     at a time): the same bits; and the values of transformers' sdpa over the masked block."""
+    if kernel == "pytorch":
+        _pytorch_rows(monkeypatch)
+    elif not native.available():
+        pytest.skip("model/native.py's kernels do not run on this CPU")
     gen = torch.Generator().manual_seed(cached)
     parents = [-1, 0, 0, 1, 2, 2, 4, 0, 7, 3, 9, 9]
     rows, keys = len(parents), cached + len(parents)
@@ -105,7 +118,8 @@ def _random_block(gen, batch: int, cached: int, window: int | None, rows: int = 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("cached", [0, 1, 37, 300])
-def test_exact_rows_attention_has_the_bits_of_gathering_and_leaves_the_cache_as_it_was(cached, batch, window):
+def test_exact_rows_attention_has_the_bits_of_gathering_and_leaves_the_cache_as_it_was(cached, batch, window, monkeypatch):
+    _pytorch_rows(monkeypatch)
     gen = torch.Generator().manual_seed(cached * 10 + batch)
     for _ in range(3):
         query, buffers, key, value, mask = _random_block(gen, batch, cached, window)
@@ -116,9 +130,10 @@ def test_exact_rows_attention_has_the_bits_of_gathering_and_leaves_the_cache_as_
 
 
 @pytest.mark.parametrize("mode", ["inference", "inference tensor outside it", "grad"])
-def test_exact_rows_attention_writes_in_place_only_where_allowed(mode):
+def test_exact_rows_attention_writes_in_place_only_where_allowed(mode, monkeypatch):
     """A cache's buffers are inference tensors written under inference mode; outside it, or with autograd,
     the keys are copied first: the same bits either way, and the cache untouched."""
+    _pytorch_rows(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     with torch.inference_mode(mode != "grad"):
         query, buffers, key, value, mask = _random_block(gen, 1, 37, None)
@@ -132,6 +147,7 @@ def test_exact_rows_attention_writes_in_place_only_where_allowed(mode):
 
 
 def test_exact_rows_attention_puts_the_cache_back_when_a_row_raises(monkeypatch):
+    _pytorch_rows(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     query, buffers, key, value, mask = _random_block(gen, 1, 37, None)
     before, calls, row = buffers.clone(), [], attention._row
@@ -146,3 +162,30 @@ def test_exact_rows_attention_puts_the_cache_back_when_a_row_raises(monkeypatch)
     with pytest.raises(RuntimeError, match="row 9 fails"):
         attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
     assert torch.equal(buffers, before)
+
+
+@needs_native
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("cached", [0, 1, 37, 300])
+def test_native_rows_attention_is_sdpa_a_row_and_never_writes(cached, batch, window):
+    """rows_attention.cpp against PyTorch's SDPA on each row's gathered keys: float32 rounding apart, the same
+    values; the cache's buffers are only read."""
+    gen = torch.Generator().manual_seed(cached * 10 + batch + 1)
+    for _ in range(3):
+        query, buffers, key, value, mask = _random_block(gen, batch, cached, window)
+        before = buffers.clone()
+        ours = attention.native_rows_sdpa(query, key, value, mask, 0.25)
+        assert torch.equal(buffers, before)
+        torch.testing.assert_close(ours, _gathering_exact_rows(query, key, value, mask, 0.25), rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+def test_native_rows_attention_refuses_what_does_not_fit():
+    key = torch.randn(3, 10, 16)
+    with pytest.raises(RuntimeError, match="outside the 10 cached"):
+        torch.ops.splitinfer.rows_attention(torch.randn(9, 1, 16), key, key, torch.tensor([3, 10]), torch.tensor([0, 2]), 0.25)
+    with pytest.raises(RuntimeError, match="sees no keys"):
+        torch.ops.splitinfer.rows_attention(torch.randn(9, 1, 16), key, key, torch.tensor([0]), torch.tensor([0, 0]), 0.25)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.splitinfer.rows_attention(torch.randn(8, 1, 16), key, key, torch.tensor([0]), torch.tensor([0, 1]), 0.25)

@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 from .. import __version__
-from ..model import w4a8
+from ..model import native
 from ..model.formats import WeightFormats
 from ..tables import table
-from .machine import bandwidth_gbps, cpu_flags
+from .machine import bandwidth_gbps, cpu_flags, kernels_line
 
 if TYPE_CHECKING:
     from .step import Side  # imported where used: step.py imports stored_bytes from here
@@ -266,7 +266,7 @@ def run(model: str | None, shards_dir: Path, config: FormatsBenchConfig, log=pri
                if line.strip()]
     return {
         "command": "splitinfer " + shlex.join(sys.argv[1:]), "version": __version__, "config": asdict(config),
-        "machine": {"cpu_flags": cpu_flags(), "int4_kernel": w4a8.kernel_name(), "bandwidth_gbps": round(gbps, 2),
+        "machine": {"cpu_flags": cpu_flags(), "kernels": native.kernel_names(), "bandwidth_gbps": round(gbps, 2),
                     "threads": config.threads, "pinned_cpu": config.cpu},
         "steps": step_table, "generations": gen["summary"], "generation_runs": gen["runs"],
         "quality": quality(dirs, prompts, gen["replies"], heldout),
@@ -278,7 +278,7 @@ def markdown(report: dict) -> str:
     gen, quality_, exact = report["generations"], report["quality"], report["tree_equals_sequential"]
     lines = [f"Command: `{report['command']}`", "",
              f"One thread pinned to one core; bandwidth {report['machine']['bandwidth_gbps']} GB/s; "
-             f"int4 kernel: {report['machine'].get('int4_kernel', 'pytorch (_weight_int4pack_mm_for_cpu)')}; "
+             f"kernels: {kernels_line(report['machine'])}; "
              f"{report['config']['prompts']} prompts x {report['config']['tokens']} tokens, "
              f"{report['config']['repeats']} rounds (medians).", ""]
     rows = [[spec, gen[spec]["tok_s"], gen[spec]["ms_per_token"], gen[spec]["speedup_vs_transformers_f32"],

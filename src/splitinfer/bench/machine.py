@@ -11,14 +11,19 @@ import statistics
 import time
 import torch
 
-from ..model import w4a8
+from ..model import native
 
 PEAK_SIZE = 1024  # n of the n x n x n product that measures the peak: compute-bound, and in cache blocks
 
 
 def cpu_flags() -> list[str]:
     """The CPU features the products' speed depends on (the same torch differs between CPUs of one kind)."""
-    return sorted(w4a8.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+    return sorted(native.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+
+
+def kernels_line(report: dict) -> str:
+    """A report's 'kernels' entry (model/native.py's kernel_names) as one phrase; PyTorch's before it existed."""
+    return ", ".join(f"{part}: {name}" for part, name in report.get("kernels", {}).items()) or "PyTorch's"
 
 
 def _median_s(run, repeats: int) -> float:

@@ -47,7 +47,7 @@ from torch import nn
 from .. import __version__
 from ..launch import pin_self
 from ..errors import ConfigError
-from ..model import w4a8
+from ..model import native
 from ..model.formats import QuantLinear
 from ..model.shards import LocalHalf, load_cloud, load_local
 from ..model.stack import LayerStack
@@ -55,7 +55,7 @@ from ..tables import table
 from .formats import stored_bytes
 from .anchors import e2e
 from .baseline import plain_model, with_ends
-from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, product_gflops
+from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, kernels_line, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul",
@@ -312,7 +312,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
         "command": "splitinfer " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("splitinfer") else shlex.join(sys.argv),
         "version": __version__, "torch": torch.__version__, "machine": platform.machine(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(),
-        "int4_kernel": w4a8.kernel_name(), "config": asdict(config),
+        "kernels": native.kernel_names(), "config": asdict(config),
         "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2),
         "product_peak_gflops": round(peak, 1), "rows": rows,
         "synthetic": synthetic_source(shards),  # random weights in a config's shape (model/synthetic.py), or None
@@ -358,8 +358,8 @@ def markdown(report: dict) -> str:
              *([f"Synthetic weights: seeded random values in the shape of {report['synthetic']['config']} (seed "
                 f"{report['synthetic']['seed']}); a step's cost depends on the shapes, not the values.", ""]
                if report.get("synthetic") else []),
-             f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}; int4 kernel "
-             f"{report.get('int4_kernel', 'pytorch')}), {report['config']['threads']} thread(s) pinned to "
+             f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}; kernels "
+             f"{kernels_line(report)}), {report['config']['threads']} thread(s) pinned to "
              f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s and product peak "
              f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product). Medians of "
              f"{report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: the side's "

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import native
+
 NAME = "splitinfer_sdpa"
 
 
@@ -80,6 +82,8 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
     """
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("exact-rows attention does not take soft-capping or sink tokens")
+    if _native_fits(query, key, value):
+        return native_rows_sdpa(query, key, value, attention_mask, scaling), None
     batch, heads, rows, dim = query.shape  # [B, H, q, d]; key, value [B, KVH, K, d]
     plans = row_plans(attention_mask, batch, rows, key.shape[2])
     if batch == rows == 1 and plans[0].index is None:  # a decode step: one slice, without the copy into `out`
@@ -91,6 +95,46 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
     for b, plan in enumerate(plans):
         _attend(query[b : b + 1], key[b : b + 1], value[b : b + 1], plan, scaling, out[b])
     return out, None
+
+
+def _native_fits(query, key, value) -> bool:
+    """Whether model/native.py's rows_attention takes this call: float32 on a CPU that runs it."""
+    dim = query.shape[-1]
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return (not grads and query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
+            and dim % 16 == 0 and dim <= 256 and key.stride(-1) == 1 and value.stride(-1) == 1 and native.available())
+
+
+def native_rows_sdpa(query, key, value, attention_mask, scaling) -> torch.Tensor:
+    """Exact-rows attention in one call a batch row (rows_attention.cpp): each row reads its visible keys in
+    place, in ascending order, so nothing is copied or written. -> [B, q, H, d]."""
+    batch, heads, rows, dim = query.shape
+    scale = dim**-0.5 if scaling is None else float(scaling)
+    seen = visible_keys(attention_mask, batch, rows, key.shape[2])
+    if batch == 1:
+        return torch.ops.splitinfer.rows_attention(query[0], key[0], value[0], *seen[0], scale).unsqueeze(0)
+    out = query.new_empty((batch, rows, heads, dim))
+    for b, (index, offsets) in enumerate(seen):
+        out[b] = torch.ops.splitinfer.rows_attention(query[b], key[b], value[b], index, offsets, scale)
+    return out
+
+
+def visible_keys(mask: torch.Tensor | None, batch: int, rows: int, keys: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per batch row, the keys each query row sees as (index, offsets): row i's are index[offsets[i]:offsets[i+1]],
+    ascending. Every layer of a step attends with the same mask object: the last one's lists are kept."""
+    if mask is None:
+        return [(torch.arange(keys).repeat(rows), torch.arange(rows + 1) * keys)] * batch
+    entry = _VISIBLE.entry
+    if entry is not None and entry[0] is mask and entry[1:4] == (batch, rows, keys):
+        return entry[4]
+    lists = []
+    for b in range(batch):
+        m = mask[b if mask.shape[0] > 1 else 0, 0, :, :keys]
+        seen = (m if m.dtype == torch.bool else m == 0).expand(rows, keys).numpy()
+        offsets = np.concatenate([[0], np.cumsum(seen.sum(axis=1))])
+        lists.append((torch.from_numpy(np.nonzero(seen)[1].astype(np.int64)), torch.from_numpy(offsets.astype(np.int64))))
+    _VISIBLE.entry = (mask, batch, rows, keys, lists)
+    return lists
 
 
 def _attend(query, key, value, plan: RowPlan, scaling, out: torch.Tensor) -> None:
@@ -150,6 +194,7 @@ class _Memo:
 
 
 _MEMO = _Memo()
+_VISIBLE = _Memo()
 
 
 def row_plans(mask: torch.Tensor | None, batch: int, rows: int, keys: int) -> list[RowPlan]:

@@ -22,7 +22,9 @@ are the same per row either way, so rows stay invariant (tests/model/test_format
 
 A llama-family RMS norm is eight tensor calls in transformers' Python; `fuse_norms` swaps each for
 `torch.nn.functional.rms_norm`, one call doing the same operations in the same order, where a probe at
-load gives the same bits (else it leaves the norm as it is).
+load gives the same bits (else it leaves the norm as it is). On CPU that call is itself a composite of seven
+(~30 us at one row); in a layer with integer products, whose bits are its format's and never compared with
+transformers', the norm is model/native.py's one-pass kernel instead where it runs.
 
 The stored state is untouched: shards, manifests and `load_whole_hf` (the float reference) see q/k/v as
 they were stored. This module knows nothing of shards or steps.
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .formats import Int4Linear, Int8Linear, QuantLinear
 
 # {submodule of a decoder layer: (fused attribute, sibling linears in the order the layer calls them)}
@@ -154,18 +157,33 @@ class RMSNormCall(nn.Module):
         return F.rms_norm(x, self._shape, self._weight, self._eps)
 
 
+class NativeRMSNorm(nn.Module):
+    """The same norm through model/native.py's one-pass kernel (its own rounding: integer layers only)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.rms_norm(x, self._shape, self._weight, self._eps)
+        return torch.ops.splitinfer.rms_norm(x, self._weight, self._eps)
+
+
 @functools.cache
-def _norm_call_class(cls: type) -> type:
-    return type("Fused" + cls.__name__, (RMSNormCall, cls), {})
+def _norm_call_class(cls: type, call: type = RMSNormCall) -> type:
+    return type("Fused" + cls.__name__, (call, cls), {})
 
 
-def fuse_norms(layer: nn.Module) -> int:
+def fuse_norms(layer: nn.Module, own_bits: bool = False) -> int:
     """Swap the RMS norms of a loaded float32 decoder layer for `RMSNormCall` where a probe of a few rows
-    gives transformers' bits; returns the norms swapped."""
+    gives transformers' bits; returns the norms swapped. `own_bits` (a layer whose products are integer, so
+    its bits are its format's, not transformers'): `NativeRMSNorm` instead, where model/native.py runs."""
     swapped = 0
     for norm in [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]:
         weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
         if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or eps is None:
+            continue
+        if own_bits and weight.shape[-1] % 16 == 0 and weight.device.type == "cpu" and native.available():
+            norm._shape, norm._weight, norm._eps = (weight.shape[-1],), weight, eps
+            norm.__class__ = _norm_call_class(type(norm), NativeRMSNorm)
+            swapped += 1
             continue
         probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
         probe = probe.to(weight.device) * torch.tensor([[1e-3], [1.0], [1e3]], device=weight.device)

@@ -301,10 +301,11 @@ def build_stack(
         layer_weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         layer = materialize(model.model.layers[i], layer_weights, device, dtype)
         fuse_layer(layer)  # q/k/v and gate/up as one product each, where stored in an integer format
-        fuse_norms(layer)  # RMS norms as one call each, where that gives transformers' bits
+        integer = any(isinstance(m, formats.QuantLinear) for m in layer.modules())
+        fuse_norms(layer, own_bits=integer)  # one call each: transformers' bits, or (integer) the native kernel
         fastpath.install(layer)  # fused layers: attention and MLP without transformers' glue
         # Row-invariant products (int8/int4) need row-invariant attention to keep speculation exact.
-        layer.self_attn.exact_rows = any(isinstance(m, formats.QuantLinear) for m in layer.modules())
+        layer.self_attn.exact_rows = integer
         layers.append(layer)
     rotary = type(model.model.rotary_emb)(config=config).to(device)
     return LayerStack(config, layers, start, rotary).eval()

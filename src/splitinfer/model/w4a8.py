@@ -4,86 +4,26 @@ PyTorch's `_weight_int4pack_mm_for_cpu` multiplies in float (bfloat16 inputs): f
 the core's float peak (notes/bench/step-int4-rows: 91 GFLOP/s of 100 at 4 and 8 rows), so a verification
 step of a tree costs 2-4x a one-row step. No maintained PyTorch or torchao CPU kernel multiplies 4-bit
 weights by integer activations on x86 (`_dyn_quant_matmul_4bit` falls back to float there), so this one is
-ours: w4a8.cpp, built once with PyTorch's C++ extension tools and cached on disk, the recipe llama.cpp
-uses for a Q4_1 GGUF (Q8_1 activations, integer dot products on AVX512-VNNI). See w4a8.cpp for the math.
+ours: w4a8.cpp (built by model/native.py), the recipe llama.cpp uses for a Q4_1 GGUF (Q8_1 activations,
+integer dot products on AVX512-VNNI). See w4a8.cpp for the math.
 
 Each row's activations are quantized on their own, in blocks of 32 (scale = max |x| / 127), and each
 block's integer sum is exact, so a row's bits do not depend on the other rows of the call: the kernel is
 row-invariant by construction, and tests/model/test_w4a8.py checks it bitwise at 1-64 rows.
 
-`available()` says whether the kernel runs here: a CPU with AVX512 (F, BW, VL, VNNI) and F16C, a C++
-compiler, and SPLITINFER_W4A8 not set to 0. Elsewhere int4 uses PyTorch's kernel (different rounding,
-still row-invariant: tests/model/test_formats.py); a model's text may then differ where two logits are
-within rounding, as between any two kernels.
+Where model/native.py's kernels do not run, int4 uses PyTorch's kernel (other rounding, also row-invariant:
+tests/model/test_formats.py).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import time
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger(__name__)
+from .native import available  # noqa: F401  (formats.py asks here; tests turn it off here)
 
 GROUP = 32  # inputs a block (GGUF's Q4_1 and Q8_1)
 COLS = 16  # output columns a packed tile
 TILE_BYTES = COLS * GROUP // 2 + 2 * COLS * 2  # 256 bytes of nibbles, 16 float16 scales, 16 float16 minima
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-SOURCE = Path(__file__).with_name("w4a8.cpp")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off"]
-ENV = "SPLITINFER_W4A8"  # 0: never build or use the kernel
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (Linux's /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
-def cpu_supports() -> bool:
-    """Whether this CPU has the instructions w4a8.cpp is built for."""
-    return set(CPU_FLAGS) <= cpu_flags()
-
-
-def kernel_name() -> str:
-    """Which kernel int4 multiplies with here, as reports name it."""
-    return "w4a8 (model/w4a8.py)" if available() else "pytorch (_weight_int4pack_mm_for_cpu)"
-
-
-@functools.cache
-def available() -> bool:
-    """Whether `matmul` runs here: builds the kernel on first call (once per machine: ~30 s, then cached by
-    PyTorch under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)."""
-    if os.environ.get(ENV, "1") == "0" or not cpu_supports():
-        return False
-    try:
-        _build()
-    except Exception as exc:  # no compiler, no ninja, headers missing: int4 keeps PyTorch's kernel
-        log.warning("int4: the w4a8 kernel could not be built (%s); using PyTorch's int4 kernel instead", exc)
-        return False
-    return True
-
-
-def _build() -> None:
-    from torch.utils import cpp_extension
-
-    start = time.perf_counter()
-    cpp_extension.load(name="splitinfer_w4a8", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                       is_python_module=False, verbose=False)
-    seconds = time.perf_counter() - start
-    if seconds > 5:
-        log.info("int4: built the w4a8 kernel in %.0f s (cached for the next start)", seconds)
-
-    @torch.library.register_fake("splitinfer::w4a8_mm")
-    def _(x, packed, n):
-        return x.new_empty(x.shape[0], n)
 
 
 def pack(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
