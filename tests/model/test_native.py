@@ -29,6 +29,19 @@ def test_the_kernels_are_built_wherever_the_cpu_has_their_instructions():
     assert set(names) == {"int4", "exact_rows_attention", "integer_layer_norms"}
 
 
+def test_a_failed_build_or_the_switch_leaves_pytorchs_kernels_with_a_warning(monkeypatch, caplog):
+    def no_compiler():
+        raise OSError("g++: not found")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    monkeypatch.setattr(native, "cpu_supports", lambda: True)
+    assert native._usable() is False
+    assert "could not be built (g++: not found); using PyTorch's kernels instead" in caplog.text
+    monkeypatch.setenv(native.ENV, "0")
+    monkeypatch.setattr(native, "_build", lambda: pytest.fail("built although turned off"))
+    assert native._usable() is False
+
+
 @needs_native
 def test_rms_norm_is_transformers_norm_and_each_row_has_its_own_bits():
     torch.manual_seed(0)

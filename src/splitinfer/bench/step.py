@@ -60,7 +60,9 @@ from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, kernels_line, product
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul",
                "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu",
-               "quantized::linear_with_input_q_dq_qweight_dq_output_fp32")  # the integer formats' (model/formats.py)
+               "quantized::linear_with_input_q_dq_qweight_dq_output_fp32",  # the integer formats' (model/formats.py)
+               "splitinfer::w4a8_mm")  # model/native.py's int4 kernel
+ATTENTION_OPS = ("splitinfer::rows_attention",)  # beside every op whose name has scaled_dot_product
 
 
 @dataclass(frozen=True)
@@ -271,9 +273,9 @@ def breakdown(side: Side, q: int) -> dict[str, float]:
         ms = event.self_cpu_time_total / 1e3
         if event.key in PRODUCT_OPS:
             groups["products"] += ms
-        elif "scaled_dot_product" in event.key:
+        elif "scaled_dot_product" in event.key or event.key in ATTENTION_OPS:
             groups["attention"] += ms
-        elif event.key.startswith(("aten::", "mkldnn::")):
+        elif event.key.startswith(("aten::", "mkldnn::", "splitinfer::")):
             groups["other ops"] += ms
     ops = sum(groups.values())
     # The profiler's own cost lands in the wall time; shares are reported against the operators' sum plus
@@ -364,7 +366,8 @@ def markdown(report: dict) -> str:
              f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product). Medians of "
              f"{report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: the side's "
              "weights plus the cached keys/values it reads, over that bandwidth; compute bound: the weight products' "
-             "flops over that peak; products GFLOP/s: those flops over the profiled products' time.", ""]
+             "flops over that float peak (integer products, as the int4 kernel's, can run past it); products "
+             "GFLOP/s: those flops over the profiled products' time.", ""]
     header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "memory bound", "compute bound", *GROUPS,
               "products GFLOP/s"]
     body = [[r["side"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], f"{r['ratio']}x", r["bound_ms"],

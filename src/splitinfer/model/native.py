@@ -46,7 +46,11 @@ def cpu_supports() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels run here; builds them on the first call of a machine."""
+    """Whether the kernels run here; builds them on the first call of a machine (once a process)."""
+    return _usable()
+
+
+def _usable() -> bool:
     if os.environ.get(ENV, "1") == "0" or not cpu_supports():
         return False
     try:
