@@ -188,3 +188,10 @@ def test_int8_is_calibrated_and_the_transformers_reference_reads_every_format(tm
     # The same values through transformers' float kernels: the same first token, logits close.
     assert int(reference.argmax()) == ours.token_ids[0]
     assert not torch.allclose(whole.lm_head.weight, model.lm_head.weight)  # the int8 values, not the source's
+
+
+@pytest.mark.parametrize("weights, warned", [("bfloat16", True), ("int8,lm_head=bfloat16", True), ("int4", False)])
+def test_loading_bfloat16_weights_on_a_cpu_warns_that_speculation_is_not_exact(tmp_path, caplog, weights, warned):
+    _, shards = _prepare(tmp_path, "llama", weights)
+    load_local(shards / "local")
+    assert ("speculative output may differ from sequential output" in caplog.text) is warned

@@ -14,6 +14,7 @@ norm or a local layer.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from . import formats
 from .keyed_norm import install as install_keyed_norms
 from .manifest import DTYPES, WEIGHTS, read_manifest, sha256_file, split_of
 from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
+
+log = logging.getLogger(__name__)
 
 
 def _load_checked(directory: Path, manifest: dict, verify: bool) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
@@ -145,8 +148,19 @@ def _open(directory: Path, role: str, dtype: str | None, verify: bool):
     return manifest, split_of(manifest), config, weights, DTYPES[dtype or manifest["dtype"]], model
 
 
+def warn_if_inexact(directory: Path, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str) -> None:
+    """bfloat16 products on a CPU are float kernels whose bits change with the rows beside them: speculation in
+    bfloat16 is not token-identical to sequential decoding (notes/bench/bf16: 13 of 30 generations differed)."""
+    bf16 = dtype == torch.bfloat16 or any(t.dtype == torch.bfloat16 for t in weights.values())
+    if bf16 and torch.device(device).type == "cpu":
+        log.warning("%s holds bfloat16 weights: on a CPU, speculative output may differ from sequential output "
+                    "where two logits are within bfloat16 rounding; prepare int4, int8 or float32 for exact "
+                    "speculation (docs/benchmarks.md#weight-formats).", directory)
+
+
 def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> CloudHalf:
     manifest, split, config, weights, torch_dtype, model = _open(Path(directory), "cloud", dtype, verify)
+    warn_if_inexact(Path(directory), weights, torch_dtype, device)
     stack = build_stack(config, model, split.cloud_start, split.cloud_end, weights, device, torch_dtype)
     return CloudHalf(manifest=manifest, config=config, stack=stack)
 
@@ -154,6 +168,7 @@ def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = N
 def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = None, verify: bool = True) -> LocalHalf:
     directory = Path(directory)
     manifest, split, config, weights, torch_dtype, model = _open(directory, "local", dtype, verify)
+    warn_if_inexact(directory, weights, torch_dtype, device)
 
     def part(prefix: str) -> dict[str, torch.Tensor]:
         return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
