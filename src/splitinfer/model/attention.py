@@ -75,6 +75,9 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
     rows attend in an order where no row's run holds another row's writes (`row_plans`). Keys that cannot
     be written in place (autograd, an inference tensor outside inference mode, expanded) are cloned first.
 
+    Where model/native.py's kernels run (float32 on a CPU with AVX512-VNNI), `native_rows_sdpa` does the same
+    in one call a batch row, each row reading its keys in place: no writes, no copies, other rounding.
+
     Layers with row-invariant products (int8/int4 weights) attend this way; tests/model/test_formats.py
     checks whole steps bit for bit, trees against chains, and tests/model/test_attention.py this function
     against the gathering one. The mask is splitinfer's (masks.py): 0 where a key is visible, the dtype's
