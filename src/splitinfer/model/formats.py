@@ -308,8 +308,8 @@ class Int4Linear(QuantLinear):
             return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         xb = x.reshape(-1, self.in_features).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self._packed, GROUP, self._scale_zero)  # [M, N]
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+        if self._bias is not None:
+            y = y + self._bias.to(y.dtype)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 

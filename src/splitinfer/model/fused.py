@@ -180,18 +180,18 @@ def fuse_norms(layer: nn.Module, own_bits: bool = False) -> int:
         weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
         if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or eps is None:
             continue
-        if own_bits and weight.shape[-1] % 16 == 0 and weight.device.type == "cpu" and native.available():
+        native_fits = own_bits and weight.shape[-1] % 16 == 0 and weight.device.type == "cpu" and native.available()
+        call = NativeRMSNorm if native_fits else RMSNormCall if _same_bits(norm, weight, eps) else None
+        if call is not None:
             norm._shape, norm._weight, norm._eps = (weight.shape[-1],), weight, eps
-            norm.__class__ = _norm_call_class(type(norm), NativeRMSNorm)
-            swapped += 1
-            continue
-        probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
-        probe = probe.to(weight.device) * torch.tensor([[1e-3], [1.0], [1e3]], device=weight.device)
-        with torch.no_grad():
-            expected = norm(probe)
-            fast = F.rms_norm(probe, (weight.shape[-1],), weight, eps)
-        if torch.equal(expected, fast):
-            norm._shape, norm._weight, norm._eps = (weight.shape[-1],), weight, eps
-            norm.__class__ = _norm_call_class(type(norm))
+            norm.__class__ = _norm_call_class(type(norm), call)
             swapped += 1
     return swapped
+
+
+def _same_bits(norm: nn.Module, weight: torch.Tensor, eps: float) -> bool:
+    """Whether `F.rms_norm` gives `norm`'s bits on a probe of three rows at very different scales."""
+    probe = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0), dtype=weight.dtype)
+    probe = probe.to(weight.device) * torch.tensor([[1e-3], [1.0], [1e3]], device=weight.device)
+    with torch.no_grad():
+        return torch.equal(norm(probe), F.rms_norm(probe, (weight.shape[-1],), weight, eps))

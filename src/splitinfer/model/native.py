@@ -4,7 +4,7 @@ Three kernels, each where no maintained library kernel serves (the measurements 
 w4a8.cpp (model/w4a8.py: int4 weights times int8 activations), rows_attention.cpp (model/attention.py:
 attention whose rows do not depend on the block around them) and rms_norm.cpp (model/fused.py: the RMS
 norms of layers with integer products, one pass a row). They need AVX512 (F, BW, VL, VNNI) and
-F16C, and a C++ compiler; the first use builds them (~30 s on two cores) into PyTorch's extension cache
+F16C, and a C++ compiler; the first use builds them (about 10 s on this 2-core machine) into PyTorch's extension cache
 (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), later starts load them in a fraction of a second.
 
 `available()` says whether they run here. Where they do not (another CPU, no compiler, or
