@@ -40,15 +40,21 @@ class KVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key, value: [1, kv_heads, q, head_dim]
         q = key.shape[2]
+        keys, values, start = self.slots(layer_idx, q, key)
+        keys[:, :, start : start + q] = key
+        values[:, :, start : start + q] = value
+        return keys[:, :, : start + q], values[:, :, : start + q]
+
+    def slots(self, layer_idx: int, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Layer `layer_idx`'s whole key and value buffers, grown to take a block of `rows` rows, and the slot
+        the block starts at; the block is pending from here on (its writer fills slots [start, start + rows)).
+        like: a [1, kv_heads, *, head_dim] tensor of the buffers' dtype and device."""
         start = self.length + self._held_rows
-        end = start + q
         keys, values = self._keys[layer_idx], self._values[layer_idx]
-        if keys is None or keys.shape[2] < end:
-            keys, values = self._grow(layer_idx, key, end)
-        keys[:, :, start:end] = key
-        values[:, :, start:end] = value
-        self.pending = q
-        return keys[:, :, :end], values[:, :, :end]
+        if keys is None or keys.shape[2] < start + rows:
+            keys, values = self._grow(layer_idx, like, start + rows)
+        self.pending = rows
+        return keys, values, start
 
     def capacity_for(self, rows: int) -> int:
         """Rows each layer's buffer holds once `rows` rows have been written (the growth rule of `_grow`)."""

@@ -3,7 +3,8 @@
 Three kernels, each where no maintained library kernel serves (the measurements are in their files):
 w4a8.cpp (model/w4a8.py: int4 weights times int8 activations), rows_attention.cpp (model/attention.py:
 attention whose rows do not depend on the block around them) and rms_norm.cpp (model/fused.py: the RMS
-norms of layers with integer products, one pass a row). They need AVX512 (F, BW, VL, VNNI) and
+norms of layers with integer products, one pass a row); and decoder_layer.cpp, which runs them back to back
+as one call a decoder layer (model/native_layer.py). They need AVX512 (F, BW, VL, VNNI) and
 F16C, and a C++ compiler; the first use builds them (about 10 s on this 2-core machine) into PyTorch's extension cache
 (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), later starts load them in a fraction of a second.
 
@@ -15,6 +16,7 @@ rounding, so a model's text may differ where two logits are within rounding, as 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -25,7 +27,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-SOURCES = [Path(__file__).with_name(name) for name in ("w4a8.cpp", "rows_attention.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("w4a8.cpp", "rows_attention.cpp", "rms_norm.cpp", "decoder_layer.cpp")]
+HEADER = Path(__file__).with_name("native.h")  # what the sources share (its hash is a flag: a change rebuilds)
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off"]
 ENV = "SPLITINFER_NATIVE"  # 0: never build or use the kernels
 
@@ -65,8 +68,9 @@ def _build() -> None:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
-    cpp_extension.load(name="splitinfer_native", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
-                       is_python_module=False, verbose=False)
+    header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    cpp_extension.load(name="splitinfer_native", sources=[str(s) for s in SOURCES],
+                       extra_cflags=[*CFLAGS, f"-DSPLITINFER_HEADER={header}"], is_python_module=False, verbose=False)
     if time.perf_counter() - start > 5:
         log.info("built splitinfer's CPU kernels in %.0f s (cached for the next start)", time.perf_counter() - start)
 
@@ -82,11 +86,16 @@ def _build() -> None:
     def _(query, key, value, index, offsets, scale):
         return query.new_empty(query.shape[1], query.shape[0], query.shape[2])
 
+    @torch.library.register_fake("splitinfer::decoder_layer")
+    def _(hidden, cos, sin, key_cache, value_cache, start, index, offsets, weights, heads, kv_heads, eps, scale):
+        return torch.empty_like(hidden)
+
 
 def kernel_names() -> dict[str, str]:
     """Which kernels run here, as reports name them."""
     if available():
         return {"int4": "w4a8 (model/w4a8.py)", "exact_rows_attention": "rows_attention (model/attention.py)",
-                "integer_layer_norms": "rms_norm (model/fused.py)"}
+                "integer_layer_norms": "rms_norm (model/fused.py)",
+                "int4_layers": "decoder_layer (model/native_layer.py)"}
     return {"int4": "pytorch (_weight_int4pack_mm_for_cpu)", "exact_rows_attention": "pytorch (SDPA a row)",
-            "integer_layer_norms": "pytorch (F.rms_norm)"}
+            "integer_layer_norms": "pytorch (F.rms_norm)", "int4_layers": "python (model/fastpath.py)"}

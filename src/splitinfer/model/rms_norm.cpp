@@ -13,6 +13,29 @@
 #include <cmath>
 #include <cstdint>
 
+#include "native.h"
+
+namespace splitinfer {
+
+void rms_norm_rows(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 v = _mm512_loadu_ps(xr + d);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(dim);
+    const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(mean + eps));
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xr + d), scale);
+      _mm512_storeu_ps(y + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(w + d), v));
+    }
+  }
+}
+
+}  // namespace splitinfer
+
 namespace {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -23,24 +46,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
               weight.sizes());
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);
-  const int64_t rows = xc.numel() / dim;
-  const float* in = xc.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = in + r * dim;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + d);
-      acc = _mm512_fmadd_ps(v, v, acc);
-    }
-    const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(dim);
-    const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(mean + static_cast<float>(eps)));
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xr + d), scale);
-      _mm512_storeu_ps(out + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(w + d), v));
-    }
-  }
+  splitinfer::rms_norm_rows(xc.data_ptr<float>(), xc.numel() / dim, dim, weight.data_ptr<float>(),
+                            static_cast<float>(eps), y.data_ptr<float>());
   return y;
 }
 

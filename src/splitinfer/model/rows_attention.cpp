@@ -20,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+#include "native.h"
+
 namespace {
 
 constexpr int64_t LANES = 16;
@@ -48,14 +50,7 @@ inline float dot(const float* a, const float* b, int64_t dim) {
   return _mm512_reduce_add_ps(acc);
 }
 
-struct Operands {
-  const float *q, *k, *v;
-  int64_t q_head, q_row, k_head, k_row, v_head, v_row;  // strides
-  const int64_t *index, *offsets;
-  int64_t heads, kv_heads, dim;
-  float scale;
-  float* out;  // [Q, H, D]
-};
+using Operands = splitinfer::AttentionOperands;
 
 // One query row and one query head: scores (in `scores`, room for the row's keys), softmax, weighted values.
 void attend(const Operands& o, int64_t row, int64_t head, float* scores) {
@@ -90,6 +85,35 @@ void attend(const Operands& o, int64_t row, int64_t head, float* scores) {
   for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
 }
 
+}  // namespace
+
+namespace splitinfer {
+
+int64_t check_visible(const int64_t* idx, int64_t index_numel, const int64_t* off, int64_t rows, int64_t slots) {
+  int64_t longest = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(off[i] <= off[i + 1] && off[i + 1] <= index_numel && off[i + 1] > off[i],
+                "rows_attention: row ", i, " sees no keys or its offsets are out of order");
+    longest = std::max(longest, off[i + 1] - off[i]);
+  }
+  TORCH_CHECK(off[0] >= 0, "rows_attention: offsets must start at 0 or later");
+  for (int64_t j = off[0]; j < off[rows]; ++j) {
+    TORCH_CHECK(idx[j] >= 0 && idx[j] < slots, "rows_attention: key slot ", idx[j], " outside the ", slots, " cached");
+  }
+  return longest;
+}
+
+void attend_rows(const Operands& o, int64_t rows, int64_t longest) {
+  at::parallel_for(0, rows * o.heads, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(longest + LANES);
+    for (int64_t t = begin; t < end; ++t) attend(o, t / o.heads, t % o.heads, scores.data());
+  });
+}
+
+}  // namespace splitinfer
+
+namespace {
+
 at::Tensor rows_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const at::Tensor& index, const at::Tensor& offsets, double scale) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.dim() == 3, "rows_attention: query [H, Q, D], key and value [KVH, S, D]");
@@ -106,23 +130,12 @@ at::Tensor rows_attention(const at::Tensor& query, const at::Tensor& key, const 
               "rows_attention: index and offsets must be contiguous int64, offsets one longer than the rows");
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t* idx = index.data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    TORCH_CHECK(off[i] <= off[i + 1] && off[i + 1] <= index.numel() && off[i + 1] > off[i],
-                "rows_attention: row ", i, " sees no keys or its offsets are out of order");
-    longest = std::max(longest, off[i + 1] - off[i]);
-  }
-  for (int64_t j = 0; j < off[rows]; ++j) {
-    TORCH_CHECK(idx[j] >= 0 && idx[j] < key.size(1), "rows_attention: key slot ", idx[j], " outside the ", key.size(1), " cached");
-  }
+  const int64_t longest = splitinfer::check_visible(idx, index.numel(), off, rows, key.size(1));
   at::Tensor out = at::empty({rows, heads, dim}, query.options());
   const Operands o{query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
                    query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                    idx, off, heads, kv_heads, dim, static_cast<float>(scale), out.data_ptr<float>()};
-  at::parallel_for(0, rows * heads, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(longest + LANES);
-    for (int64_t t = begin; t < end; ++t) attend(o, t / heads, t % heads, scores.data());
-  });
+  splitinfer::attend_rows(o, rows, longest);
   return out;
 }
 

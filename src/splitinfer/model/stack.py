@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..errors import ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
-from . import fastpath, formats
+from . import fastpath, formats, native_layer
 from .attention import install as install_attention
 from .fused import fuse_layer, fuse_norms
 from .rows import use_row_kernels
@@ -165,6 +165,9 @@ class LayerStack(nn.Module):
     def refresh_devices(self) -> None:
         """Re-read where each layer lives (after a multi-GPU placement moved them)."""
         self.devices = [next(layer.parameters()).device for layer in self.layers]
+        # Every layer one native call (model/native_layer.py), on one device: a pass may skip the modules.
+        self._native = (len(set(self.devices)) == 1
+                        and all(isinstance(layer, native_layer.NativeLayer) for layer in self.layers))
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
@@ -242,6 +245,8 @@ class LayerStack(nn.Module):
 
     def _pass(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, cache) -> torch.Tensor:
         tables = rotary_tables(self.rotary, set(self.rope_keys), hidden, position_ids)
+        if self._native and self.layers[0].runs_native(hidden, cache):
+            return native_layer.run(self.layers, hidden, masks, tables, self.windows, self.rope_keys, cache)
         on_device: dict[torch.device, tuple] = {}
         for layer, window, rope_key, device in zip(self.layers, self.windows, self.rope_keys, self.devices):
             if device not in on_device:
@@ -304,6 +309,7 @@ def build_stack(
         integer = any(isinstance(m, formats.QuantLinear) for m in layer.modules())
         fuse_norms(layer, own_bits=integer)  # one call each: transformers' bits, or (integer) the native kernel
         fastpath.install(layer)  # fused layers: attention and MLP without transformers' glue
+        native_layer.install(layer)  # int4 layers of plain families: the whole layer as one native call
         # Row-invariant products (int8/int4) need row-invariant attention to keep speculation exact.
         layer.self_attn.exact_rows = integer
         layers.append(layer)

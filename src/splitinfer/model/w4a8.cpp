@@ -21,6 +21,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "native.h"
 
 namespace {
 
@@ -97,6 +100,34 @@ using TileFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, co
 constexpr TileFn TILES[MAX_ROWS] = {tile_rows<1>, tile_rows<2>, tile_rows<3>, tile_rows<4>,
                                     tile_rows<5>, tile_rows<6>, tile_rows<7>, tile_rows<8>};
 
+}  // namespace
+
+namespace splitinfer {
+
+void w4a8_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n, float* y) {
+  const int64_t B = K / QK, T = n / COLS;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> scales;
+  xq.resize(M * K);
+  scales.resize(2 * M * B);
+  float* dx = scales.data();
+  float* sx = dx + M * B;
+  quantize_blocks(x, M, K, xq.data(), dx, sx);
+  const int8_t* q = xq.data();
+  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int64_t rows = std::min<int64_t>(MAX_ROWS, M - m0);
+        TILES[rows - 1](w + t * B * TILE_BYTES, B, q + m0 * K, dx + m0 * B, sx + m0 * B, K, y + m0 * n + t * COLS, n);
+      }
+    }
+  });
+}
+
+}  // namespace splitinfer
+
+namespace {
+
 at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "w4a8_mm: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
@@ -107,23 +138,8 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
                   packed.size(2) == TILE_BYTES,
               "w4a8_mm: x [", M, ", ", K, "] does not match packed ", packed.sizes(), " for n = ", n);
   const at::Tensor xc = x.contiguous();
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({2, M, B}, x.options());
-  float* dx = scales.data_ptr<float>();
-  float* sx = dx + M * B;
-  quantize_blocks(xc.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), dx, sx);
   at::Tensor y = at::empty({M, n}, x.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int8_t* q = xq.data_ptr<int8_t>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t rows = std::min<int64_t>(MAX_ROWS, M - m0);
-        TILES[rows - 1](w + t * B * TILE_BYTES, B, q + m0 * K, dx + m0 * B, sx + m0 * B, K, out + m0 * n + t * COLS, n);
-      }
-    }
-  });
+  splitinfer::w4a8_product(xc.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), n, y.data_ptr<float>());
   return y;
 }
 

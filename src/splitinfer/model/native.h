@@ -1,0 +1,28 @@
+// What splitinfer's CPU kernels share (model/native.py builds them into one library): each .cpp file defines
+// its op and the raw loop behind it; decoder_layer.cpp composes the loops into one call a decoder layer.
+#pragma once
+
+#include <cstdint>
+
+namespace splitinfer {
+
+// w4a8.cpp: x [M, K] float32 times a packed int4 weight [N / 16, K / 32, 320] -> y [M, n] float32.
+void w4a8_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t n, float* y);
+
+// rms_norm.cpp: rows of x [rows, dim] -> y = weight * (x / sqrt(mean(x^2) + eps)), one row at a time.
+void rms_norm_rows(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* y);
+
+// rows_attention.cpp: query row i attends to keys index[offsets[i] : offsets[i + 1]] (slots of key/value).
+struct AttentionOperands {
+  const float *q, *k, *v;
+  int64_t q_head, q_row, k_head, k_row, v_head, v_row;  // strides, in floats
+  const int64_t *index, *offsets;
+  int64_t heads, kv_heads, dim;
+  float scale;
+  float* out;  // [rows, heads, dim]
+};
+// Checks that every row sees at least one key and every slot is below `slots`; returns the longest list.
+int64_t check_visible(const int64_t* index, int64_t index_numel, const int64_t* offsets, int64_t rows, int64_t slots);
+void attend_rows(const AttentionOperands& o, int64_t rows, int64_t longest);
+
+}  // namespace splitinfer

@@ -1,0 +1,118 @@
+"""A whole int4 decoder layer in one call of model/native.py's decoder_layer kernel.
+
+With the products on their own kernel (model/w4a8.py), a one-row cloud step of SmolLM2 spent half its time
+around them: ~150 us a layer of Python and small tensor calls (the slices of the fused product, rotary,
+the cache write, residual adds; notes/bench/step-int4-rows). A layer whose four products are int4 on that
+kernel, of a family whose attention is transformers' plain one (model/fastpath.py's), whose norms are the
+native RMS norm and whose MLP is SiLU-gated, runs here as one C++ call (decoder_layer.cpp): the same
+kernels, the same operations in the same order as model/fastpath.py's forwards, so the same bits
+(tests/model/test_native_layer.py compares them), and rows that do not depend on each other.
+
+The layer keeps transformers' forward for everything else: a batch of sessions, another cache class, a
+compiled pass, autograd, attention pointed back at transformers' (bench step's anchor), or a CPU where the
+kernels do not run. This module knows nothing of shards or steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+from ..kv import KVCache
+from . import native
+from .attention import NAME, visible_keys
+from .fastpath import FusedAttention, FusedMLP
+from .formats import Int4Linear
+from .fused import NativeRMSNorm
+
+SILU = ("silu", "swish")
+NO_BIAS = torch.empty(0)
+
+
+class NativeLayer(nn.Module):
+    """Mixed in before a decoder layer class whose attention and MLP are model/fastpath.py's."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if not (attention_mask is not None and self.runs_native(hidden_states, cache)):
+            return super().forward(hidden_states, attention_mask=attention_mask,
+                                   position_embeddings=position_embeddings, **kwargs)
+        cos, sin = (t[0].contiguous() for t in position_embeddings)
+        return self.native_call(self.self_attn.layer_idx, hidden_states[0].contiguous(), attention_mask, cos, sin,
+                                cache)[None]
+
+    def runs_native(self, hidden: torch.Tensor, cache) -> bool:
+        """Whether a block [B, q, d] on `cache` takes the native call (else transformers' forward)."""
+        return (type(cache) is KVCache and hidden.shape[0] == 1 and hidden.dtype == torch.float32
+                and hidden.device.type == "cpu" and self._attends_here()
+                and not (torch.is_grad_enabled() and hidden.requires_grad) and not torch.compiler.is_compiling())
+
+    def _attends_here(self) -> bool:
+        attn = self.self_attn
+        return getattr(attn, "exact_rows", False) and attn.config._attn_implementation == NAME
+
+    def native_call(self, layer_idx: int, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    cache: KVCache) -> torch.Tensor:
+        """x [q, d] contiguous; mask: the block's [1, 1, q, K]; cos, sin [q, head_dim] -> [q, d]."""
+        rows = x.shape[0]
+        keys, values, start = cache.slots(layer_idx, rows, self._like)
+        index, offsets = visible_keys(mask, 1, rows, start + rows)[0]
+        return torch.ops.splitinfer.decoder_layer(x, cos, sin, keys[0], values[0], start, index, offsets,
+                                                  self._weights, *self._shape)
+
+
+def run(layers, hidden: torch.Tensor, masks: dict, tables: dict, windows: list, rope_keys: list, cache: KVCache):
+    """Layers that are all NativeLayer, on one device, over a block [1, q, d] that `runs_native` took: one
+    native call a layer and nothing else between them -> [1, q, d]."""
+    x = hidden[0].contiguous()
+    rotations = {key: (cos[0].contiguous(), sin[0].contiguous()) for key, (cos, sin) in tables.items()}
+    for index, (layer, window, rope_key) in enumerate(zip(layers, windows, rope_keys)):
+        x = layer.native_call(index, x, masks[window], *rotations[rope_key], cache)
+    return x[None]
+
+
+def _native_product(module: nn.Module) -> bool:
+    return isinstance(module, Int4Linear) and getattr(module, "_w4a8", None) is not None
+
+
+def fits(layer: nn.Module) -> bool:
+    """Whether `layer` (loaded, fused and given model/fastpath.py's forwards) can run as one native call."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if not (isinstance(attn, FusedAttention) and isinstance(mlp, FusedMLP) and native.available()):
+        return False
+    products = (attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj)
+    return (all(_native_product(p) for p in products) and all(isinstance(n, NativeRMSNorm) for n in norms)
+            and norms[0]._eps == norms[1]._eps and getattr(attn.config, "hidden_act", None) in SILU
+            and attn.head_dim % 16 == 0 and attn.head_dim <= 256)
+
+
+@functools.cache
+def _mixed(cls: type) -> type:
+    def forward(self, *args, **kwargs):
+        return NativeLayer.forward(self, *args, **kwargs)
+
+    # The stack names the cache argument as the layer's signature does (model/stack.py's cache_keyword).
+    forward.__signature__ = inspect.signature(cls.forward)
+    return type("Native" + cls.__name__, (NativeLayer, cls), {"forward": forward})
+
+
+def install(layer: nn.Module) -> bool:
+    """Run `layer` as one native call where it `fits`; returns whether it does."""
+    if not fits(layer):
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    products = (attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj)
+    weights = [layer.input_layernorm._weight, layer.post_attention_layernorm._weight]
+    for product in products:
+        weights += [product._w4a8, NO_BIAS if product._bias is None else product._bias]
+    config = attn.config
+    layer._weights = weights
+    layer._shape = (config.num_attention_heads, config.num_key_value_heads, float(layer.input_layernorm._eps),
+                    float(attn.scaling))  # decoder_layer's last arguments
+    layer._like = torch.empty((1, attn.config.num_key_value_heads, 0, attn.head_dim))
+    layer.__class__ = _mixed(type(layer))
+    return True
