@@ -44,16 +44,18 @@ def test_stored_state_stands_for_the_weight(fmt):
     assert (back - weight).abs().le(bound * 1.001).all()
 
 
-# Every int4 test runs on both kernels: model/w4a8.py's (where this CPU runs it) and PyTorch's ("int4-pytorch").
-KERNELS = ["int8", "int4", "int4-pytorch"]
+# Every integer test runs on both kernels of its format: model/w4a8.py's and model/w8a8.py's (where this CPU
+# runs them), and PyTorch's ("int4-pytorch") and FBGEMM's ("int8-fbgemm").
+KERNELS = ["int8", "int8-fbgemm", "int4", "int4-pytorch"]
 
 
 def _kernel(fmt: str, monkeypatch) -> str:
-    """The stored format of a test's `fmt`; for 'int4-pytorch' int4 is made to take PyTorch's kernel."""
-    if fmt == "int4-pytorch":
+    """The stored format of a test's `fmt`; '-pytorch' / '-fbgemm' make it take the library's kernel."""
+    if fmt.endswith("-pytorch"):
         monkeypatch.setattr(formats.w4a8, "available", lambda: False)
-        return "int4"
-    return fmt
+    if fmt.endswith("-fbgemm"):
+        monkeypatch.setattr(formats.w8a8, "available", lambda: False)
+    return fmt.removesuffix("-pytorch").removesuffix("-fbgemm")
 
 
 def _linear(fmt: str, out_features: int, in_features: int) -> torch.nn.Module:
@@ -83,11 +85,11 @@ def test_every_row_of_a_product_has_the_bits_it_has_alone(fmt, shape, threads, m
         torch.set_num_threads(before)
 
 
-def test_int8_takes_fbgemm_with_the_sums_of_int_mm():
+def test_int8_takes_fbgemm_with_the_sums_of_int_mm(monkeypatch):
     """FBGEMM's packed product (scales 1) and torch._int_mm hand the epilogue the same float(acc): the
-    kernel can differ between machines without changing a bit."""
+    kernel can differ between machines without changing a bit (model/w8a8.py's too: tests/model/test_w8a8.py)."""
     torch.manual_seed(2)
-    module = _linear("int8", 192, 576)
+    module = _linear(_kernel("int8-fbgemm", monkeypatch), 192, 576)
     if module._packed is None:
         pytest.skip("this torch has no FBGEMM int8 product")
     x = torch.randn(9, 576) * 3
@@ -139,7 +141,7 @@ def test_every_row_of_a_step_has_the_bits_it_has_alone(tmp_path, family, fmt, mo
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["int8", "int4", "int4-pytorch", "int4,lm_head=int8", "bfloat16"])
+@pytest.mark.parametrize("weights", ["int8", "int8-fbgemm", "int4", "int4-pytorch", "int4,lm_head=int8", "bfloat16"])
 def test_speculation_is_token_identical_to_sequential_in_each_format(tmp_path, family, weights, monkeypatch):
     _, shards = _prepare(tmp_path, family, _kernel(weights, monkeypatch))
     client = open_client(local_only=True, shards=shards)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, ModelError
-from . import w4a8
+from . import w4a8, w8a8
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 PARTS = ("local", "cloud", "lm_head")  # local decoder layers, cloud decoder layers, the LM head
@@ -247,18 +247,30 @@ class Int8Linear(QuantLinear):
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32) if bias else None)
 
     def finish(self) -> None:
-        """Ready the kernel's operands after the state is loaded: the weight packed for FBGEMM (a second
-        copy), or as [K, N] (a view) for `torch._int_mm` where FBGEMM is not there."""
+        """Ready the kernel's operands after the state is loaded: model/w8a8.py's tiles where that kernel
+        runs, else the weight packed for FBGEMM (a second copy), or as [K, N] (a view) for `torch._int_mm`
+        where FBGEMM is not there. All three give the same bits."""
         self._scale = self.scale.float()[None, :]
         self._bias = None if self.bias is None else self.bias.float()
-        self._packed = fbgemm_pack(self.qweight, self.scale.float()) if self.qweight.device.type == "cpu" else None
         self._qweight_t = self.qweight.t()
+        self._w8a8 = self._packed = None
+        cpu = self.qweight.device.type == "cpu"
+        if cpu and w8a8.supports_shape(self.out_features, self.in_features) and w8a8.available():
+            self._w8a8 = w8a8.pack(self.qweight)
+            self._flat_scale = self.scale.float().contiguous()
+        elif cpu:
+            self._packed = fbgemm_pack(self.qweight, self.scale.float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x if dtype == torch.float32 else x.float()  # [..., K]
         smooth = self.smooth is not None
         xq, sx = quantize_rows(x * self.smooth if smooth else x, own=smooth)
+        if self._w8a8 is not None:
+            y = w8a8.matmul(xq.reshape(-1, self.in_features), *self._w8a8, self._flat_scale, sx.reshape(-1))
+            y = y.view(*xq.shape[:-1], self.out_features)
+            y = y if self.bias is None else y.add_(self._bias)
+            return y if dtype == torch.float32 else y.to(dtype)
         if self._packed is not None:
             y = int8_product(xq, self._packed)
         else:
@@ -311,6 +323,26 @@ class Int4Linear(QuantLinear):
         if self._bias is not None:
             y = y + self._bias.to(y.dtype)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def select_rows(linear: nn.Module, index: torch.Tensor) -> QuantLinear | None:
+    """Output rows `index` of an int8/int4 linear as a linear of their own in the same format (the stored
+    integers and scales taken as they are, not quantized again), or None for any other module: a draft
+    head's readout is rows of the LM head (model/drafthead.py)."""
+    if isinstance(linear, Int8Linear):
+        rows = Int8Linear(linear.in_features, len(index), bias=linear.bias is not None, smooth=linear.smooth is not None)
+        names = ("qweight", "scale", "bias")
+        rows.smooth = linear.smooth
+    elif isinstance(linear, Int4Linear):
+        rows = Int4Linear(linear.in_features, len(index), bias=linear.bias is not None)
+        names = ("qweight", "scale", "min", "bias")
+    else:
+        return None
+    for name in names:
+        if getattr(linear, name) is not None:
+            setattr(rows, name, getattr(linear, name)[index].contiguous())
+    rows.finish()
+    return rows
 
 
 class CastLinear(nn.Linear):

@@ -1,0 +1,43 @@
+"""The int8 format's own CPU kernel: int8 weights times activations quantized to int8 per row.
+
+FBGEMM's product (what model/formats.py's Int8Linear used alone before) runs SmolLM2's int8 LM head at
+1.3 ms for one row, near the 1.0 ms its bytes take, but at 2.3 / 4.8 ms for 8 / 16 rows: a tree's
+verification block pays for every row of it on the trusted side. This kernel (w8a8.cpp, built by
+model/native.py) shares each load of the weight among four rows on AVX512-VNNI. Its integer sums are exact
+and its epilogue is FBGEMM's and torch._int_mm's (float(sum) * the weight row's scale, then the input
+row's scale), so all three give the same bits (tests/model/test_w8a8.py) and each row its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .native import available  # noqa: F401  (formats.py asks here; tests turn it off here)
+
+COLS = 16  # output columns a packed tile
+
+
+def supports_shape(n: int, k: int) -> bool:
+    return n % COLS == 0 and k % 4 == 0
+
+
+GROUP = 4  # tiles sharing a pass (the packed tiles are padded to a multiple of it)
+
+
+def pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qweight int8 [N, K] -> (the kernel's groups int8 [G, K/4, 4 * 64], G = N/64 rounded up, zero columns after
+    the real ones; the column sums int32 [N])."""
+    n, k = qweight.shape
+    groups = -(-n // (COLS * GROUP))
+    padded = torch.zeros(groups * GROUP * COLS, k, dtype=torch.int8)
+    padded[:n] = qweight
+    # column 64g + 16c + l, input 4j + i -> group g, step j, tile c, lane l, byte i
+    packed = padded.reshape(groups, GROUP, COLS, k // 4, 4).permute(0, 3, 1, 2, 4)
+    return packed.reshape(groups, k // 4, GROUP * COLS * 4).contiguous(), qweight.sum(dim=1, dtype=torch.int32)
+
+
+def matmul(xq: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor,
+           row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """xq [M, K] float32 integers in -127..127 times the packed weight -> [M, N] float32: float(sum) * scale[n]
+    (* row_scale[m] where given)."""
+    return torch.ops.splitinfer.w8a8_mm(xq, packed, sums, scale, row_scale)

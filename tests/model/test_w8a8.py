@@ -1,0 +1,83 @@
+"""model/w8a8.py: the int8 kernel gives torch._int_mm's and FBGEMM's bits, and each row its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitinfer.model import formats, w8a8
+from splitinfer.model.formats import Int8Linear, fbgemm_pack, int8_product, int_mm_product
+
+needs_kernel = pytest.mark.skipif(not w8a8.available(), reason="this CPU has no AVX512-VNNI (or the kernel could not be built)")
+
+
+def integers(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Quantized inputs as Int8Linear makes them, with the extremes -127 and 127 in every row."""
+    x = torch.randint(-127, 128, (rows, k), generator=torch.Generator().manual_seed(seed)).float()
+    x[:, 0], x[:, -1] = -127, 127
+    return x
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k", [(16, 4), (48, 64), (192, 576), (576, 1536), (1040, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 17])
+def test_the_kernel_gives_int_mm_and_fbgemm_bits(n, k, rows):
+    """Shapes with 1-4 tiles left over after the groups of four, rows with 1-3 left over after the fours."""
+    torch.manual_seed(0)
+    state = formats.quantize_int8(torch.randn(n, k))
+    qweight, scale = state["qweight"], state["scale"]
+    qweight[0, :] = -127  # a column whose sum is the most negative one
+    xq = integers(rows, k, seed=rows)
+    ours = w8a8.matmul(xq, *w8a8.pack(qweight), scale.contiguous())
+    assert torch.equal(ours, int_mm_product(xq, qweight.t(), scale[None, :]))
+    packed = fbgemm_pack(qweight, scale)
+    if packed is not None:
+        assert torch.equal(ours, int8_product(xq, packed))
+    sx = torch.rand(rows) + 0.5
+    assert torch.equal(w8a8.matmul(xq, *w8a8.pack(qweight), scale.contiguous(), sx), ours * sx[:, None])
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_row_has_the_bits_it_has_alone(threads):
+    torch.manual_seed(1)
+    state = formats.quantize_int8(torch.randn(1024, 576))
+    packed = w8a8.pack(state["qweight"])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        xq = integers(64, 576, seed=2)
+        block = w8a8.matmul(xq, *packed, state["scale"])
+        alone = torch.cat([w8a8.matmul(xq[i : i + 1], *packed, state["scale"]) for i in range(64)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(block, alone)
+
+
+@needs_kernel
+def test_int8_linears_take_the_kernel_where_their_shape_tiles(monkeypatch):
+    state = formats.quantize_int8(torch.randn(40, 64))  # 40 output columns: not whole tiles
+    odd = Int8Linear(64, 40)
+    odd.load_state_dict(state)
+    odd.finish()
+    assert odd._w8a8 is None
+    even = Int8Linear(64, 48)
+    even.load_state_dict(formats.quantize_int8(torch.randn(48, 64)))
+    even.finish()
+    assert even._w8a8 is not None and even._packed is None
+    x = torch.randn(5, 64)
+    monkeypatch.setattr(w8a8, "available", lambda: False)
+    library = Int8Linear(64, 48)
+    library.load_state_dict(dict(even.named_buffers()))
+    library.finish()
+    assert library._w8a8 is None
+    assert torch.equal(even(x), library(x))
+
+
+@needs_kernel
+def test_bad_operands_are_refused_with_what_was_expected():
+    packed, sums = w8a8.pack(torch.zeros(32, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="does not match packed"):
+        w8a8.matmul(torch.zeros(2, 60), packed, sums, torch.ones(32))
+    with pytest.raises(RuntimeError, match="an entry for each of the 32 columns"):
+        w8a8.matmul(torch.zeros(2, 64), packed, sums, torch.ones(16))
