@@ -181,6 +181,34 @@ def test_native_rows_attention_is_sdpa_a_row_and_never_writes(cached, batch, win
 
 
 @needs_native
+@pytest.mark.parametrize("dim, heads, kv_heads", [(64, 9, 3), (64, 10, 2), (128, 8, 2), (128, 6, 6), (80, 4, 2), (16, 9, 3)])
+def test_native_rows_attention_gives_each_head_and_row_the_bits_it_has_alone(dim, heads, kv_heads):
+    """The kernel takes up to four 64-wide (two 128-wide) heads of a key/value head at once: each head's bits
+    are those of a one-head call, and each row's those of the row alone (a tree's rows and their paths)."""
+    gen = torch.Generator().manual_seed(dim + heads)
+    rows, cached = 7, 45
+    query = torch.randn(heads, rows, dim, generator=gen)
+    key, value = torch.randn(2, kv_heads, cached + rows, dim, generator=gen)
+    seen = [list(range(cached)) + [cached + a for a in range(i + 1) if a % 2 == 0 or a == i] for i in range(rows)]
+    index = torch.tensor([k for row in seen for k in row])
+    offsets = torch.tensor([0] + list(np.cumsum([len(row) for row in seen])))
+    block = torch.ops.splitinfer.rows_attention(query, key, value, index, offsets, 0.125)  # [q, H, d]
+    group = heads // kv_heads
+    for h in range(heads):
+        g = h // group
+        one = torch.ops.splitinfer.rows_attention(query[h : h + 1], key[g : g + 1], value[g : g + 1], index, offsets, 0.125)
+        assert torch.equal(one[:, 0], block[:, h]), h
+    for i in range(rows):
+        alone = torch.ops.splitinfer.rows_attention(query[:, i : i + 1], key, value, torch.tensor(seen[i]),
+                                                    torch.tensor([0, len(seen[i])]), 0.125)
+        assert torch.equal(alone[0], block[i]), i
+    reference = torch.stack([F.scaled_dot_product_attention(
+        query[:, i : i + 1], key.repeat_interleave(group, 0)[:, seen[i]], value.repeat_interleave(group, 0)[:, seen[i]],
+        scale=0.125)[:, 0] for i in range(rows)])
+    torch.testing.assert_close(block, reference, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
 def test_native_rows_attention_refuses_what_does_not_fit():
     key = torch.randn(3, 10, 16)
     with pytest.raises(RuntimeError, match="outside the 10 cached"):

@@ -5,8 +5,9 @@
 // A row's arithmetic reads nothing but its own query and those keys, in a fixed order, so a tree's row and
 // the same row decoded alone on a cache holding its ancestors get the same bits.
 //
-// Per row and query head: scores s_j = scale * <q, k_j> (16-lane partial sums, then a fixed reduction),
-// p_j = exp(s_j - max s) (a float32 polynomial, below), out = sum_j p_j v_j / sum_j p_j.
+// Per row and query head: scores s_j = scale * <q, k_j> (16-lane partial sums, then a fixed reduction, four
+// keys at a time), p_j = exp(s_j - max s) (a float32 polynomial, below), out = sum_j p_j v_j / sum_j p_j (even
+// and odd keys summed apart, then added).
 //   query [H, Q, D] (strides any, the last 1); key, value [KVH, S, D] (the KV cache's buffers, read in place);
 //   index int64 [sum of visible keys]; offsets int64 [Q + 1]; out float32 [Q, H, D]. D a multiple of 16.
 #include <ATen/ATen.h>
@@ -44,27 +45,60 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline float dot(const float* a, const float* b, int64_t dim) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; d += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
+// The sums of four vectors' lanes, as the first four lanes of the result (a fixed order of additions).
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));  // a 128-bit lane: [a0 a1 a2 a3]
+  const __m512 z = _mm512_add_ps(y, _mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_castps512_ps128(_mm512_add_ps(z, _mm512_shuffle_f32x4(z, z, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
 using Operands = splitinfer::AttentionOperands;
 
-// One query row and one query head: scores (in `scores`, room for the row's keys), softmax, weighted values.
+// One query row and one query head, head_dim = 16 C: scores (in `scores`, room for the row's keys), softmax,
+// weighted values. Scores four keys at a time, values in two interleaved sums (even and odd keys): the
+// operations depend on the row's visible keys and their count alone.
+template <int C>
 void attend(const Operands& o, int64_t row, int64_t head, float* scores) {
   const int64_t first = o.offsets[row], count = o.offsets[row + 1] - first;
   const int64_t g = head / (o.heads / o.kv_heads);
+  const int64_t* idx = o.index + first;
   const float* q = o.q + head * o.q_head + row * o.q_row;
   const float* keys = o.k + g * o.k_head;
-  float top = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < count; ++j) {
-    scores[j] = o.scale * dot(q, keys + o.index[first + j] * o.k_row, o.dim);
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + c * LANES);
+  const __m128 scale4 = _mm_set1_ps(o.scale);
+  __m128 top4 = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float* k0 = keys + idx[j] * o.k_row;
+    const float* k1 = keys + idx[j + 1] * o.k_row;
+    const float* k2 = keys + idx[j + 2] * o.k_row;
+    const float* k3 = keys + idx[j + 3] * o.k_row;
+    __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0)), a1 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k1));
+    __m512 a2 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k2)), a3 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k3));
+    for (int c = 1; c < C; ++c) {
+      a0 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + c * LANES), a0);
+      a1 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k1 + c * LANES), a1);
+      a2 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k2 + c * LANES), a2);
+      a3 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k3 + c * LANES), a3);
+    }
+    const __m128 s = _mm_mul_ps(scale4, sum4(a0, a1, a2, a3));
+    _mm_storeu_ps(scores + j, s);
+    top4 = _mm_max_ps(top4, s);
+  }
+  float top = std::max(std::max(top4[0], top4[1]), std::max(top4[2], top4[3]));
+  for (; j < count; ++j) {  // the last count % 4 keys
+    const float* k0 = keys + idx[j] * o.k_row;
+    __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
+    for (int c = 1; c < C; ++c) a0 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + c * LANES), a0);
+    scores[j] = o.scale * _mm512_reduce_add_ps(a0);
     top = scores[j] > top ? scores[j] : top;
   }
   __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < count; j += LANES) {
+  for (j = 0; j < count; j += LANES) {
     const __mmask16 m = count - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (count - j)) - 1);
     const __m512 s = _mm512_maskz_loadu_ps(m, scores + j);
     const __m512 p = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
@@ -72,18 +106,128 @@ void attend(const Operands& o, int64_t row, int64_t head, float* scores) {
     total = _mm512_add_ps(total, p);
   }
   const float inv = 1.f / _mm512_reduce_add_ps(total);
-  __m512 acc[MAX_DIM / LANES];
-  const int64_t chunks = o.dim / LANES;
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
   const float* values = o.v + g * o.v_head;
-  for (int64_t j = 0; j < count; ++j) {
-    const float* vj = values + o.index[first + j] * o.v_row;
-    const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + c * LANES), acc[c]);
+  __m512 even[C], odd[C];
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  for (j = 0; j + 2 <= count; j += 2) {
+    const float* v0 = values + idx[j] * o.v_row;
+    const float* v1 = values + idx[j + 1] * o.v_row;
+    const __m512 p0 = _mm512_set1_ps(scores[j]), p1 = _mm512_set1_ps(scores[j + 1]);
+    for (int c = 0; c < C; ++c) {
+      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + c * LANES), even[c]);
+      odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + c * LANES), odd[c]);
+    }
+  }
+  if (j < count) {
+    const float* v0 = values + idx[j] * o.v_row;
+    const __m512 p0 = _mm512_set1_ps(scores[j]);
+    for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + c * LANES), even[c]);
   }
   float* out = o.out + (row * o.heads + head) * o.dim;
-  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), scale));
 }
+
+// The same as attend<C> for H query heads of one key/value head at once (heads head0..head0 + H - 1): each key
+// and value is loaded once for the H heads. Every head's operations are attend<C>'s, in the same order, so it
+// gets the same bits as alone (tests/model/test_attention.py).
+template <int C, int H>
+void attend_heads(const Operands& o, int64_t row, int64_t head0, float* scores, int64_t stride) {
+  const int64_t first = o.offsets[row], count = o.offsets[row + 1] - first;
+  const int64_t g = head0 / (o.heads / o.kv_heads);
+  const int64_t* idx = o.index + first;
+  const float* keys = o.k + g * o.k_head;
+  __m512 qv[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_ps(o.q + (head0 + h) * o.q_head + row * o.q_row + c * LANES);
+  const __m128 scale4 = _mm_set1_ps(o.scale);
+  __m128 top4[H];
+  for (int h = 0; h < H; ++h) top4[h] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float* k0 = keys + idx[j] * o.k_row;
+    const float* k1 = keys + idx[j + 1] * o.k_row;
+    const float* k2 = keys + idx[j + 2] * o.k_row;
+    const float* k3 = keys + idx[j + 3] * o.k_row;
+    __m512 a[H][4];
+    for (int c = 0; c < C; ++c) {
+      const __m512 x0 = _mm512_loadu_ps(k0 + c * LANES), x1 = _mm512_loadu_ps(k1 + c * LANES);
+      const __m512 x2 = _mm512_loadu_ps(k2 + c * LANES), x3 = _mm512_loadu_ps(k3 + c * LANES);
+      for (int h = 0; h < H; ++h) {
+        a[h][0] = c == 0 ? _mm512_mul_ps(qv[h][0], x0) : _mm512_fmadd_ps(qv[h][c], x0, a[h][0]);
+        a[h][1] = c == 0 ? _mm512_mul_ps(qv[h][0], x1) : _mm512_fmadd_ps(qv[h][c], x1, a[h][1]);
+        a[h][2] = c == 0 ? _mm512_mul_ps(qv[h][0], x2) : _mm512_fmadd_ps(qv[h][c], x2, a[h][2]);
+        a[h][3] = c == 0 ? _mm512_mul_ps(qv[h][0], x3) : _mm512_fmadd_ps(qv[h][c], x3, a[h][3]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m128 s = _mm_mul_ps(scale4, sum4(a[h][0], a[h][1], a[h][2], a[h][3]));
+      _mm_storeu_ps(scores + h * stride + j, s);
+      top4[h] = _mm_max_ps(top4[h], s);
+    }
+  }
+  float top[H], inv[H];
+  for (int h = 0; h < H; ++h) top[h] = std::max(std::max(top4[h][0], top4[h][1]), std::max(top4[h][2], top4[h][3]));
+  for (int64_t t = j; t < count; ++t) {  // the last count % 4 keys
+    const float* k0 = keys + idx[t] * o.k_row;
+    for (int h = 0; h < H; ++h) {
+      __m512 a0 = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(k0));
+      for (int c = 1; c < C; ++c) a0 = _mm512_fmadd_ps(qv[h][c], _mm512_loadu_ps(k0 + c * LANES), a0);
+      const float score = o.scale * _mm512_reduce_add_ps(a0);
+      scores[h * stride + t] = score;
+      top[h] = score > top[h] ? score : top[h];
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    float* sh = scores + h * stride;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < count; t += LANES) {
+      const __mmask16 m = count - t >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (count - t)) - 1);
+      const __m512 s = _mm512_maskz_loadu_ps(m, sh + t);
+      const __m512 p = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top[h]))));
+      _mm512_mask_storeu_ps(sh + t, m, p);
+      total = _mm512_add_ps(total, p);
+    }
+    inv[h] = 1.f / _mm512_reduce_add_ps(total);
+  }
+  const float* values = o.v + g * o.v_head;
+  __m512 even[H][C], odd[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
+  for (j = 0; j + 2 <= count; j += 2) {
+    const float* v0 = values + idx[j] * o.v_row;
+    const float* v1 = values + idx[j + 1] * o.v_row;
+    for (int c = 0; c < C; ++c) {
+      const __m512 x0 = _mm512_loadu_ps(v0 + c * LANES), x1 = _mm512_loadu_ps(v1 + c * LANES);
+      for (int h = 0; h < H; ++h) {
+        even[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j]), x0, even[h][c]);
+        odd[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j + 1]), x1, odd[h][c]);
+      }
+    }
+  }
+  if (j < count) {
+    const float* v0 = values + idx[j] * o.v_row;
+    for (int c = 0; c < C; ++c) {
+      const __m512 x0 = _mm512_loadu_ps(v0 + c * LANES);
+      for (int h = 0; h < H; ++h) even[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j]), x0, even[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    float* out = o.out + (row * o.heads + head0 + h) * o.dim;
+    const __m512 scale = _mm512_set1_ps(inv[h]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(_mm512_add_ps(even[h][c], odd[h][c]), scale));
+  }
+}
+
+using HeadsFn = void (*)(const Operands&, int64_t, int64_t, float*, int64_t);
+constexpr int MAX_HEADS = 4;  // heads a pass (64-wide heads; 128-wide: two)
+constexpr HeadsFn HEADS_64[MAX_HEADS] = {attend_heads<4, 1>, attend_heads<4, 2>, attend_heads<4, 3>, attend_heads<4, 4>};
+constexpr HeadsFn HEADS_128[2] = {attend_heads<8, 1>, attend_heads<8, 2>};
+
+using AttendFn = void (*)(const Operands&, int64_t, int64_t, float*);
+constexpr AttendFn BY_CHUNKS[MAX_DIM / LANES] = {attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>,
+                                                attend<7>, attend<8>, attend<9>, attend<10>, attend<11>, attend<12>,
+                                                attend<13>, attend<14>, attend<15>, attend<16>};
 
 }  // namespace
 
@@ -104,9 +248,24 @@ int64_t check_visible(const int64_t* idx, int64_t index_numel, const int64_t* of
 }
 
 void attend_rows(const Operands& o, int64_t rows, int64_t longest) {
-  at::parallel_for(0, rows * o.heads, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(longest + LANES);
-    for (int64_t t = begin; t < end; ++t) attend(o, t / o.heads, t % o.heads, scores.data());
+  const int64_t group = o.heads / o.kv_heads;
+  const int64_t chunks = o.dim / LANES;
+  const int64_t per_pass = chunks == 4 ? MAX_HEADS : chunks == 8 ? 2 : 1;  // heads sharing each key's loads
+  const int64_t passes = (group + per_pass - 1) / per_pass, per_kv = rows * passes;
+  at::parallel_for(0, o.kv_heads * per_kv, 4, [&](int64_t begin, int64_t end) {
+    const int64_t stride = longest + LANES;
+    std::vector<float> scores(per_pass * stride);
+    for (int64_t t = begin; t < end; ++t) {  // key/value head outermost: its keys stay in cache for every row
+      const int64_t g = t / per_kv, row = t % per_kv / passes, first = g * group + t % passes * per_pass;
+      const int64_t heads = std::min(per_pass, g * group + group - first);
+      if (chunks == 4) {
+        HEADS_64[heads - 1](o, row, first, scores.data(), stride);
+      } else if (chunks == 8) {
+        HEADS_128[heads - 1](o, row, first, scores.data(), stride);
+      } else {
+        BY_CHUNKS[chunks - 1](o, row, first, scores.data());
+      }
+    }
   });
 }
 
