@@ -3,7 +3,7 @@
 //                             kv_heads, eps, scale) -> hidden after the layer
 //
 // A step through 26 layers of int4 products spends more time in Python and in small tensor calls (views,
-// rotary, residual adds, the cache write; ~150 us a layer at one row, notes/bench/step-int4-rows) than in its
+// rotary, residual adds, the cache write; ~150 us a layer at one row, notes/bench/step-int4-rows at 723520d) than in its
 // products. Here the layer is the kernels of the other files run back to back on raw buffers:
 //   a = norm1(x); qkv = a W_qkv (+ b); rotate q and k; write k, v at slots start.. of the cache;
 //   attention of each row over its visible slots index[offsets[i] : offsets[i + 1]] (rows_attention.cpp);

@@ -1,10 +1,10 @@
 """A whole int4 decoder layer in one call of model/native.py's decoder_layer kernel.
 
 With the products on their own kernel (model/w4a8.py), a one-row cloud step of SmolLM2 spent half its time
-around them: ~150 us a layer of Python and small tensor calls (the slices of the fused product, rotary,
-the cache write, residual adds; notes/bench/step-int4-rows). A layer whose four products are int4 on that
-kernel, of a family whose attention is transformers' plain one (model/fastpath.py's), whose norms are the
-native RMS norm and whose MLP is SiLU-gated, runs here as one C++ call (decoder_layer.cpp): the same
+around them: ~150 us a layer of Python and small tensor calls (the slices of the fused product, rotary, the
+cache write, residual adds; notes/bench/step-int4-rows as of commit 723520d). A layer whose four products
+are int4 on that kernel, of a family whose attention is transformers' plain one (model/fastpath.py's), whose
+norms are the native RMS norm and whose MLP is SiLU-gated, runs here as one C++ call (decoder_layer.cpp): the same
 kernels, the same operations in the same order as model/fastpath.py's forwards, so the same bits
 (tests/model/test_native_layer.py compares them), and rows that do not depend on each other.
 
