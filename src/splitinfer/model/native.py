@@ -1,17 +1,18 @@
 """splitinfer's own CPU kernels, built once per machine with PyTorch's C++ extension tools.
 
-Four kernels, each where no maintained library kernel serves (the measurements are in their files):
-w4a8.cpp (model/w4a8.py: int4 weights times int8 activations), w8a8.cpp (model/w8a8.py: int8 weights, many
-rows), rows_attention.cpp (model/attention.py:
-attention whose rows do not depend on the block around them) and rms_norm.cpp (model/fused.py: the RMS
-norms of layers with integer products, one pass a row); and decoder_layer.cpp, which runs them back to back
-as one call a decoder layer (model/native_layer.py). They need AVX512 (F, BW, VL, VNNI) and
-F16C, and a C++ compiler; the first use builds them (about 10 s on this 2-core machine) into PyTorch's extension cache
-(TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), later starts load them in a fraction of a second.
+Four kernels, each where no maintained library kernel serves (the measurements are in their files): w4a8.cpp
+(model/w4a8.py: int4 weights times int8 activations), w8a8.cpp (model/w8a8.py: int8 weights, many rows),
+rows_attention.cpp (model/attention.py: attention whose rows do not depend on the block around them) and
+rms_norm.cpp (model/fused.py: the RMS norms of layers with integer products, one pass a row); and
+decoder_layer.cpp, which runs them back to back as one call a decoder layer (model/native_layer.py). They need
+AVX512 (F, BW, VL, VNNI) and F16C, and a C++ compiler; the first use builds them (about 25 s on this 2-core
+machine) into PyTorch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), later starts
+load them in a fraction of a second.
 
 `available()` says whether they run here. Where they do not (another CPU, no compiler, or
-SPLITINFER_NATIVE=0), int4 and exact-rows attention keep PyTorch's kernels: the same exactness, other
-rounding, so a model's text may differ where two logits are within rounding, as between any two kernels.
+SPLITINFER_NATIVE=0), int4 and exact-rows attention keep PyTorch's kernels and int8 FBGEMM's: the same
+exactness, other rounding (int8 the same bits), so a model's text may differ where two logits are within
+rounding, as between any two kernels.
 """
 
 from __future__ import annotations

@@ -57,80 +57,23 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 
 using Operands = splitinfer::AttentionOperands;
 
-// One query row and one query head, head_dim = 16 C: scores (in `scores`, room for the row's keys), softmax,
-// weighted values. Scores four keys at a time, values in two interleaved sums (even and odd keys): the
-// operations depend on the row's visible keys and their count alone.
-template <int C>
-void attend(const Operands& o, int64_t row, int64_t head, float* scores) {
-  const int64_t first = o.offsets[row], count = o.offsets[row + 1] - first;
-  const int64_t g = head / (o.heads / o.kv_heads);
-  const int64_t* idx = o.index + first;
-  const float* q = o.q + head * o.q_head + row * o.q_row;
-  const float* keys = o.k + g * o.k_head;
-  __m512 qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + c * LANES);
-  const __m128 scale4 = _mm_set1_ps(o.scale);
-  __m128 top4 = _mm_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    const float* k0 = keys + idx[j] * o.k_row;
-    const float* k1 = keys + idx[j + 1] * o.k_row;
-    const float* k2 = keys + idx[j + 2] * o.k_row;
-    const float* k3 = keys + idx[j + 3] * o.k_row;
-    __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0)), a1 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k1));
-    __m512 a2 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k2)), a3 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k3));
-    for (int c = 1; c < C; ++c) {
-      a0 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + c * LANES), a0);
-      a1 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k1 + c * LANES), a1);
-      a2 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k2 + c * LANES), a2);
-      a3 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k3 + c * LANES), a3);
-    }
-    const __m128 s = _mm_mul_ps(scale4, sum4(a0, a1, a2, a3));
-    _mm_storeu_ps(scores + j, s);
-    top4 = _mm_max_ps(top4, s);
-  }
-  float top = std::max(std::max(top4[0], top4[1]), std::max(top4[2], top4[3]));
-  for (; j < count; ++j) {  // the last count % 4 keys
-    const float* k0 = keys + idx[j] * o.k_row;
-    __m512 a0 = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k0));
-    for (int c = 1; c < C; ++c) a0 = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k0 + c * LANES), a0);
-    scores[j] = o.scale * _mm512_reduce_add_ps(a0);
-    top = scores[j] > top ? scores[j] : top;
-  }
+// exp(s - top) in place over a row's scores; returns 1 / their sum.
+inline float softmax_in_place(float* scores, int64_t count, float top) {
   __m512 total = _mm512_setzero_ps();
-  for (j = 0; j < count; j += LANES) {
-    const __mmask16 m = count - j >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (count - j)) - 1);
-    const __m512 s = _mm512_maskz_loadu_ps(m, scores + j);
+  for (int64_t t = 0; t < count; t += LANES) {
+    const __mmask16 m = count - t >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (count - t)) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(m, scores + t);
     const __m512 p = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-    _mm512_mask_storeu_ps(scores + j, m, p);
+    _mm512_mask_storeu_ps(scores + t, m, p);
     total = _mm512_add_ps(total, p);
   }
-  const float inv = 1.f / _mm512_reduce_add_ps(total);
-  const float* values = o.v + g * o.v_head;
-  __m512 even[C], odd[C];
-  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
-  for (j = 0; j + 2 <= count; j += 2) {
-    const float* v0 = values + idx[j] * o.v_row;
-    const float* v1 = values + idx[j + 1] * o.v_row;
-    const __m512 p0 = _mm512_set1_ps(scores[j]), p1 = _mm512_set1_ps(scores[j + 1]);
-    for (int c = 0; c < C; ++c) {
-      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + c * LANES), even[c]);
-      odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + c * LANES), odd[c]);
-    }
-  }
-  if (j < count) {
-    const float* v0 = values + idx[j] * o.v_row;
-    const __m512 p0 = _mm512_set1_ps(scores[j]);
-    for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + c * LANES), even[c]);
-  }
-  float* out = o.out + (row * o.heads + head) * o.dim;
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), scale));
+  return 1.f / _mm512_reduce_add_ps(total);
 }
 
-// The same as attend<C> for H query heads of one key/value head at once (heads head0..head0 + H - 1): each key
-// and value is loaded once for the H heads. Every head's operations are attend<C>'s, in the same order, so it
-// gets the same bits as alone (tests/model/test_attention.py).
+// One query row and H query heads of one key/value head (heads head0..head0 + H - 1), head_dim = 16 C: scores
+// (row h of `scores`, `stride` apart), softmax, weighted values. Scores four keys at a time, values in two
+// interleaved sums (even and odd keys); each key and value is loaded once for the H heads. A head's operations
+// depend on its row's visible keys and their count alone, the same whatever H (tests/model/test_attention.py).
 template <int C, int H>
 void attend_heads(const Operands& o, int64_t row, int64_t head0, float* scores, int64_t stride) {
   const int64_t first = o.offsets[row], count = o.offsets[row + 1] - first;
@@ -178,18 +121,7 @@ void attend_heads(const Operands& o, int64_t row, int64_t head0, float* scores, 
       top[h] = score > top[h] ? score : top[h];
     }
   }
-  for (int h = 0; h < H; ++h) {
-    float* sh = scores + h * stride;
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < count; t += LANES) {
-      const __mmask16 m = count - t >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (count - t)) - 1);
-      const __m512 s = _mm512_maskz_loadu_ps(m, sh + t);
-      const __m512 p = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top[h]))));
-      _mm512_mask_storeu_ps(sh + t, m, p);
-      total = _mm512_add_ps(total, p);
-    }
-    inv[h] = 1.f / _mm512_reduce_add_ps(total);
-  }
+  for (int h = 0; h < H; ++h) inv[h] = softmax_in_place(scores + h * stride, count, top[h]);
   const float* values = o.v + g * o.v_head;
   __m512 even[H][C], odd[H][C];
   for (int h = 0; h < H; ++h)
@@ -220,14 +152,13 @@ void attend_heads(const Operands& o, int64_t row, int64_t head0, float* scores, 
 }
 
 using HeadsFn = void (*)(const Operands&, int64_t, int64_t, float*, int64_t);
-constexpr int MAX_HEADS = 4;  // heads a pass (64-wide heads; 128-wide: two)
+constexpr int MAX_HEADS = 4;  // heads a pass (64-wide heads; 128-wide: two; others one)
 constexpr HeadsFn HEADS_64[MAX_HEADS] = {attend_heads<4, 1>, attend_heads<4, 2>, attend_heads<4, 3>, attend_heads<4, 4>};
 constexpr HeadsFn HEADS_128[2] = {attend_heads<8, 1>, attend_heads<8, 2>};
-
-using AttendFn = void (*)(const Operands&, int64_t, int64_t, float*);
-constexpr AttendFn BY_CHUNKS[MAX_DIM / LANES] = {attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>,
-                                                attend<7>, attend<8>, attend<9>, attend<10>, attend<11>, attend<12>,
-                                                attend<13>, attend<14>, attend<15>, attend<16>};
+constexpr HeadsFn ONE_HEAD[MAX_DIM / LANES] = {
+    attend_heads<1, 1>,  attend_heads<2, 1>,  attend_heads<3, 1>,  attend_heads<4, 1>,  attend_heads<5, 1>,  attend_heads<6, 1>,
+    attend_heads<7, 1>,  attend_heads<8, 1>,  attend_heads<9, 1>,  attend_heads<10, 1>, attend_heads<11, 1>, attend_heads<12, 1>,
+    attend_heads<13, 1>, attend_heads<14, 1>, attend_heads<15, 1>, attend_heads<16, 1>};
 
 }  // namespace
 
@@ -263,7 +194,7 @@ void attend_rows(const Operands& o, int64_t rows, int64_t longest) {
       } else if (chunks == 8) {
         HEADS_128[heads - 1](o, row, first, scores.data(), stride);
       } else {
-        BY_CHUNKS[chunks - 1](o, row, first, scores.data());
+        ONE_HEAD[chunks - 1](o, row, first, scores.data(), stride);
       }
     }
   });
