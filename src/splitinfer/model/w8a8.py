@@ -1,10 +1,10 @@
 """The int8 format's own CPU kernel: int8 weights times activations quantized to int8 per row.
 
-FBGEMM's product (what model/formats.py's Int8Linear used alone before) runs SmolLM2's int8 LM head at
-1.3 ms for one row, near the 1.0 ms its bytes take, but at 2.3 / 4.8 ms for 8 / 16 rows: a tree's
-verification block pays for every row of it on the trusted side. This kernel (w8a8.cpp, built by
-model/native.py) shares each load of the weight among four rows on AVX512-VNNI. Its integer sums are exact
-and its epilogue is FBGEMM's and torch._int_mm's (float(sum) * the weight row's scale, then the input
+w8a8.cpp (built by model/native.py) shares each load of the weight among four rows on AVX512-VNNI. Against
+FBGEMM's product, which Int8Linear used alone before, it measured level on SmolLM2's int8 LM head (0.81-1.12x
+at 1-16 rows, FBGEMM faster at one row) and 1.2-1.3x faster from four rows on a draft head's readout
+(notes/bench/w8a8-kernel, `python scripts/bench_w8a8.py --out notes/bench/w8a8-kernel`). Its integer sums are
+exact and its epilogue is FBGEMM's and torch._int_mm's (float(sum) * the weight row's scale, then the input
 row's scale), so all three give the same bits (tests/model/test_w8a8.py) and each row its own.
 """
 

@@ -1,0 +1,77 @@
+"""The int8 product alone: model/w8a8.py's kernel against FBGEMM's (what Int8Linear used before) and the float32
+product of the same weight (F.linear), one thread.
+
+    python scripts/bench_w8a8.py --out notes/bench/w8a8-kernel
+
+For SmolLM2-135M's int8 LM head (49152x576: 28 MB, streamed from memory on every call) and a draft head's
+readout of its 8192 most frequent tokens (8192x576), at 1-16 rows: both kernels through Int8Linear on the
+same random weight (seed 0), pinned to core 0, medians as scripts/bench_w4a8.py takes them. Writes
+OUT/w8a8.json and OUT/w8a8.md; `bench step` and `bench formats` time whole steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from bench_w4a8 import median_us
+
+from splitinfer.model import formats, native, w8a8
+
+SHAPES = ((49152, 576), (8192, 576))
+ROWS = (1, 2, 4, 8, 16)
+
+
+def linear(state: dict, n: int, k: int, ours: bool) -> formats.Int8Linear:
+    module = formats.Int8Linear(k, n)
+    module.load_state_dict(state)
+    available = w8a8.available
+    w8a8.available = available if ours else (lambda: False)  # this module's Int8Linear takes FBGEMM
+    try:
+        module.finish()
+    finally:
+        w8a8.available = available
+    return module
+
+
+def measure(n: int, k: int) -> list[dict]:
+    state = formats.quantize(torch.randn(n, k) * 0.05, "int8")
+    ours, fbgemm = linear(state, n, k, True), linear(state, n, k, False)
+    weight = formats.dequantize(state)
+    out = []
+    for rows in ROWS:
+        x = torch.randn(rows, k)
+        with torch.inference_mode():
+            a, b = median_us(lambda: ours(x), 50), median_us(lambda: fbgemm(x), 50)
+            f = median_us(lambda: torch.nn.functional.linear(x, weight), 50)
+        out.append({"n": n, "k": k, "rows": rows, "w8a8_us": round(a, 1), "fbgemm_us": round(b, 1),
+                    "ratio": round(b / a, 2), "float32_us": round(f, 1)})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path)
+    args = parser.parse_args()
+    if not native.available():
+        raise SystemExit("model/native.py's kernels do not run on this machine: nothing to compare.")
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rows = [r for n, k in SHAPES for r in measure(n, k)]
+    command = "python scripts/bench_w8a8.py --out " + str(args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "w8a8.json").write_text(json.dumps({"command": command, "torch": torch.__version__, "rows": rows}, indent=1))
+    lines = [f"Command: `{command}` (torch {torch.__version__}; one thread, core 0; medians of 50 calls)", "",
+             "| weight | rows | w8a8 us | FBGEMM us | FBGEMM / w8a8 | float32 us |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['n']}x{r['k']} | {r['rows']} | {r['w8a8_us']} | {r['fbgemm_us']} | {r['ratio']} | {r['float32_us']} |"
+              for r in rows]
+    (args.out / "w8a8.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
