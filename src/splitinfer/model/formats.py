@@ -257,7 +257,6 @@ class Int8Linear(QuantLinear):
         cpu = self.qweight.device.type == "cpu"
         if cpu and w8a8.supports_shape(self.out_features, self.in_features) and w8a8.available():
             self._w8a8 = w8a8.pack(self.qweight)
-            self._flat_scale = self.scale.float().contiguous()
         elif cpu:
             self._packed = fbgemm_pack(self.qweight, self.scale.float())
 
@@ -266,17 +265,14 @@ class Int8Linear(QuantLinear):
         x = x if dtype == torch.float32 else x.float()  # [..., K]
         smooth = self.smooth is not None
         xq, sx = quantize_rows(x * self.smooth if smooth else x, own=smooth)
-        if self._w8a8 is not None:
-            y = w8a8.matmul(xq.reshape(-1, self.in_features), *self._w8a8, self._flat_scale, sx.reshape(-1))
+        if self._w8a8 is not None:  # the row scales applied in the kernel
+            y = w8a8.matmul(xq.reshape(-1, self.in_features), *self._w8a8, self._scale.view(-1), sx.reshape(-1))
             y = y.view(*xq.shape[:-1], self.out_features)
-            y = y if self.bias is None else y.add_(self._bias)
-            return y if dtype == torch.float32 else y.to(dtype)
-        if self._packed is not None:
-            y = int8_product(xq, self._packed)
+        elif self._packed is not None:
+            y = int8_product(xq, self._packed).mul_(sx)
         else:
             y = int_mm_product(xq.reshape(-1, self.in_features), self._qweight_t, self._scale)
-            y = y.view(*xq.shape[:-1], self.out_features)
-        y = y.mul_(sx)  # [..., N]
+            y = y.view(*xq.shape[:-1], self.out_features).mul_(sx)  # [..., N]
         if self.bias is not None:
             y = y.add_(self._bias)
         return y if dtype == torch.float32 else y.to(dtype)
