@@ -55,7 +55,9 @@ def measure(n: int, k: int) -> list[dict]:
     return out
 
 
-def main() -> None:
+def run(name: str, measure, shapes, header: list[str], cells) -> None:
+    """Parse --out, pin one thread to core 0, measure every shape (seed 0), write OUT/NAME.json and
+    OUT/NAME.md (a table of `header` with `cells(row)` a row) with the command that made them."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
@@ -64,16 +66,20 @@ def main() -> None:
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    rows = [r for n, k in SHAPES for r in measure(n, k)]
-    command = "python scripts/bench_w4a8.py --out " + str(args.out)
+    rows = [r for n, k in shapes for r in measure(n, k)]
+    command = f"python scripts/bench_{name}.py --out {args.out}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "w4a8.json").write_text(json.dumps({"command": command, "torch": torch.__version__, "rows": rows}, indent=1))
-    lines = [f"Command: `{command}` (torch {torch.__version__}; one thread, core 0; medians of 200 calls)", "",
-             "| weight | rows | w4a8 us | PyTorch int4 us | PyTorch / w4a8 | w4a8 GOP/s |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['n']}x{r['k']} | {r['rows']} | {r['w4a8_us']} | {r['pytorch_us']} | {r['ratio']} | {r['w4a8_gops']} |"
-              for r in rows]
-    (args.out / "w4a8.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps({"command": command, "torch": torch.__version__, "rows": rows}, indent=1))
+    lines = [f"Command: `{command}` (torch {torch.__version__}; one thread, core 0; medians)", "",
+             "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(str(c) for c in cells(r)) + " |" for r in rows]
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def main() -> None:
+    run("w4a8", measure, SHAPES, ["weight", "rows", "w4a8 us", "PyTorch int4 us", "PyTorch / w4a8", "w4a8 GOP/s"],
+        lambda r: [f"{r['n']}x{r['k']}", r["rows"], r["w4a8_us"], r["pytorch_us"], r["ratio"], r["w4a8_gops"]])
 
 
 if __name__ == "__main__":

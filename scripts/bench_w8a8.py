@@ -11,15 +11,10 @@ OUT/w8a8.json and OUT/w8a8.md; `bench step` and `bench formats` time whole steps
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from pathlib import Path
-
 import torch
-from bench_w4a8 import median_us
+from bench_w4a8 import median_us, run
 
-from splitinfer.model import formats, native, w8a8
+from splitinfer.model import formats, w8a8
 
 SHAPES = ((49152, 576), (8192, 576))
 ROWS = (1, 2, 4, 8, 16)
@@ -53,24 +48,8 @@ def measure(n: int, k: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args()
-    if not native.available():
-        raise SystemExit("model/native.py's kernels do not run on this machine: nothing to compare.")
-    os.sched_setaffinity(0, {0})
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    rows = [r for n, k in SHAPES for r in measure(n, k)]
-    command = "python scripts/bench_w8a8.py --out " + str(args.out)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "w8a8.json").write_text(json.dumps({"command": command, "torch": torch.__version__, "rows": rows}, indent=1))
-    lines = [f"Command: `{command}` (torch {torch.__version__}; one thread, core 0; medians of 50 calls)", "",
-             "| weight | rows | w8a8 us | FBGEMM us | FBGEMM / w8a8 | float32 us |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['n']}x{r['k']} | {r['rows']} | {r['w8a8_us']} | {r['fbgemm_us']} | {r['ratio']} | {r['float32_us']} |"
-              for r in rows]
-    (args.out / "w8a8.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    run("w8a8", measure, SHAPES, ["weight", "rows", "w8a8 us", "FBGEMM us", "FBGEMM / w8a8", "float32 us"],
+        lambda r: [f"{r['n']}x{r['k']}", r["rows"], r["w8a8_us"], r["fbgemm_us"], r["ratio"], r["float32_us"]])
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@
 // own scale), so the three kernels give the same bits and every row its own (tests/model/test_w8a8.py).
 //
 // Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four). Against
-// FBGEMM on one core (notes/bench/w8a8-kernel, scripts/bench_w8a8.py): level on SmolLM2's LM head (0.81-1.12x
-// at 1-16 rows, slower at one row), 1.2-1.3x at 4-16 rows on a draft head's 8192-token readout.
+// FBGEMM on one core (notes/bench/w8a8-kernel, scripts/bench_w8a8.py): level on SmolLM2's LM head (0.80-1.20x
+// at 1-16 rows, slower at one and two), 1.2-1.3x at 4-16 rows on a draft head's 8192-token readout.
 //
 // The packed weight (model/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
 // columns (N / 64 rounded up; zero tiles after the real ones), one stream a group; for four inputs and a
