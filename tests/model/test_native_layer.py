@@ -1,4 +1,4 @@
-"""model/native_layer.py: an int4 decoder layer as one native call gives model/fastpath.py's bits, block by
+"""model/native_layer.py: an int4 or int8 decoder layer as one native call gives model/fastpath.py's bits, block by
 block and in the cache, and leaves the layers it does not fit to transformers' forward."""
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def run_blocks(stack, hidden: torch.Tensor, prefix: int):
 @needs_native
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 @pytest.mark.parametrize("prefix", [1, 20])
-def test_the_native_layer_gives_fastpaths_bits_and_cache(tmp_path, family, prefix):
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_the_native_layer_gives_fastpaths_bits_and_cache(tmp_path, family, prefix, weights):
     """Qwen2 has q/k/v biases; Mistral's window (12) is shorter than the longer prefix."""
-    stack = cloud_stack(tmp_path, family, "int4")
+    stack = cloud_stack(tmp_path, family, weights)
     assert all(isinstance(layer, NativeLayer) for layer in stack.layers)
     torch.manual_seed(3)
     hidden = torch.randn(1, prefix + len(PARENTS), stack.config.hidden_size)
@@ -61,8 +62,8 @@ def test_the_native_layer_gives_fastpaths_bits_and_cache(tmp_path, family, prefi
 
 
 @needs_native
-@pytest.mark.parametrize("weights", ["int8", "float32", "int4,cloud=int8"])
-def test_layers_without_four_int4_products_keep_the_python_forward(tmp_path, weights):
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_layers_without_four_integer_products_keep_the_python_forward(tmp_path, weights):
     stack = cloud_stack(tmp_path, "llama", weights)
     assert not any(isinstance(layer, NativeLayer) for layer in stack.layers)
 

@@ -1,8 +1,8 @@
-// One int4 decoder layer of the llama family in one call:
+// One int4 or int8 decoder layer of the llama family in one call:
 //   splitinfer::decoder_layer(hidden, cos, sin, key_cache, value_cache, start, index, offsets, weights, heads,
 //                             kv_heads, eps, scale) -> hidden after the layer
 //
-// A step through 26 layers of int4 products spends more time in Python and in small tensor calls (views,
+// A step through 26 layers of integer products spends more time in Python and in small tensor calls (views,
 // rotary, residual adds, the cache write; ~150 us a layer at one row, notes/bench/step-int4-rows at 723520d) than in its
 // products. Here the layer is the kernels of the other files run back to back on raw buffers:
 //   a = norm1(x); qkv = a W_qkv (+ b); rotate q and k; write k, v at slots start.. of the cache;
@@ -12,7 +12,9 @@
 // same kernels (rotary: q * cos + rotate_half(q) * sin, without fused multiply-adds; silu: ATen's), so both
 // paths give the same bits (tests/model/test_native_layer.py) and rows stay independent of each other.
 //   hidden [Q, D]; cos, sin [Q, head_dim]; key_cache, value_cache [KVH, S, head_dim] (written in place);
-//   weights: norm1, norm2 [D], then (packed, bias) for qkv, o, gate_up and down (an empty bias for none).
+//   weights: norm1, norm2 [D], then (packed, bias, column sums, scales, smoothing) for qkv, o, gate_up and down:
+//   int4 (model/w4a8.py's uint8 packing) with three empty tensors, or int8 (model/w8a8.py's int8 packing, int32
+//   column sums, float32 scales, SmoothQuant's factors or empty); an empty bias for none. Each product may be either.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
@@ -26,28 +28,66 @@
 namespace {
 
 constexpr int64_t QK = 32, COLS = 16, TILE_BYTES = 320;  // model/w4a8.py's packing
+constexpr int64_t PRODUCT_WEIGHTS = 5;  // packed, bias, column sums, scales, smoothing
+constexpr int64_t INT8_TILES = 4, INT8_GROUP_BYTES = 64 * INT8_TILES;  // model/w8a8.py's packing
 
+// One product of the layer, int4 (w4a8) or int8 (w8a8: column sums, row scales and SmoothQuant's factors).
 struct Product {
-  const uint8_t* packed;
+  bool int8;
+  const void* packed;
   int64_t k, n;
   const float* bias;  // nullptr: none
+  const int32_t* sums;
+  const float* scale;
+  const float* smooth;  // nullptr: none
 };
 
-Product product(const at::Tensor& packed, const at::Tensor& bias, int64_t k, int64_t n, const char* name) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  packed.size(0) * COLS == n && packed.size(1) * QK == k && packed.size(2) == TILE_BYTES,
-              "decoder_layer: ", name, " must be model/w4a8.py's packing of a [", n, ", ", k, "] weight, got ",
-              packed.sizes());
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == n),
-              "decoder_layer: the bias of ", name, " must be empty or float32 [", n, "]");
-  return {packed.data_ptr<uint8_t>(), k, n, bias.numel() ? bias.data_ptr<float>() : nullptr};
+const float* optional_floats(const at::Tensor& t, int64_t size, const char* what, const char* name) {
+  TORCH_CHECK(t.numel() == 0 || (t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == size),
+              "decoder_layer: the ", what, " of ", name, " must be empty or float32 [", size, "]");
+  return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
-// y [rows, p.n] = x [rows, p.k] W^T (+ bias), as Int4Linear.forward: the product, then the bias added.
+// weights: packed, bias, then for int8 the column sums, the scales and the smoothing (int4: three empty tensors).
+Product product(const at::Tensor* weights, int64_t k, const char* name) {
+  const at::Tensor& packed = weights[0];
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "decoder_layer: ", name, " must be a packed weight");
+  if (packed.scalar_type() == at::kByte) {
+    TORCH_CHECK(packed.size(1) * QK == k && packed.size(2) == TILE_BYTES,
+                "decoder_layer: ", name, " must be model/w4a8.py's packing of a weight of ", k, " inputs, got ",
+                packed.sizes());
+    const int64_t n = packed.size(0) * COLS;
+    return {false, packed.data_ptr<uint8_t>(), k, n, optional_floats(weights[1], n, "bias", name), nullptr, nullptr,
+            nullptr};
+  }
+  const at::Tensor& sums = weights[2];
+  const int64_t n = sums.numel();
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.size(1) * 4 == k && packed.size(2) == INT8_GROUP_BYTES &&
+                  n % COLS == 0 && packed.size(0) == (n / COLS + INT8_TILES - 1) / INT8_TILES &&
+                  sums.scalar_type() == at::kInt && sums.is_contiguous(),
+              "decoder_layer: ", name, " must be model/w4a8.py's or model/w8a8.py's packing (with column sums) of a "
+              "weight of ", k, " inputs, got ", packed.sizes(), " ", packed.scalar_type());
+  const float* scale = optional_floats(weights[3], n, "scales", name);
+  TORCH_CHECK(scale != nullptr, "decoder_layer: the int8 product ", name, " needs its scales");
+  return {true, packed.data_ptr<int8_t>(), k, n, optional_floats(weights[1], n, "bias", name), sums.data_ptr<int32_t>(),
+          scale, optional_floats(weights[4], k, "smoothing", name)};
+}
+
+// y [rows, p.n] = x [rows, p.k] W^T (+ bias), as Int4Linear.forward and Int8Linear.forward: the product (int8:
+// of x times its smoothing, quantized per row), then the bias added.
 void multiply(const Product& p, const float* x, int64_t rows, float* y) {
-  {
+  if (p.int8) {
+    RECORD_FUNCTION("splitinfer::w8a8_mm", std::vector<c10::IValue>());
+    thread_local std::vector<uint8_t> a;
+    thread_local std::vector<float> sx;
+    a.assign((rows + 7) / 8 * 8 * p.k, 128);  // the kernel reads rows eight at a time: padding rows of zeros
+    sx.resize(rows);
+    splitinfer::quantize_rows_int8(x, rows, p.k, p.smooth, a.data(), sx.data());
+    splitinfer::w8a8_product(a.data(), rows, p.k, static_cast<const int8_t*>(p.packed), p.sums, p.scale, sx.data(),
+                             p.n, y);
+  } else {
     RECORD_FUNCTION("splitinfer::w4a8_mm", std::vector<c10::IValue>());
-    splitinfer::w4a8_product(x, rows, p.k, p.packed, p.n, y);
+    splitinfer::w4a8_product(x, rows, p.k, static_cast<const uint8_t*>(p.packed), p.n, y);
   }
   if (p.bias == nullptr) return;
   for (int64_t r = 0; r < rows; ++r) {
@@ -97,7 +137,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
               "decoder_layer: hidden, cos and sin must be contiguous");
   const int64_t rows = hidden.size(0), width_in = hidden.size(1), dim = key_cache.size(2);
   const int64_t slots = key_cache.size(1), kv_width = kv_heads * dim, width = (heads + 2 * kv_heads) * dim;
-  TORCH_CHECK(weights.size() == 10, "decoder_layer: weights are norm1, norm2 and (packed, bias) for qkv, o, gate_up, down");
+  TORCH_CHECK(weights.size() == 2 + 4 * PRODUCT_WEIGHTS, "decoder_layer: weights are norm1, norm2 and (packed, "
+              "bias, column sums, scales, smoothing) for qkv, o, gate_up and down");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && key_cache.size(0) == kv_heads && dim % 16 == 0 && dim <= 256 &&
                   value_cache.sizes() == key_cache.sizes() && value_cache.stride(2) == 1,
               "decoder_layer: caches ", key_cache.sizes(), " do not hold ", kv_heads, " heads of a multiple of 16");
@@ -109,11 +150,15 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const 
     TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == width_in,
                 "decoder_layer: the norms' weights must be float32 [", width_in, "]");
   }
-  const int64_t inner = weights[6].size(0) * COLS / 2;
-  const Product qkv_w = product(weights[2], weights[3], width_in, width, "qkv");
-  const Product o_w = product(weights[4], weights[5], heads * dim, width_in, "o_proj");
-  const Product gate_up_w = product(weights[6], weights[7], width_in, 2 * inner, "gate_up");
-  const Product down_w = product(weights[8], weights[9], inner, width_in, "down_proj");
+  const at::Tensor* w = weights.data() + 2;
+  const Product qkv_w = product(w, width_in, "qkv");
+  const Product o_w = product(w + PRODUCT_WEIGHTS, heads * dim, "o_proj");
+  const Product gate_up_w = product(w + 2 * PRODUCT_WEIGHTS, width_in, "gate_up");
+  const int64_t inner = gate_up_w.n / 2;
+  const Product down_w = product(w + 3 * PRODUCT_WEIGHTS, inner, "down_proj");
+  TORCH_CHECK(qkv_w.n == width && o_w.n == width_in && gate_up_w.n == 2 * inner && down_w.n == width_in,
+              "decoder_layer: the products' outputs (", qkv_w.n, ", ", o_w.n, ", ", gate_up_w.n, ", ", down_w.n,
+              ") do not fit ", heads, " heads, ", kv_heads, " key/value heads of ", dim, " and width ", width_in);
   TORCH_CHECK(index.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && index.is_contiguous() &&
                   offsets.is_contiguous() && offsets.numel() == rows + 1,
               "decoder_layer: index and offsets must be contiguous int64, offsets one longer than the rows");

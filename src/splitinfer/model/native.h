@@ -9,6 +9,14 @@ namespace splitinfer {
 // w4a8.cpp: x [M, K] float32 times a packed int4 weight [N / 16, K / 32, 320] -> y [M, n] float32.
 void w4a8_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t n, float* y);
 
+// w8a8.cpp: rows of x [M, K] (times smooth [K], where not null) quantized as model/formats.py's quantize_rows
+// (scale[m] = max|x_m| / 127, at least FLT_MIN; round(x / scale) half to even), stored + 128 as bytes in a.
+void quantize_rows_int8(const float* x, int64_t M, int64_t K, const float* smooth, uint8_t* a, float* scale);
+// w8a8.cpp: a [M rounded up to 8, K] (quantize_rows_int8's bytes; padding rows 128) times a packed int8 weight
+// [N / 64 rounded up, K / 4, 256] -> y [M, N] = float(sum) * scale[n] (* sx[m] where not null).
+void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, const int32_t* sums, const float* scale,
+                  const float* sx, int64_t N, float* y);
+
 // rms_norm.cpp: rows of x [rows, dim] -> y = weight * (x / sqrt(mean(x^2) + eps)), one row at a time.
 void rms_norm_rows(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* y);
 

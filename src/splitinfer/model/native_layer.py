@@ -1,10 +1,11 @@
-"""A whole int4 decoder layer in one call of model/native.py's decoder_layer kernel.
+"""A whole int4 or int8 decoder layer in one call of model/native.py's decoder_layer kernel.
 
 With the products on their own kernel (model/w4a8.py), a one-row cloud step of SmolLM2 spent half its time
 around them: ~150 us a layer of Python and small tensor calls (the slices of the fused product, rotary, the
 cache write, residual adds; notes/bench/step-int4-rows as of commit 723520d). A layer whose four products
-are int4 on that kernel, of a family whose attention is transformers' plain one (model/fastpath.py's), whose
-norms are the native RMS norm and whose MLP is SiLU-gated, runs here as one C++ call (decoder_layer.cpp): the same
+are int4 on that kernel or int8 on model/w8a8.py's (each input smoothed and quantized per row in the call, as
+Int8Linear does), of a family whose attention is transformers' plain one (model/fastpath.py's), whose norms are
+the native RMS norm and whose MLP is SiLU-gated, runs here as one C++ call (decoder_layer.cpp): the same
 kernels, the same operations in the same order as model/fastpath.py's forwards, so the same bits
 (tests/model/test_native_layer.py compares them), and rows that do not depend on each other.
 
@@ -25,11 +26,11 @@ from ..kv import KVCache
 from . import native
 from .attention import NAME, visible_keys
 from .fastpath import FusedAttention, FusedMLP
-from .formats import Int4Linear
+from .formats import Int4Linear, Int8Linear
 from .fused import NativeRMSNorm
 
 SILU = ("silu", "swish")
-NO_BIAS = torch.empty(0)
+NONE = torch.empty(0)  # an operand a product does not have
 
 
 class NativeLayer(nn.Module):
@@ -75,7 +76,19 @@ def run(layers, hidden: torch.Tensor, masks: dict, tables: dict, windows: list, 
 
 
 def _native_product(module: nn.Module) -> bool:
+    if isinstance(module, Int8Linear):
+        return getattr(module, "_w8a8", None) is not None
     return isinstance(module, Int4Linear) and getattr(module, "_w4a8", None) is not None
+
+
+def _operands(product: nn.Module) -> list[torch.Tensor]:
+    """decoder_layer's five operands of a product: packed, bias, then int8's column sums, scales, smoothing."""
+    bias = NONE if product._bias is None else product._bias
+    if isinstance(product, Int4Linear):
+        return [product._w4a8, bias, NONE, NONE, NONE]
+    packed, sums = product._w8a8
+    smooth = NONE if product.smooth is None else product.smooth.float().contiguous()
+    return [packed, bias, sums, product._scale.reshape(-1).contiguous(), smooth]
 
 
 def fits(layer: nn.Module) -> bool:
@@ -108,7 +121,7 @@ def install(layer: nn.Module) -> bool:
     products = (attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj)
     weights = [layer.input_layernorm._weight, layer.post_attention_layernorm._weight]
     for product in products:
-        weights += [product._w4a8, NO_BIAS if product._bias is None else product._bias]
+        weights += _operands(product)
     config = attn.config
     layer._weights = weights
     layer._shape = (config.num_attention_heads, config.num_key_value_heads, float(layer.input_layernorm._eps),

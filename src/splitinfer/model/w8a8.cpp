@@ -7,9 +7,10 @@
 // float(sum) * scale[n], what torch._int_mm and FBGEMM's product give (the caller multiplies by the row's
 // own scale), so the three kernels give the same bits and every row its own (tests/model/test_w8a8.py).
 //
-// Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four). Against
-// FBGEMM on one core (notes/bench/w8a8-kernel, scripts/bench_w8a8.py): level on SmolLM2's LM head (0.80-1.20x
-// at 1-16 rows, slower at one and two), 1.2-1.3x at 4-16 rows on a draft head's 8192-token readout.
+// Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); from five
+// rows, eight rows share each load of two tiles (`pair`), the group's other two tiles then coming from the cache.
+// The stream is asked for ~16 KB ahead: at 1 KB the LM head waited on memory while its rows computed.
+// Figures against FBGEMM on one core: notes/bench/w8a8-kernel (scripts/bench_w8a8.py).
 //
 // The packed weight (model/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
 // columns (N / 64 rounded up; zero tiles after the real ones), one stream a group; for four inputs and a
@@ -23,14 +24,18 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
+
+#include "native.h"
 
 namespace {
 
 constexpr int64_t COLS = 16;  // output columns a tile
 constexpr int ROWS = 4;       // rows sharing a pass over a group of tiles
 constexpr int TILES = 4;      // tiles a group
-constexpr int64_t PREFETCH = 1024;  // bytes ahead of the weight stream that a pass asks for
+constexpr int WIDE = 8;       // rows sharing a pass over two tiles of a group, from five rows (the rows are padded to it)
+constexpr int64_t PREFETCH = 16384;  // bytes ahead of the weight stream that a pass asks for
 
 // The epilogue of one accumulator: row r, tile c of the group; rows and tiles past the real ones are padding.
 inline void finish(__m512i acc, int r, int c, const int32_t* sums, const float* scale, const float* sx, float* y,
@@ -81,6 +86,97 @@ void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, co
     for (int c = 0; c < TILES; ++c) finish(acc[r][c], r, c, sums, scale, sx, y, ldy, rows, tiles);
 }
 
+#define SPLITINFER_DOT2(r)                                         \
+  {                                                                \
+    const __m512i x = broadcast4(a + r * K + 4 * j);               \
+    d##r##0 = _mm512_dpbusd_epi32(d##r##0, x, w0);                 \
+    d##r##1 = _mm512_dpbusd_epi32(d##r##1, x, w1);                 \
+  }
+
+// Eight rows (a: [8, K], padded) times tiles c0 and c0 + 1 of a group. With four rows a pass, eight rows read
+// the weight twice and the passes alternate between waiting on memory and on the dot products; this way the
+// second pair of tiles comes from the cache.
+void pair(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, const float* scale, const float* sx,
+          float* y, int64_t ldy, int rows, int tiles, int c0) {
+  __m512i d00 = _mm512_setzero_si512(), d01 = d00, d10 = d00, d11 = d00, d20 = d00, d21 = d00, d30 = d00, d31 = d00;
+  __m512i d40 = d00, d41 = d00, d50 = d00, d51 = d00, d60 = d00, d61 = d00, d70 = d00, d71 = d00;
+  for (int64_t j = 0; j < K / 4; ++j) {
+    const int8_t* chunk = w + j * 64 * TILES;  // the first pass asks for all four tiles: the second finds them cached
+    for (int line = 0; line < TILES; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH + 64 * line), _MM_HINT_T0);
+    }
+    const int8_t* t = chunk + c0 * 64;
+    const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
+    SPLITINFER_DOT2(0) SPLITINFER_DOT2(1) SPLITINFER_DOT2(2) SPLITINFER_DOT2(3)
+    SPLITINFER_DOT2(4) SPLITINFER_DOT2(5) SPLITINFER_DOT2(6) SPLITINFER_DOT2(7)
+  }
+  const __m512i acc[WIDE][2] = {{d00, d01}, {d10, d11}, {d20, d21}, {d30, d31},
+                                {d40, d41}, {d50, d51}, {d60, d61}, {d70, d71}};
+  for (int r = 0; r < WIDE; ++r)
+    for (int c = 0; c < 2; ++c) finish(acc[r][c], r, c0 + c, sums, scale, sx, y, ldy, rows, tiles);
+}
+
+}  // namespace
+
+namespace splitinfer {
+
+void quantize_rows_int8(const float* x, int64_t M, int64_t K, const float* smooth, uint8_t* a, float* scale) {
+  thread_local std::vector<float> smoothed;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    if (smooth != nullptr) {  // x * smooth, the product formats.py's Int8Linear quantizes
+      smoothed.resize(K);
+      for (int64_t i = 0; i < K; ++i) smoothed[i] = row[i] * smooth[i];
+      row = smoothed.data();
+    }
+    __m512 top = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+    if (i < K) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, row + i)));
+    const float s = std::max(_mm512_reduce_max_ps(top) / 127.0f, std::numeric_limits<float>::min());
+    scale[m] = s;
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i shift = _mm512_set1_epi32(128);
+    uint8_t* out = a + m * K;
+    for (i = 0; i < K; i += 16) {  // round(x / s) half to even, as torch.round; then + 128
+      const __mmask16 live = K - i >= 16 ? static_cast<__mmask16>(0xFFFF) : tail;
+      const __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(live, row + i), sv),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm512_mask_cvtepi32_storeu_epi8(out + i, live, _mm512_add_epi32(_mm512_cvtps_epi32(q), shift));
+    }
+  }
+}
+
+void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const int32_t* sums, const float* scale,
+                  const float* sx, int64_t N, float* y) {
+  const int64_t real_tiles = N / COLS, groups = (real_tiles + TILES - 1) / TILES;
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t t = g * TILES;
+      const int tiles = static_cast<int>(std::min<int64_t>(TILES, real_tiles - t));
+      for (int64_t m = 0; m < M;) {
+        const float* row_scale = sx == nullptr ? nullptr : sx + m;
+        const int rows = static_cast<int>(std::min<int64_t>(M - m, WIDE));
+        if (rows > ROWS) {
+          for (int c0 = 0; c0 < tiles; c0 += 2) {
+            pair(w + t * K * COLS, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, y + m * N + t * COLS, N,
+                 rows, tiles, c0);
+          }
+        } else {
+          group(w + t * K * COLS, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, y + m * N + t * COLS, N,
+                rows, tiles);
+        }
+        m += rows;
+      }
+    }
+  });
+}
+
+}  // namespace splitinfer
+
+namespace {
+
 at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Tensor& sums, const at::Tensor& scale,
                    const c10::optional<at::Tensor>& row_scale) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kFloat && xq.device().is_cpu(),
@@ -101,25 +197,13 @@ at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Ten
     sx = rs.data_ptr<float>();
   }
   const at::Tensor xc = xq.contiguous();
-  const int64_t padded = (M + ROWS - 1) / ROWS * ROWS;
+  const int64_t padded = (M + WIDE - 1) / WIDE * WIDE;
   std::vector<uint8_t> a(padded * K, 128);  // padding rows: inputs of zero
   const float* x = xc.data_ptr<float>();
   for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<uint8_t>(static_cast<int32_t>(x[i]) + 128);
   at::Tensor y = at::empty({M, N}, xq.options());
-  const int8_t* w = packed.data_ptr<int8_t>();  // group g at w + g * K * 64
-  const int32_t* colsum = sums.data_ptr<int32_t>();
-  const float* ws = scale.data_ptr<float>();
-  float* out = y.data_ptr<float>();
-  at::parallel_for(0, T / TILES, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t t = g * TILES;
-      const int tiles = static_cast<int>(std::min<int64_t>(TILES, real_tiles - t));
-      for (int64_t m = 0; m < M; m += ROWS) {
-        group(w + t * K * COLS, K, a.data() + m * K, colsum + t * COLS, ws + t * COLS, sx == nullptr ? nullptr : sx + m,
-              out + m * N + t * COLS, N, static_cast<int>(std::min<int64_t>(ROWS, M - m)), tiles);
-      }
-    }
-  });
+  splitinfer::w8a8_product(a.data(), M, K, packed.data_ptr<int8_t>(), sums.data_ptr<int32_t>(), scale.data_ptr<float>(),
+                           sx, N, y.data_ptr<float>());
   return y;
 }
 

@@ -1,8 +1,9 @@
 """The int8 format's own CPU kernel: int8 weights times activations quantized to int8 per row.
 
-w8a8.cpp (built by model/native.py) shares each load of the weight among four rows on AVX512-VNNI. Against
-FBGEMM's product, which Int8Linear used alone before, it measured level on SmolLM2's int8 LM head (0.80-1.20x
-at 1-16 rows, FBGEMM faster at one and two rows) and 1.2-1.3x faster from four rows on a draft head's readout
+w8a8.cpp (built by model/native.py) shares each load of the weight among four rows (eight from five rows) on
+AVX512-VNNI and asks for the weight stream ~16 KB ahead. Against FBGEMM's product, which Int8Linear used alone
+before, it measured 1.1-1.5x faster on SmolLM2's int8 LM head at 1-16 rows (0.74 ms at one row, 1.21 at eight)
+and 1.2x from four rows on a draft head's readout, 0.9x at one and two
 (notes/bench/w8a8-kernel, `python scripts/bench_w8a8.py --out notes/bench/w8a8-kernel`). Its integer sums are
 exact and its epilogue is FBGEMM's and torch._int_mm's (float(sum) * the weight row's scale, then the input
 row's scale), so all three give the same bits (tests/model/test_w8a8.py) and each row its own.
