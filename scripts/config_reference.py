@@ -44,11 +44,11 @@ Tokens themselves go in a token file or `SPLITINFER_TOKEN`, never on the command
 `splitinfer config show [--command api]` prints the effective value of every option and where it came
 from, with secrets masked.
 
-splitinfer's own CPU kernels (int4 and int8 products, exact-rows attention, the norms of integer layers and
-whole int4 layers: `model/native.py`) are built on first use with the system's C++ compiler and kept in
-PyTorch's extension cache, `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). `SPLITINFER_NATIVE=0`
-turns them off (PyTorch's and FBGEMM's kernels then serve: the same exactness, other rounding for int4 and
-attention); reports name the kernels that ran.
+splitinfer's own CPU kernels (int4 and int8 products, exact-rows attention, the norms of integer layers,
+whole int4 layers and Token Recycling's top-k successors: `model/native.py`) are built on first use with the
+system's C++ compiler and kept in PyTorch's extension cache, `$TORCH_EXTENSIONS_DIR` (default
+`~/.cache/torch_extensions`). `SPLITINFER_NATIVE=0` turns them off (PyTorch's and FBGEMM's kernels then serve:
+the same exactness, other rounding for int4 and attention); reports name the kernels that ran.
 """
 
 

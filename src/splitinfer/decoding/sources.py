@@ -25,6 +25,7 @@ from typing import Protocol
 
 import torch
 
+from ..model import native
 from .calibration import prior_continue_prob
 from .draft import TokenTrie
 
@@ -191,10 +192,14 @@ class TokenRecycling:
         self._next: dict[int, tuple[list[int], list[float]]] = {}
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
-        """tokens: the block's input tokens; logits: [q, vocab], row r predicts what follows tokens[r]."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        top = probs.topk(self.k, dim=-1)
-        ids, ps = top.indices.tolist(), top.values.tolist()
+        """tokens: the block's input tokens; logits: [q, vocab], row r predicts what follows tokens[r].
+        model/row_top.cpp where it runs (k up to 64): one read of a row for its top k, one for the softmax's sum."""
+        if native.available() and logits.dtype == torch.float32 and logits.device.type == "cpu" and self.k <= 64:
+            ids, ps = torch.ops.splitinfer.row_top(logits.contiguous(), self.k)
+        else:
+            top = torch.softmax(logits.float(), dim=-1).topk(self.k, dim=-1)
+            ids, ps = top.indices, top.values
+        ids, ps = ids.tolist(), ps.tolist()
         for r, token in enumerate(tokens):
             self._next[token] = (ids[r], ps[r])
 

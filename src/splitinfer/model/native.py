@@ -1,9 +1,10 @@
 """splitinfer's own CPU kernels, built once per machine with PyTorch's C++ extension tools.
 
-Four kernels, each where no maintained library kernel serves (the measurements are in their files): w4a8.cpp
+Five kernels, each where no maintained library kernel serves (the measurements are in their files): w4a8.cpp
 (model/w4a8.py: int4 weights times int8 activations), w8a8.cpp (model/w8a8.py: int8 weights, many rows),
-rows_attention.cpp (model/attention.py: attention whose rows do not depend on the block around them) and
-rms_norm.cpp (model/fused.py: the RMS norms of layers with integer products, one pass a row); and
+rows_attention.cpp (model/attention.py: attention whose rows do not depend on the block around them),
+rms_norm.cpp (model/fused.py: the RMS norms of layers with integer products, one pass a row) and row_top.cpp
+(decoding/sources.py: Token Recycling's top-k successors and their softmax probabilities, two passes a row); and
 decoder_layer.cpp, which runs them back to back as one call a decoder layer (model/native_layer.py). They need
 AVX512 (F, BW, VL, VNNI) and F16C, and a C++ compiler; the first use builds them (about 25 s on this 2-core
 machine) into PyTorch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), later starts
@@ -29,7 +30,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-SOURCES = [Path(__file__).with_name(name) for name in ("w4a8.cpp", "w8a8.cpp", "rows_attention.cpp", "rms_norm.cpp", "decoder_layer.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in (
+    "w4a8.cpp", "w8a8.cpp", "rows_attention.cpp", "rms_norm.cpp", "decoder_layer.cpp", "row_top.cpp")]
 HEADER = Path(__file__).with_name("native.h")  # what the sources share (its hash is a flag: a change rebuilds)
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off"]
 ENV = "SPLITINFER_NATIVE"  # 0: never build or use the kernels
@@ -96,13 +98,19 @@ def _build() -> None:
     def _(hidden, cos, sin, key_cache, value_cache, start, index, offsets, weights, heads, kv_heads, eps, scale):
         return torch.empty_like(hidden)
 
+    @torch.library.register_fake("splitinfer::row_top")
+    def _(logits, k):
+        return logits.new_empty(logits.shape[0], k, dtype=torch.long), logits.new_empty(logits.shape[0], k)
+
 
 def kernel_names() -> dict[str, str]:
     """Which kernels run here, as reports name them."""
     if available():
         return {"int4": "w4a8 (model/w4a8.py)", "int8": "w8a8 (model/w8a8.py)",
                 "exact_rows_attention": "rows_attention (model/attention.py)",
-                "integer_layer_norms": "rms_norm (model/fused.py)", "int4_layers": "decoder_layer (model/native_layer.py)"}
+                "integer_layer_norms": "rms_norm (model/fused.py)",
+                "int4_layers": "decoder_layer (model/native_layer.py)",
+                "recycling_top_k": "row_top (decoding/sources.py)"}
     return {"int4": "pytorch (_weight_int4pack_mm_for_cpu)", "int8": "fbgemm (quantized::linear)",
             "exact_rows_attention": "pytorch (SDPA a row)", "integer_layer_norms": "pytorch (F.rms_norm)",
-            "int4_layers": "python (model/fastpath.py)"}
+            "int4_layers": "python (model/fastpath.py)", "recycling_top_k": "pytorch (softmax + topk)"}
