@@ -26,7 +26,7 @@ def test_the_kernels_are_built_wherever_the_cpu_has_their_instructions():
         pytest.skip(f"{native.ENV}=0 turns the kernels off")
     assert native.available() == native.cpu_supports()
     names = native.kernel_names()
-    assert set(names) == {"int4", "int8", "exact_rows_attention", "integer_layer_norms", "int4_layers",
+    assert set(names) == {"int4", "int8", "exact_rows_attention", "integer_layer_norms", "integer_layers",
                           "recycling_top_k"}
 
 

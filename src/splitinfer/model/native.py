@@ -109,8 +109,8 @@ def kernel_names() -> dict[str, str]:
         return {"int4": "w4a8 (model/w4a8.py)", "int8": "w8a8 (model/w8a8.py)",
                 "exact_rows_attention": "rows_attention (model/attention.py)",
                 "integer_layer_norms": "rms_norm (model/fused.py)",
-                "int4_layers": "decoder_layer (model/native_layer.py)",
+                "integer_layers": "decoder_layer (model/native_layer.py)",
                 "recycling_top_k": "row_top (decoding/sources.py)"}
     return {"int4": "pytorch (_weight_int4pack_mm_for_cpu)", "int8": "fbgemm (quantized::linear)",
             "exact_rows_attention": "pytorch (SDPA a row)", "integer_layer_norms": "pytorch (F.rms_norm)",
-            "int4_layers": "python (model/fastpath.py)", "recycling_top_k": "pytorch (softmax + topk)"}
+            "integer_layers": "python (model/fastpath.py)", "recycling_top_k": "pytorch (softmax + topk)"}

@@ -2,9 +2,8 @@
 // splitinfer::row_top(logits [R, V] float32, k) -> (ids int64 [R, k], probs float32 [R, k]).
 //
 // Token Recycling (decoding/sources.py) keeps the top 8 successors of every row the LM head computes. In
-// PyTorch that is softmax over the whole vocabulary and then topk, full passes over [R, 49152] and a
-// probability row written and read back: 0.95 ms for 11 rows on one core, 0.14 ms here (one quick median
-// on a shared machine; 0.12 / 2.2 ms against 0.015 / 0.30 ms at 1 / 24 rows).
+// PyTorch that is softmax over the whole vocabulary and then topk: full passes over [R, 49152] and a
+// probability row written and read back, about a millisecond a tree step of ~11 rows on one core.
 //
 // Pass 1 reads the row once against a threshold, the k-th largest value so far: a 16-float vector with no
 // lane above it (nearly all of them once the list has filled) costs a compare; the few lanes above it are
