@@ -94,6 +94,11 @@ def test_an_integer_format_is_bounded_by_its_stored_bytes(tmp_path):
         sides[spec] = step.build_sides(shards, (4,), (2,), sides=("local",))[0]
     f32, i8 = sides["float32"], sides["int8"]
     assert i8.product_flops(2) == f32.product_flops(2) > 0
+    # integer products are bounded by the int8 dot-product peak, float ones (and all without it) by the float peak
+    flops = f32.product_flops(2)
+    assert f32.compute_bound_ms(2, 100.0, 400.0) == flops / 100.0 / 1e6
+    assert i8.compute_bound_ms(2, 100.0, 400.0) == flops / 400.0 / 1e6
+    assert i8.compute_bound_ms(2, 100.0, None) == flops / 100.0 / 1e6
     linear = sum(m.in_features * m.out_features for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear))
     linear += f32.tail[1].in_features * f32.tail[1].out_features  # the LM head
     linears = [m for s in f32.stacks for m in s.modules() if isinstance(m, torch.nn.Linear)] + [f32.tail[1]]

@@ -81,3 +81,10 @@ def test_bad_operands_are_refused_with_what_was_expected():
         w8a8.matmul(torch.zeros(2, 60), packed, sums, torch.ones(32))
     with pytest.raises(RuntimeError, match="an entry for each of the 32 columns"):
         w8a8.matmul(torch.zeros(2, 64), packed, sums, torch.ones(16))
+
+
+@needs_kernel
+def test_the_int8_dot_product_peak_is_a_rate():
+    """bench step's integer compute bound: GOP/s of vpdpbusd, measured (a plausible range for one core)."""
+    peak = torch.ops.splitinfer.int8_dot_peak(200_000)
+    assert 10 < peak < 10_000

@@ -1,4 +1,4 @@
-"""What one thread of this machine can do, measured: memory read bandwidth and the weight-product peak.
+"""What one thread of this machine can do, measured: memory read bandwidth and the weight-product peaks.
 
 `bench step` sets each step beside the two limits a step can hit (a roofline): streaming the weights and
 the cached keys/values from memory, and the multiply-adds of the weight products. Both are measured here
@@ -47,3 +47,12 @@ def product_gflops(dtype: torch.dtype = torch.float32, repeats: int = 5) -> floa
     a = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=torch.Generator().manual_seed(0)).to(dtype)
     b = torch.randn(PEAK_SIZE, PEAK_SIZE, generator=torch.Generator().manual_seed(1)).to(dtype)
     return 2 * PEAK_SIZE**3 / _median_s(lambda: a @ b, repeats) / 1e9
+
+
+def int8_dot_gops(repeats: int = 5) -> float | None:
+    """One thread's int8 dot-product peak (model/w8a8.cpp's int8_dot_peak: the instruction the int4 and int8
+    kernels multiply with), GOP/s, median of `repeats` runs of ~0.1 s; None where those kernels do not run."""
+    if not native.available():
+        return None
+    torch.ops.splitinfer.int8_dot_peak(1_000_000)  # warm-up
+    return statistics.median(torch.ops.splitinfer.int8_dot_peak(30_000_000) for _ in range(repeats))

@@ -11,7 +11,8 @@ and threads:
   local side);
 - **bounds** (bench/machine.py, measured on the same thread): the bytes the step must stream (the side's
   weights once, plus the cached keys and values it reads) over the memory bandwidth, and the weight
-  products' flops over the product peak; beside them the rate the profiled products reached.
+  products' flops over the product peak (integer products over the int8 dot-product peak, where the
+  project's kernels multiply with that instruction); beside them the rate the profiled products reached.
 
 Both run on real activations of the benchmark prompts (token embeddings for the local side, the local
 head's output for the cloud's). Configurations run in a shuffled order every repetition after a warm-up;
@@ -55,7 +56,7 @@ from ..tables import table
 from .formats import stored_bytes
 from .anchors import e2e
 from .baseline import plain_model, with_ends
-from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, kernels_line, product_gflops
+from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, int8_dot_gops, kernels_line, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul",
@@ -181,11 +182,19 @@ class Side:
         self.hf_cache.crop(-q)
         return out
 
-    def product_flops(self, q: int) -> int:
-        """Multiply-adds x 2 of the weight products of a q-row step (attention's are not counted)."""
+    def product_flops(self, q: int, kinds: tuple[type, ...] = (nn.Linear, QuantLinear)) -> int:
+        """Multiply-adds x 2 of the weight products (of these module kinds) of a q-row step (attention's are
+        not counted)."""
         modules = list(self.stacks) + list(self.tail or ())
         return 2 * q * sum(m.in_features * m.out_features for top in modules for m in top.modules()
-                           if isinstance(m, (nn.Linear, QuantLinear)))
+                           if isinstance(m, kinds))
+
+    def compute_bound_ms(self, q: int, float_peak: float, int8_peak: float | None) -> float:
+        """The products' time at the peaks: integer products at the int8 dot-product peak where the kernels
+        that multiply on it run, the rest (and all where they do not) at the float peak."""
+        if int8_peak is None:
+            return self.product_flops(q) / float_peak / 1e6
+        return (self.product_flops(q, (nn.Linear,)) / float_peak + self.product_flops(q, (QuantLinear,)) / int8_peak) / 1e6
 
     def streamed_bytes(self) -> int:
         """Weights read once as stored (an integer format's state and scales too) plus the cached keys and
@@ -292,6 +301,8 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
     sides = build_sides(shards, config.contexts, config.rows, config.dtype, config.sides)
     peak = product_gflops(sides[0].dtype)
     log(f"product peak, one thread: {peak:.1f} GFLOP/s ({str(sides[0].dtype).removeprefix('torch.')})")
+    int8_peak = int8_dot_gops()
+    log(f"int8 dot-product peak, one thread: {int8_peak:.1f} GOP/s" if int8_peak else "int8 dot-product peak: not measured")
     times = time_configs(sides, config.rows, config.repeats)
     rows = []
     for i, side in enumerate(sides):
@@ -303,7 +314,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
                 "side": side.name, "context": side.context, "rows": q, "layers": sum(len(s.layers) for s in side.stacks),
                 "splitinfer_ms": round(ours, 2), "transformers_ms": round(anchor, 2), "ratio": round(ours / anchor, 3),
                 "bound_ms": round(side.streamed_bytes() / gbps / 1e6, 2),
-                "compute_bound_ms": float(f"{side.product_flops(q) / peak / 1e6:.4g}"),
+                "compute_bound_ms": float(f"{side.compute_bound_ms(q, peak, int8_peak):.4g}"),
                 "breakdown_ms": {k: round(v * ours, 2) for k, v in shares.items()},
             })
             products_ms = rows[-1]["breakdown_ms"]["products"]
@@ -316,7 +327,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_flags": cpu_flags(),
         "kernels": native.kernel_names(), "config": asdict(config),
         "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2),
-        "product_peak_gflops": round(peak, 1), "rows": rows,
+        "product_peak_gflops": round(peak, 1), "int8_dot_peak_gops": int8_peak and round(int8_peak, 1), "rows": rows,
         "synthetic": synthetic_source(shards),  # random weights in a config's shape (model/synthetic.py), or None
         "weights": shard_manifest(shards).get("weights"),  # each part's weight format (model/formats.py)
     }
@@ -354,6 +365,17 @@ def guard(report: dict, config: StepBenchConfig) -> dict:
             "failures": failures, "passed": not failures}
 
 
+def int8_line(report: dict) -> str:
+    peak = report.get("int8_dot_peak_gops")
+    return f" and int8 dot-product peak {peak} GOP/s (model/w8a8.cpp's int8_dot_peak)" if peak else ""
+
+
+def compute_peaks(report: dict) -> str:
+    if report.get("int8_dot_peak_gops"):
+        return "their peak (integer products: the int8 dot products' peak; float ones: the float peak)"
+    return "that float peak (integer products, as the int4 kernel's, can run past it)"
+
+
 def markdown(report: dict) -> str:
     lines = [f"# One decode step: splitinfer against plain transformers ({report['dtype']})", "",
              f"`{report['command']}`", "",
@@ -363,11 +385,11 @@ def markdown(report: dict) -> str:
              f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}; kernels "
              f"{kernels_line(report)}), {report['config']['threads']} thread(s) pinned to "
              f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s and product peak "
-             f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product). Medians of "
-             f"{report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: the side's "
-             "weights plus the cached keys/values it reads, over that bandwidth; compute bound: the weight products' "
-             "flops over that float peak (integer products, as the int4 kernel's, can run past it); products "
-             "GFLOP/s: those flops over the profiled products' time.", ""]
+             f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product){int8_line(report)}. "
+             f"Medians of {report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: "
+             "the side's weights plus the cached keys/values it reads, over that bandwidth; compute bound: the weight "
+             f"products' flops over {compute_peaks(report)}; products GFLOP/s: those flops over the profiled products' "
+             "time.", ""]
     header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "memory bound", "compute bound", *GROUPS,
               "products GFLOP/s"]
     body = [[r["side"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], f"{r['ratio']}x", r["bound_ms"],
