@@ -35,7 +35,7 @@ namespace {
 constexpr int64_t COLS = 16;  // output columns a tile
 constexpr int ROWS = 4;       // rows sharing a pass over a group of tiles
 constexpr int TILES = 4;      // tiles a group
-constexpr int WIDE = 8;       // rows sharing a pass over two tiles of a group, from five rows (the rows are padded to it)
+constexpr int WIDE = splitinfer::W8A8_ROWS;  // rows sharing a pass over two tiles of a group, from five rows
 constexpr int64_t PREFETCH = 16384;  // bytes ahead of the weight stream that a pass asks for
 
 // The epilogue of one accumulator: row r, tile c of the group; rows and tiles past the real ones are padding.
@@ -214,7 +214,8 @@ at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Ten
 double int8_dot_peak(int64_t iterations) {
   __m512i c0 = _mm512_set1_epi32(1), c1 = _mm512_set1_epi32(2), c2 = _mm512_set1_epi32(3), c3 = _mm512_set1_epi32(4);
   __m512i c4 = _mm512_set1_epi32(5), c5 = _mm512_set1_epi32(6), c6 = _mm512_set1_epi32(7), c7 = _mm512_set1_epi32(8);
-  __m512i c8 = _mm512_set1_epi32(9), c9 = _mm512_set1_epi32(10), c10 = _mm512_set1_epi32(11), c11 = _mm512_set1_epi32(12);
+  __m512i c8 = _mm512_set1_epi32(9), c9 = _mm512_set1_epi32(10);
+  __m512i c10 = _mm512_set1_epi32(11), c11 = _mm512_set1_epi32(12);
   __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < iterations; ++i) {
