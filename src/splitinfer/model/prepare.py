@@ -85,19 +85,21 @@ def _is_layer_linear(model: torch.nn.Module, key: str) -> bool:
     return isinstance(model.get_submodule(key[: -len(".weight")]), torch.nn.Linear)
 
 
-# `prepare --weights auto` on a GGUF whose decoder layers are 4-bit blocks: the blocks kept as they ship, the LM
-# head in int8 (such files keep the tied embedding in 8 bits; int4 would quantize it again). Measured on the
-# shipped SmolLM2 (notes/bench/formats): perplexity +0.65% against float32, local-only 3.1x transformers.
-AS_SHIPPED_4BIT = WeightFormats("int4", "int4", "int8")
+# `prepare --weights auto` on a GGUF whose decoder layers are 4-bit blocks, chosen by measurement on this CPU
+# (docs/benchmarks.md#weight-formats): the local layers keep the blocks as they ship (int4: the fastest one-row
+# step), the cloud's are quantized to int8 (a further tree row costs an int8 product less than Q4_1's per-block
+# epilogue, so the tree controller sends larger trees), and the LM head is int8 (such files keep the tied
+# embedding in 8 bits; int4 would quantize it again).
+SHIPPED_4BIT = WeightFormats(local="int4", cloud="int8", lm_head="int8")
 
 
 def shipped_formats(source: SourceModel) -> WeightFormats | None:
-    """`prepare --weights auto`: the weights as the model ships them. AS_SHIPPED_4BIT where every decoder-layer
-    linear of the source has its GGUF 4-bit blocks (model/gguf_blocks.py), else None (every weight in the
-    shards' dtype: a float checkpoint ships in floats)."""
+    """`prepare --weights auto`: SHIPPED_4BIT where every decoder-layer linear of the source has its GGUF
+    4-bit blocks (model/gguf_blocks.py), else None (every weight in the shards' dtype: a float checkpoint
+    ships in floats)."""
     linears = [k for k in source.model.state_dict() if _is_layer_linear(source.model, k)]
     blocks = source.blocks or {}
-    return AS_SHIPPED_4BIT if linears and all(k in blocks for k in linears) else None
+    return SHIPPED_4BIT if linears and all(k in blocks for k in linears) else None
 
 
 def stored_linear(key: str, weight: torch.Tensor, fmt: str, block: tuple | None = None,

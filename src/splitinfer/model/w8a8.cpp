@@ -9,7 +9,10 @@
 //
 // Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); from five
 // rows, eight rows share each load of two tiles (`pair`), the group's other two tiles then coming from the cache.
-// The stream is asked for ~16 KB ahead: at 1 KB the LM head waited on memory while its rows computed.
+// One pass asks for the stream ~16 KB ahead: at 1 KB the LM head waited on memory while its rows computed. Where
+// several passes read a group, each asks for its share of the next group into L2 (`Ahead`): when only the first
+// pass went to memory, memory idled while the others computed (the cloud's int8 products at eight rows took
+// ~1.2x longer; into L1 instead, ~1.4x: the next group evicted the tiles still being read).
 // Figures against FBGEMM on one core: notes/bench/w8a8-kernel (scripts/bench_w8a8.py).
 //
 // The packed weight (model/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
@@ -53,6 +56,20 @@ inline __m512i broadcast4(const uint8_t* p) {
   return _mm512_set1_epi32(four);
 }
 
+// The part of the next group's stream that one of the `passes` passes over a group asks for, spread over the
+// pass's K / 4 steps: with several passes over a group, a pass that finds its tiles cached would leave memory
+// idle, so each pass asks for an equal share of the next group (the group's stream is K cache lines long).
+struct Ahead {
+  const int8_t* next = nullptr;  // the next group's stream, or nullptr (the last group)
+  int64_t first = 0, count = 0;  // its lines this pass asks for
+  void at(int64_t j, int64_t steps) const {
+    if (next == nullptr) return;
+    for (int64_t line = first + j * count / steps; line < first + (j + 1) * count / steps; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+    }
+  }
+};
+
 #define SPLITINFER_DOT4(a, r)                        \
   c##r##0 = _mm512_dpbusd_epi32(c##r##0, a, w0);    \
   c##r##1 = _mm512_dpbusd_epi32(c##r##1, a, w1);    \
@@ -62,7 +79,7 @@ inline __m512i broadcast4(const uint8_t* p) {
 // Four rows (a: [4, K] shifted bytes, padded) times four tiles (w: the group's first tile; tiles padded) ->
 // the real `rows` x `tiles` of y. Sixteen named accumulators: in an array GCC moved or spilled them.
 void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, const float* scale, const float* sx,
-           float* y, int64_t ldy, int rows, int tiles) {
+           float* y, int64_t ldy, int rows, int tiles, Ahead ahead) {
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
   __m512i c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
   for (int64_t j = 0; j < K / 4; ++j) {
@@ -71,6 +88,7 @@ void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, co
     _mm_prefetch(reinterpret_cast<const char*>(t + PREFETCH + 64), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(t + PREFETCH + 128), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(t + PREFETCH + 192), _MM_HINT_T0);
+    ahead.at(j, K / 4);
     const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
     const __m512i w2 = _mm512_loadu_si512(t + 128), w3 = _mm512_loadu_si512(t + 192);
     const __m512i a0 = broadcast4(a + 4 * j);
@@ -96,17 +114,14 @@ void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, co
 
 // Eight rows (a: [8, K], padded) times tiles c0 and c0 + 1 of a group. With four rows a pass, eight rows read
 // the weight twice and the passes alternate between waiting on memory and on the dot products; this way the
-// second pair of tiles comes from the cache.
+// second pair of tiles comes from the cache, while `ahead` brings the next group in.
 void pair(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, const float* scale, const float* sx,
-          float* y, int64_t ldy, int rows, int tiles, int c0) {
+          float* y, int64_t ldy, int rows, int tiles, int c0, Ahead ahead) {
   __m512i d00 = _mm512_setzero_si512(), d01 = d00, d10 = d00, d11 = d00, d20 = d00, d21 = d00, d30 = d00, d31 = d00;
   __m512i d40 = d00, d41 = d00, d50 = d00, d51 = d00, d60 = d00, d61 = d00, d70 = d00, d71 = d00;
   for (int64_t j = 0; j < K / 4; ++j) {
-    const int8_t* chunk = w + j * 64 * TILES;  // the first pass asks for all four tiles: the second finds them cached
-    for (int line = 0; line < TILES; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(chunk + PREFETCH + 64 * line), _MM_HINT_T0);
-    }
-    const int8_t* t = chunk + c0 * 64;
+    ahead.at(j, K / 4);
+    const int8_t* t = w + j * 64 * TILES + c0 * 64;
     const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
     SPLITINFER_DOT2(0) SPLITINFER_DOT2(1) SPLITINFER_DOT2(2) SPLITINFER_DOT2(3)
     SPLITINFER_DOT2(4) SPLITINFER_DOT2(5) SPLITINFER_DOT2(6) SPLITINFER_DOT2(7)
@@ -156,17 +171,28 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t = g * TILES;
       const int tiles = static_cast<int>(std::min<int64_t>(TILES, real_tiles - t));
+      const int8_t* stream = w + t * K * COLS;
+      if (M <= ROWS) {  // one pass: its own prefetch runs ahead into the next group
+        group(stream, K, a, sums + t * COLS, scale + t * COLS, sx, y + t * COLS, N, static_cast<int>(M), tiles, {});
+        continue;
+      }
+      const int64_t blocks = M / WIDE, rest = M % WIDE;  // passes: two a block of eight, one or two for the rest
+      const int64_t passes = blocks * ((tiles + 1) / 2) + (rest == 0 ? 0 : rest > ROWS ? (tiles + 1) / 2 : 1);
+      const int8_t* next = g + 1 < g1 ? stream + TILES * K * COLS : nullptr;
+      int64_t pass = 0;
       for (int64_t m = 0; m < M;) {
         const float* row_scale = sx == nullptr ? nullptr : sx + m;
         const int rows = static_cast<int>(std::min<int64_t>(M - m, WIDE));
+        float* out = y + m * N + t * COLS;
         if (rows > ROWS) {
-          for (int c0 = 0; c0 < tiles; c0 += 2) {
-            pair(w + t * K * COLS, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, y + m * N + t * COLS, N,
-                 rows, tiles, c0);
+          for (int c0 = 0; c0 < tiles; c0 += 2, ++pass) {
+            const Ahead ahead{next, pass * K / passes, (pass + 1) * K / passes - pass * K / passes};
+            pair(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, c0, ahead);
           }
         } else {
-          group(w + t * K * COLS, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, y + m * N + t * COLS, N,
-                rows, tiles);
+          const Ahead ahead{next, pass * K / passes, (pass + 1) * K / passes - pass * K / passes};
+          group(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, ahead);
+          ++pass;
         }
         m += rows;
       }
