@@ -28,13 +28,13 @@ def test_a_device_without_integer_kernels_computes_with_the_weights_they_stand_f
     assert_local_only_matches_hf(load_whole_hf(shards), shards, [3, 5, 7, 11], 8)
 
 
-def test_auto_keeps_a_4bit_ggufs_local_blocks_and_a_float_model_in_floats():
+def test_auto_quantizes_a_4bit_gguf_to_int8_and_keeps_a_float_model_in_floats():
     from splitinfer.model.prepare import SHIPPED_4BIT, shipped_formats
 
     model = tiny_model("llama", 0)
     linears = [k for k in model.state_dict() if k.startswith("model.layers.") and k.endswith("proj.weight")]
     blocks = {k: None for k in linears}  # only which weights have blocks matters here
     assert shipped_formats(SourceModel("m", model.config, model, None, blocks=blocks)) == SHIPPED_4BIT
-    assert SHIPPED_4BIT.local == "int4"  # the trusted side keeps the shipped blocks
+    assert set(SHIPPED_4BIT.as_dict().values()) == {"int8"}
     assert shipped_formats(SourceModel("m", model.config, model, None, blocks=dict(list(blocks.items())[1:]))) is None
     assert shipped_formats(SourceModel("m", model.config, model, None)) is None

@@ -48,8 +48,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class FormatsBenchConfig:
-    formats: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "int4,lm_head=int8",  # --weights specs
-                                "int4,cloud=int8,lm_head=int8")
+    formats: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "int4,lm_head=int8")  # --weights specs
     rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # block rows q of the step timings
     contexts: tuple[int, ...] = (64, 512)  # cached rows before a timed block
     prompts: int = 5  # benchmark prompts generated from (bench/prompts.jsonl order)

@@ -23,8 +23,8 @@ class SplitOptions:
     tail_layers: int = 2  # m: decoder layers kept local after the cloud
     dtype: str = "float32"  # the compute dtype of prepared shards (activations, norms, the embedding)
     # Each part's weight format (model/formats.py): one format, or PART=FORMAT entries (local, cloud, lm_head);
-    # "auto": by the source (a 4-bit GGUF: local layers int4 as shipped, cloud layers and LM head int8; else
-    # `dtype`); "" every weight in `dtype`.
+    # "auto": by the source (a 4-bit GGUF: every part int8, model/prepare.py's SHIPPED_4BIT; else `dtype`);
+    # "" every weight in `dtype`.
     weights: str = "auto"
 
 
@@ -149,10 +149,9 @@ def register(subparsers) -> None:
         Opt("dtype", choices=DTYPE_NAMES, help="compute dtype of the shards (activations, norms, embedding)"),
         Opt("weights", help="weight format of the decoder layers and LM head: float32, bfloat16, int8 or int4, "
                             "or PART=FORMAT entries for local, cloud, lm_head (e.g. int4,lm_head=int8); "
-                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; auto: for a 4-bit GGUF its blocks on the local layers "
-                            "(int4), the cloud layers and LM head in int8 (measured fastest for the split on a CPU); "
-                            "other models and --synthetic every weight in --dtype; '' or float32: every weight in "
-                            "--dtype"),
+                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; auto: a 4-bit GGUF in int8 (measured fastest "
+                            "for the split on a CPU within 1% of float32's perplexity), other models and --synthetic "
+                            "every weight in --dtype; '' or float32: every weight in --dtype"),
     ))
     s.add_argument("--allow-public-weights", action="store_true",
                    help="accept, once for this shard, that its local layers are the stock public weights (the cloud "
