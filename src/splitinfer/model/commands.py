@@ -150,8 +150,8 @@ def register(subparsers) -> None:
         Opt("weights", help="weight format of the decoder layers and LM head: float32, bfloat16, int8 or int4, "
                             "or PART=FORMAT entries for local, cloud, lm_head (e.g. int4,lm_head=int8); "
                             "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; auto: a 4-bit GGUF in int8 (measured fastest "
-                            "for the split on a CPU within 1% of float32's perplexity), other models and --synthetic "
-                            "every weight in --dtype; '' or float32: every weight in --dtype"),
+                            "for the split on a CPU, perplexity within one percent of float32's), other models "
+                            "and --synthetic every weight in --dtype; '' or float32: every weight in --dtype"),
     ))
     s.add_argument("--allow-public-weights", action="store_true",
                    help="accept, once for this shard, that its local layers are the stock public weights (the cloud "
