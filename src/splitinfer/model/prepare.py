@@ -89,8 +89,8 @@ def _is_layer_linear(model: torch.nn.Module, key: str) -> bool:
 # (docs/benchmarks.md#weight-formats): every part in int8, quantized again from the blocks' values with
 # SmoothQuant's calibration. Its split tree ran faster than the blocks kept as they ship (int4, an int8 LM head):
 # a further tree row costs an int8 product less than Q4_1's per-block epilogue, so the controller sends larger
-# trees; and of the formats measured, it kept perplexity closest to float32's (the int4 layers cost +0.7%, int4
-# local layers with int8 cloud layers +1.9%: over the 1% a default may add).
+# trees; and of the reduced formats measured, it kept perplexity closest to float32's (+0.05%; the int4 layers
+# cost +0.7%, int4 local layers with int8 cloud layers +1.9%: over the 1% a default may add).
 SHIPPED_4BIT = WeightFormats(local="int8", cloud="int8", lm_head="int8")
 
 
