@@ -80,8 +80,7 @@ void multiply(const Product& p, const float* x, int64_t rows, float* y) {
     RECORD_FUNCTION("splitinfer::w8a8_mm", std::vector<c10::IValue>());
     thread_local std::vector<uint8_t> a;
     thread_local std::vector<float> sx;
-    const int64_t padded = (rows + splitinfer::W8A8_ROWS - 1) / splitinfer::W8A8_ROWS * splitinfer::W8A8_ROWS;
-    a.assign(padded * p.k, 128);  // the kernel reads whole blocks of rows: padding rows of zeros
+    a.assign(splitinfer::w8a8_padded_rows(rows) * p.k, 128);  // the kernel reads whole blocks: padding rows of zeros
     sx.resize(rows);
     splitinfer::quantize_rows_int8(x, rows, p.k, p.smooth, a.data(), sx.data());
     splitinfer::w8a8_product(a.data(), rows, p.k, static_cast<const int8_t*>(p.packed), p.sums, p.scale, sx.data(),

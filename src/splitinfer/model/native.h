@@ -13,6 +13,8 @@ void w4a8_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, i
 // (scale[m] = max|x_m| / 127, at least FLT_MIN; round(x / scale) half to even), stored + 128 as bytes in a.
 void quantize_rows_int8(const float* x, int64_t M, int64_t K, const float* smooth, uint8_t* a, float* scale);
 constexpr int64_t W8A8_ROWS = 8;  // w8a8_product reads its rows in blocks of this many
+// The rows w8a8_product's input holds for M real ones: M rounded up to whole blocks.
+constexpr int64_t w8a8_padded_rows(int64_t M) { return (M + W8A8_ROWS - 1) / W8A8_ROWS * W8A8_ROWS; }
 // w8a8.cpp: a [M rounded up to W8A8_ROWS, K] (quantize_rows_int8's bytes; padding rows 128) times a packed int8 weight
 // [N / 64 rounded up, K / 4, 256] -> y [M, N] = float(sum) * scale[n] (* sx[m] where not null).
 void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, const int32_t* sums, const float* scale,

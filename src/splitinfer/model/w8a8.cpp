@@ -179,19 +179,18 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const
       const int64_t blocks = M / WIDE, rest = M % WIDE;  // passes: two a block of eight, one or two for the rest
       const int64_t passes = blocks * ((tiles + 1) / 2) + (rest == 0 ? 0 : rest > ROWS ? (tiles + 1) / 2 : 1);
       const int8_t* next = g + 1 < g1 ? stream + TILES * K * COLS : nullptr;
-      int64_t pass = 0;
+      int64_t pass = 0;  // this pass's share of the next group: lines [pass * K / passes, (pass + 1) * K / passes)
+      const auto share = [&] { return Ahead{next, pass * K / passes, (pass + 1) * K / passes - pass * K / passes}; };
       for (int64_t m = 0; m < M;) {
         const float* row_scale = sx == nullptr ? nullptr : sx + m;
         const int rows = static_cast<int>(std::min<int64_t>(M - m, WIDE));
         float* out = y + m * N + t * COLS;
         if (rows > ROWS) {
           for (int c0 = 0; c0 < tiles; c0 += 2, ++pass) {
-            const Ahead ahead{next, pass * K / passes, (pass + 1) * K / passes - pass * K / passes};
-            pair(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, c0, ahead);
+            pair(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, c0, share());
           }
         } else {
-          const Ahead ahead{next, pass * K / passes, (pass + 1) * K / passes - pass * K / passes};
-          group(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, ahead);
+          group(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, share());
           ++pass;
         }
         m += rows;
@@ -224,8 +223,7 @@ at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Ten
     sx = rs.data_ptr<float>();
   }
   const at::Tensor xc = xq.contiguous();
-  const int64_t padded = (M + WIDE - 1) / WIDE * WIDE;
-  std::vector<uint8_t> a(padded * K, 128);  // padding rows: inputs of zero
+  std::vector<uint8_t> a(splitinfer::w8a8_padded_rows(M) * K, 128);  // padding rows: inputs of zero
   const float* x = xc.data_ptr<float>();
   for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<uint8_t>(static_cast<int32_t>(x[i]) + 128);
   at::Tensor y = at::empty({M, N}, xq.options());
