@@ -20,9 +20,9 @@ def integers(rows: int, k: int, seed: int) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(16, 4), (48, 64), (192, 576), (576, 1536), (1040, 576)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 10, 11, 12, 17])
 def test_the_kernel_gives_int_mm_and_fbgemm_bits(n, k, rows):
-    """Shapes with 1-4 tiles left over after the groups of four, rows with 1-3 left over after the fours."""
+    """Shapes with 1-4 tiles left over after the groups of four; one to four rows alone or after blocks of eight."""
     torch.manual_seed(0)
     state = formats.quantize_int8(torch.randn(n, k))
     qweight, scale = state["qweight"], state["scale"]
@@ -35,6 +35,7 @@ def test_the_kernel_gives_int_mm_and_fbgemm_bits(n, k, rows):
         assert torch.equal(ours, int8_product(xq, packed))
     sx = torch.rand(rows) + 0.5
     assert torch.equal(w8a8.matmul(xq, *w8a8.pack(qweight), scale.contiguous(), sx), ours * sx[:, None])
+    assert torch.equal(w8a8.matmul(xq, *w8a8.pack(qweight), scale.contiguous(), prefetch=16384), ours)  # the A/B knob
 
 
 @needs_kernel
@@ -47,11 +48,12 @@ def test_every_row_has_the_bits_it_has_alone(threads):
     torch.set_num_threads(threads)
     try:
         xq = integers(64, 576, seed=2)
-        block = w8a8.matmul(xq, *packed, state["scale"])
         alone = torch.cat([w8a8.matmul(xq[i : i + 1], *packed, state["scale"]) for i in range(64)])
+        blocks = {m: w8a8.matmul(xq[:m], *packed, state["scale"]) for m in [*range(2, 13), 64]}
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(block, alone)
+    for m, block in blocks.items():  # every kernel path: one to four rows, pairs of tiles, blocks and their rest
+        assert torch.equal(block, alone[:m]), m
 
 
 @needs_kernel

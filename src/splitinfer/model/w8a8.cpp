@@ -9,10 +9,12 @@
 //
 // Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); from five
 // rows, eight rows share each load of two tiles (`pair`), the group's other two tiles then coming from the cache.
-// One pass asks for the stream ~16 KB ahead: at 1 KB the LM head waited on memory while its rows computed. Where
-// several passes read a group, each asks for its share of the next group into L2 (`Ahead`): when only the first
-// pass went to memory, memory idled while the others computed (the cloud's int8 products at eight rows took
-// ~1.2x longer; into L1 instead, ~1.4x: the next group evicted the tiles still being read).
+// One pass (up to four rows) leaves the stream to the hardware prefetchers: asking for it 16 KB ahead with
+// prefetcht0 made one to four rows 1.2-1.3x slower (a cloud step's 104 products at one row 6.60 ms against 5.20,
+// notes/bench/w8a8-prefetch). Where several passes read a group, each asks for its share of the next group into
+// L2 (`Ahead`): when only the first pass went to memory, memory idled while the others computed (the cloud's
+// int8 products at eight rows took ~1.2x longer; into L1 instead, ~1.4x: the next group evicted the tiles still
+// being read).
 // Figures against FBGEMM on one core: notes/bench/w8a8-kernel (scripts/bench_w8a8.py).
 //
 // The packed weight (model/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
@@ -39,7 +41,6 @@ constexpr int64_t COLS = 16;  // output columns a tile
 constexpr int ROWS = 4;       // rows sharing a pass over a group of tiles
 constexpr int TILES = 4;      // tiles a group
 constexpr int WIDE = splitinfer::W8A8_ROWS;  // rows sharing a pass over two tiles of a group, from five rows
-constexpr int64_t PREFETCH = 16384;  // bytes ahead of the weight stream that a pass asks for
 
 // The epilogue of one accumulator: row r, tile c of the group; rows and tiles past the real ones are padding.
 inline void finish(__m512i acc, int r, int c, const int32_t* sums, const float* scale, const float* sx, float* y,
@@ -79,15 +80,14 @@ struct Ahead {
 // Four rows (a: [4, K] shifted bytes, padded) times four tiles (w: the group's first tile; tiles padded) ->
 // the real `rows` x `tiles` of y. Sixteen named accumulators: in an array GCC moved or spilled them.
 void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, const float* scale, const float* sx,
-           float* y, int64_t ldy, int rows, int tiles, Ahead ahead) {
+           float* y, int64_t ldy, int rows, int tiles, Ahead ahead, int64_t prefetch) {
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
   __m512i c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
   for (int64_t j = 0; j < K / 4; ++j) {
     const int8_t* t = w + j * 64 * TILES;
-    _mm_prefetch(reinterpret_cast<const char*>(t + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(t + PREFETCH + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(t + PREFETCH + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(t + PREFETCH + 192), _MM_HINT_T0);
+    for (int line = 0; prefetch > 0 && line < TILES; ++line) {
+      _mm_prefetch(reinterpret_cast<const char*>(t + prefetch + 64 * line), _MM_HINT_T0);
+    }
     ahead.at(j, K / 4);
     const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
     const __m512i w2 = _mm512_loadu_si512(t + 128), w3 = _mm512_loadu_si512(t + 192);
@@ -165,15 +165,16 @@ void quantize_rows_int8(const float* x, int64_t M, int64_t K, const float* smoot
 }
 
 void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const int32_t* sums, const float* scale,
-                  const float* sx, int64_t N, float* y) {
+                  const float* sx, int64_t N, float* y, int64_t prefetch) {
   const int64_t real_tiles = N / COLS, groups = (real_tiles + TILES - 1) / TILES;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t t = g * TILES;
       const int tiles = static_cast<int>(std::min<int64_t>(TILES, real_tiles - t));
       const int8_t* stream = w + t * K * COLS;
-      if (M <= ROWS) {  // one pass: its own prefetch runs ahead into the next group
-        group(stream, K, a, sums + t * COLS, scale + t * COLS, sx, y + t * COLS, N, static_cast<int>(M), tiles, {});
+      if (M <= ROWS) {  // one pass, the hardware prefetchers streaming the groups
+        group(stream, K, a, sums + t * COLS, scale + t * COLS, sx, y + t * COLS, N, static_cast<int>(M), tiles, {},
+              prefetch);
         continue;
       }
       const int64_t blocks = M / WIDE, rest = M % WIDE;  // passes: two a block of eight, one or two for the rest
@@ -190,7 +191,8 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const
             pair(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, c0, share());
           }
         } else {
-          group(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, share());
+          group(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, share(),
+                prefetch);
           ++pass;
         }
         m += rows;
@@ -204,7 +206,7 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const
 namespace {
 
 at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Tensor& sums, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& row_scale) {
+                   const c10::optional<at::Tensor>& row_scale, int64_t prefetch) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kFloat && xq.device().is_cpu(),
               "w8a8_mm: xq must be a 2-D float32 CPU tensor of integers in -127..127");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(2) == 64 * TILES,
@@ -228,7 +230,7 @@ at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Ten
   for (int64_t i = 0; i < M * K; ++i) a[i] = static_cast<uint8_t>(static_cast<int32_t>(x[i]) + 128);
   at::Tensor y = at::empty({M, N}, xq.options());
   splitinfer::w8a8_product(a.data(), M, K, packed.data_ptr<int8_t>(), sums.data_ptr<int32_t>(), scale.data_ptr<float>(),
-                           sx, N, y.data_ptr<float>());
+                           sx, N, y.data_ptr<float>(), prefetch);
   return y;
 }
 
@@ -261,7 +263,8 @@ double int8_dot_peak(int64_t iterations) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitinfer, m) {
-  m.def("w8a8_mm(Tensor xq, Tensor packed, Tensor column_sums, Tensor scale, Tensor? row_scale=None) -> Tensor");
+  m.def("w8a8_mm(Tensor xq, Tensor packed, Tensor column_sums, Tensor scale, Tensor? row_scale=None, int prefetch=0) "
+        "-> Tensor");
   m.def("int8_dot_peak(int iterations) -> float");
 }
 
