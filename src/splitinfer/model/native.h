@@ -17,7 +17,7 @@ constexpr int64_t W8A8_ROWS = 8;  // w8a8_product reads its rows in blocks of th
 constexpr int64_t w8a8_padded_rows(int64_t M) { return (M + W8A8_ROWS - 1) / W8A8_ROWS * W8A8_ROWS; }
 // w8a8.cpp: a [M rounded up to W8A8_ROWS, K] (quantize_rows_int8's bytes; padding rows 128) times a packed int8 weight
 // [N / 64 rounded up, K / 4, 256] -> y [M, N] = float(sum) * scale[n] (* sx[m] where not null). prefetch > 0: a
-// pass of up to four rows asks for the weight that many bytes ahead with prefetcht0 (scripts/bench_w8a8.py's A/B).
+// pass of up to four rows asks for the weight that many bytes ahead with prefetcht0 (scripts/bench_w8a8_stream.py).
 void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, const int32_t* sums, const float* scale,
                   const float* sx, int64_t N, float* y, int64_t prefetch = 0);
 

@@ -10,11 +10,11 @@
 // Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); from five
 // rows, eight rows share each load of two tiles (`pair`), the group's other two tiles then coming from the cache.
 // One pass (up to four rows) leaves the stream to the hardware prefetchers: asking for it 16 KB ahead with
-// prefetcht0 made one to four rows 1.2-1.3x slower (a cloud step's 104 products at one row 6.60 ms against 5.20,
-// notes/bench/w8a8-prefetch). Where several passes read a group, each asks for its share of the next group into
-// L2 (`Ahead`): when only the first pass went to memory, memory idled while the others computed (the cloud's
-// int8 products at eight rows took ~1.2x longer; into L1 instead, ~1.4x: the next group evicted the tiles still
-// being read).
+// prefetcht0 made one to four rows 1.17-1.29x slower (a cloud step's 104 products at one row 5.04 ms against
+// 4.23, notes/bench/w8a8-prefetch). Where several passes read a group, each asks for its share of the next
+// group into L2 (`Ahead`): when only the first pass went to memory, memory idled while the others computed
+// (the cloud's int8 products at eight rows took ~1.2x longer; into L1 instead, ~1.4x: the next group evicted
+// the tiles still being read).
 // Figures against FBGEMM on one core: notes/bench/w8a8-kernel (scripts/bench_w8a8.py).
 //
 // The packed weight (model/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output

@@ -2,7 +2,7 @@
 
 w8a8.cpp (built by model/native.py) shares each load of the weight among four rows (eight from five rows) on
 AVX512-VNNI; one to four rows leave the weight stream to the hardware prefetchers (asking for it 16 KB ahead
-measured 1.2-1.3x slower streamed from memory: notes/bench/w8a8-prefetch, `python scripts/bench_w8a8_stream.py
+measured 1.17-1.29x slower streamed from memory: notes/bench/w8a8-prefetch, `python scripts/bench_w8a8_stream.py
 --out notes/bench/w8a8-prefetch`). Against FBGEMM's product, which Int8Linear used alone
 before, it measured 1.1-1.5x faster on SmolLM2's int8 LM head at 1-16 rows (0.74 ms at one row, 1.21 at eight)
 and 1.2x from four rows on a draft head's readout, 0.9x at one and two
@@ -43,5 +43,5 @@ def matmul(xq: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: to
            row_scale: torch.Tensor | None = None, prefetch: int = 0) -> torch.Tensor:
     """xq [M, K] float32 integers in -127..127 times the packed weight -> [M, N] float32: float(sum) * scale[n]
     (* row_scale[m] where given). prefetch > 0: up to four rows ask for the weight that many bytes ahead
-    (scripts/bench_w8a8.py measures it against the hardware prefetchers alone, the default)."""
+    (scripts/bench_w8a8_stream.py measures it against the hardware prefetchers alone, the default)."""
     return torch.ops.splitinfer.w8a8_mm(xq, packed, sums, scale, row_scale, prefetch)
