@@ -56,6 +56,17 @@ class KVCache:
         self.pending = rows
         return keys, values, start
 
+    def block_buffers(self, layers: int, rows: int, like: torch.Tensor) -> tuple[list, list, int]:
+        """`slots` for layers 0..layers-1 at once (a writer that fills them all in one call): their key and value
+        buffers, grown to take a block of `rows` rows, and the slot the block starts at."""
+        start = self.length + self._held_rows
+        for layer_idx in range(layers):
+            keys = self._keys[layer_idx]
+            if keys is None or keys.shape[2] < start + rows:
+                self._grow(layer_idx, like, start + rows)
+        self.pending = rows
+        return self._keys[:layers], self._values[:layers], start
+
     def capacity_for(self, rows: int) -> int:
         """Rows each layer's buffer holds once `rows` rows have been written (the growth rule of `_grow`)."""
         capacity = max(self._capacity, 16)

@@ -49,16 +49,50 @@ def test_the_native_layer_gives_fastpaths_bits_and_cache(tmp_path, family, prefi
     assert all(isinstance(layer, NativeLayer) for layer in stack.layers)
     torch.manual_seed(3)
     hidden = torch.randn(1, prefix + len(PARENTS), stack.config.hidden_size)
-    assert stack._native  # the stack's pass calls the kernel itself (native_layer.run)
-    native_out, native_cache = run_blocks(stack, hidden, prefix)
+    assert stack._stack_call is not None  # a lone block: every layer in one call (native_layer.StackCall)
+    runs = [run_blocks(stack, hidden, prefix)]
+    stack._stack_call = None  # the stack's pass calls the kernel a layer (native_layer.run)
+    runs.append(run_blocks(stack, hidden, prefix))
     stack._native = False  # each layer's forward calls it
-    layer_out, layer_cache = run_blocks(stack, hidden, prefix)
+    runs.append(run_blocks(stack, hidden, prefix))
     for layer in stack.layers:
         layer.__class__ = type(layer).__bases__[1]
     composed_out, composed_cache = run_blocks(stack, hidden, prefix)
-    assert torch.equal(native_out, composed_out) and torch.equal(layer_out, composed_out)
-    for (k, v), (k2, v2), (k3, v3) in zip(native_cache, composed_cache, layer_cache):
-        assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(k3, k2) and torch.equal(v3, v2)
+    for out, cache in runs:
+        assert torch.equal(out, composed_out)
+        for (k, v), (k2, v2) in zip(cache, composed_cache):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_stacks_rotary_table_gives_the_rotary_modules_bits(tmp_path, family):
+    """A table row for each position, grown in slices, against the module called on the block's positions."""
+    stack = cloud_stack(tmp_path, family, "int8")
+    call = stack._stack_call
+    with torch.inference_mode():
+        call._cover(700)
+        for positions in ([0], [5, 6, 7], list(range(250, 262)), [699, 3, 512], list(range(64))):
+            ids = torch.tensor([positions])
+            cos, sin = stack.rotary(torch.empty(0), ids)
+            assert torch.equal(call.cos[ids[0]], cos[0]) and torch.equal(call.sin[ids[0]], sin[0])
+
+
+@needs_native
+def test_the_stack_call_refuses_a_position_past_its_table_and_a_held_block_takes_the_masks(tmp_path):
+    stack = cloud_stack(tmp_path, "llama", "int8")
+    call, d = stack._stack_call, stack.config.hidden_size
+    cache = stack.new_cache()
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="position 900 is past the rotary table"):
+            call.kernel.run(torch.zeros(1, d), call.cos, call.sin, torch.tensor([900]), torch.ones(1, 1, dtype=torch.bool),
+                            0, *cache.block_buffers(len(stack.layers), 1, call.like)[:2])
+        stack(torch.randn(1, 2, d), torch.arange(2), chain_allowed(2), cache)
+        cache.hold()
+        calls = []
+        stack._stack_call = lambda *args: calls.append(args)
+        out = stack(torch.randn(1, 1, d), torch.tensor([2]), chain_allowed(1), cache)
+    assert out.shape == (1, 1, d) and not calls  # a block behind a held one: its mask sees the held rows
 
 
 @needs_native

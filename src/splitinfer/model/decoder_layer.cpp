@@ -17,10 +17,13 @@
 //   column sums, float32 scales, SmoothQuant's factors or empty); an empty bias for none. Each product may be either.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "native.h"
@@ -95,9 +98,9 @@ void multiply(const Product& p, const float* x, int64_t rows, float* y) {
   }
 }
 
-void norm(const float* x, int64_t rows, int64_t dim, const at::Tensor& weight, float eps, float* y) {
+void norm(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* y) {
   RECORD_FUNCTION("splitinfer::rms_norm", std::vector<c10::IValue>());
-  splitinfer::rms_norm_rows(x, rows, dim, weight.data_ptr<float>(), eps, y);
+  splitinfer::rms_norm_rows(x, rows, dim, weight, eps, y);
 }
 
 // The first `heads` heads of each row (queries, then keys) rotated in place: v * cos + rotate_half(v) * sin.
@@ -126,99 +129,262 @@ void check_float(const at::Tensor& t, int64_t dims, const char* name) {
               t.sizes(), " ", t.scalar_type());
 }
 
+// What every layer of a stack shares: its widths and constants.
+struct Shape {
+  int64_t width, heads, kv_heads, dim;  // width: the hidden size; dim: a head's
+  float eps, scale;
+};
+
+// One layer's operands, checked once: the norms' weights and the four products.
+struct Layer {
+  const float *norm1, *norm2;
+  Product qkv, o, gate_up, down;
+};
+
+Layer make_layer(const at::Tensor* weights, int64_t count, const Shape& s) {
+  TORCH_CHECK(count == 2 + 4 * PRODUCT_WEIGHTS, "decoder_layer: weights are norm1, norm2 and (packed, bias, column "
+              "sums, scales, smoothing) for qkv, o, gate_up and down");
+  for (int i = 0; i < 2; ++i) {
+    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == s.width,
+                "decoder_layer: the norms' weights must be float32 [", s.width, "]");
+  }
+  const at::Tensor* w = weights + 2;
+  Layer layer{weights[0].data_ptr<float>(), weights[1].data_ptr<float>(), product(w, s.width, "qkv"),
+              product(w + PRODUCT_WEIGHTS, s.heads * s.dim, "o_proj"), product(w + 2 * PRODUCT_WEIGHTS, s.width, "gate_up"),
+              {}};
+  layer.down = product(w + 3 * PRODUCT_WEIGHTS, layer.gate_up.n / 2, "down_proj");
+  const int64_t inner = layer.gate_up.n / 2;
+  TORCH_CHECK(layer.qkv.n == (s.heads + 2 * s.kv_heads) * s.dim && layer.o.n == s.width && layer.gate_up.n == 2 * inner &&
+                  layer.down.n == s.width,
+              "decoder_layer: the products' outputs (", layer.qkv.n, ", ", layer.o.n, ", ", layer.gate_up.n, ", ",
+              layer.down.n, ") do not fit ", s.heads, " heads, ", s.kv_heads, " key/value heads of ", s.dim,
+              " and width ", s.width);
+  return layer;
+}
+
+void check_shape(const Shape& s) {
+  TORCH_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0 && s.dim % 16 == 0 && s.dim <= 256,
+              "decoder_layer: ", s.heads, " heads over ", s.kv_heads, " key/value heads of ", s.dim,
+              " (a multiple of 16, at most 256) do not fit the kernels");
+}
+
+// A layer's key/value cache: [KVH, S, dim] buffers, rows contiguous, written in place.
+struct Cache {
+  float *keys, *values;
+  int64_t k_head, k_row, v_head, v_row, slots;
+};
+
+// keys, values: [KVH, S, dim], or a stack cache's [1, KVH, S, dim].
+Cache cache_of(const at::Tensor& keys, const at::Tensor& values, const Shape& s) {
+  const int64_t dims = keys.dim() == 4 && keys.size(0) == 1 ? 4 : 3;
+  check_float(keys, dims, "key_cache");
+  check_float(values, dims, "value_cache");
+  TORCH_CHECK(keys.size(-3) == s.kv_heads && keys.size(-1) == s.dim && values.sizes() == keys.sizes(),
+              "decoder_layer: caches ", keys.sizes(), " do not hold ", s.kv_heads, " heads of ", s.dim);
+  return {keys.data_ptr<float>(), values.data_ptr<float>(), keys.stride(-3), keys.stride(-2), values.stride(-3),
+          values.stride(-2), keys.size(-2)};
+}
+
+// The buffers a layer works in, kept between calls (a thread's own).
+struct Scratch {
+  std::vector<float> a, qkv, gate_up, act, down;
+};
+
+Scratch& scratch(int64_t rows, const Shape& s, int64_t inner) {
+  thread_local Scratch t;
+  t.a.resize(rows * std::max(s.width, s.heads * s.dim));
+  t.qkv.resize(rows * (s.heads + 2 * s.kv_heads) * s.dim);
+  t.gate_up.resize(rows * 2 * inner);
+  t.act.resize(rows * inner);
+  t.down.resize(rows * s.width);
+  return t;
+}
+
+// x [rows, width] -> y [rows, width] through one layer (y must not alias x); the block's keys and values written at
+// slots start.. of `c`; row i attends to slots idx[off[i] : off[i + 1]] (checked by the caller, `longest` the most).
+void layer_pass(const Layer& L, const Shape& s, const float* x, int64_t rows, const float* cos, const float* sin,
+                const Cache& c, int64_t start, const int64_t* idx, const int64_t* off, int64_t longest, float* y) {
+  const int64_t width = (s.heads + 2 * s.kv_heads) * s.dim, kv_width = s.kv_heads * s.dim, inner = L.gate_up.n / 2;
+  Scratch& t = scratch(rows, s, inner);
+  float* a = t.a.data();
+  float* qkv = t.qkv.data();
+  norm(x, rows, s.width, L.norm1, s.eps, a);
+  multiply(L.qkv, a, rows, qkv);
+  {
+    RECORD_FUNCTION("splitinfer::rotary_and_cache", std::vector<c10::IValue>());
+    rotate(qkv, rows, width, s.heads + s.kv_heads, s.dim, cos, sin);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < s.kv_heads; ++g) {
+        const float* row = qkv + r * width + s.heads * s.dim + g * s.dim;
+        std::memcpy(c.keys + g * c.k_head + (start + r) * c.k_row, row, s.dim * sizeof(float));
+        std::memcpy(c.values + g * c.v_head + (start + r) * c.v_row, row + kv_width, s.dim * sizeof(float));
+      }
+    }
+  }
+  {
+    RECORD_FUNCTION("splitinfer::rows_attention", std::vector<c10::IValue>());
+    const splitinfer::AttentionOperands o{qkv, c.keys, c.values, s.dim, width, c.k_head, c.k_row, c.v_head, c.v_row,
+                                          idx, off, s.heads, s.kv_heads, s.dim, s.scale, a};
+    splitinfer::attend_rows(o, rows, longest);
+  }
+  multiply(L.o, a, rows, y);
+  add(y, x, rows * s.width);  // y = x + attn W_o = x1
+  norm(y, rows, s.width, L.norm2, s.eps, a);
+  float* gate_up = t.gate_up.data();
+  float* act = t.act.data();
+  multiply(L.gate_up, a, rows, gate_up);
+  {  // ATen's silu (model/fastpath.py's act_fn), over views of the buffers
+    const auto floats = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor act_t = at::from_blob(act, {rows, inner}, floats);
+    at::silu_out(act_t, at::from_blob(gate_up, {rows, inner}, {2 * inner, 1}, floats));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < inner; ++i) act[r * inner + i] = act[r * inner + i] * gate_up[r * 2 * inner + inner + i];
+  }
+  multiply(L.down, act, rows, t.down.data());
+  add(y, t.down.data(), rows * s.width);  // y = down + x1: the same sum as x1 + down
+}
+
+void check_rows(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const Shape& s) {
+  check_float(hidden, 2, "hidden");
+  const int64_t rows = hidden.size(0);
+  TORCH_CHECK(hidden.is_contiguous() && hidden.size(1) == s.width, "decoder_layer: hidden must be a contiguous [rows, ",
+              s.width, "]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == rows * s.dim && sin.numel() == rows * s.dim,
+              "decoder_layer: cos and sin must be contiguous float32 [", rows, ", ", s.dim, "]");
+}
+
 at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                          at::Tensor key_cache, at::Tensor value_cache, int64_t start, const at::Tensor& index,
                          const at::Tensor& offsets, at::TensorList weights, int64_t heads, int64_t kv_heads,
                          double eps, double scale) {
-  check_float(hidden, 2, "hidden");
   check_float(key_cache, 3, "key_cache");
-  check_float(value_cache, 3, "value_cache");
-  TORCH_CHECK(hidden.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
-              "decoder_layer: hidden, cos and sin must be contiguous");
-  const int64_t rows = hidden.size(0), width_in = hidden.size(1), dim = key_cache.size(2);
-  const int64_t slots = key_cache.size(1), kv_width = kv_heads * dim, width = (heads + 2 * kv_heads) * dim;
-  TORCH_CHECK(weights.size() == 2 + 4 * PRODUCT_WEIGHTS, "decoder_layer: weights are norm1, norm2 and (packed, "
-              "bias, column sums, scales, smoothing) for qkv, o, gate_up and down");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && key_cache.size(0) == kv_heads && dim % 16 == 0 && dim <= 256 &&
-                  value_cache.sizes() == key_cache.sizes() && value_cache.stride(2) == 1,
-              "decoder_layer: caches ", key_cache.sizes(), " do not hold ", kv_heads, " heads of a multiple of 16");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == rows * dim &&
-                  sin.numel() == rows * dim, "decoder_layer: cos and sin must be float32 [", rows, ", ", dim, "]");
-  TORCH_CHECK(start >= 0 && start + rows <= slots, "decoder_layer: rows ", start, "..", start + rows,
-              " do not fit a cache of ", slots, " slots");
-  for (int i = 0; i < 2; ++i) {
-    TORCH_CHECK(weights[i].scalar_type() == at::kFloat && weights[i].is_contiguous() && weights[i].numel() == width_in,
-                "decoder_layer: the norms' weights must be float32 [", width_in, "]");
-  }
-  const at::Tensor* w = weights.data() + 2;
-  const Product qkv_w = product(w, width_in, "qkv");
-  const Product o_w = product(w + PRODUCT_WEIGHTS, heads * dim, "o_proj");
-  const Product gate_up_w = product(w + 2 * PRODUCT_WEIGHTS, width_in, "gate_up");
-  const int64_t inner = gate_up_w.n / 2;
-  const Product down_w = product(w + 3 * PRODUCT_WEIGHTS, inner, "down_proj");
-  TORCH_CHECK(qkv_w.n == width && o_w.n == width_in && gate_up_w.n == 2 * inner && down_w.n == width_in,
-              "decoder_layer: the products' outputs (", qkv_w.n, ", ", o_w.n, ", ", gate_up_w.n, ", ", down_w.n,
-              ") do not fit ", heads, " heads, ", kv_heads, " key/value heads of ", dim, " and width ", width_in);
+  const Shape s{hidden.dim() == 2 ? hidden.size(1) : 0, heads, kv_heads, key_cache.size(2), static_cast<float>(eps),
+                static_cast<float>(scale)};
+  check_shape(s);
+  check_rows(hidden, cos, sin, s);
+  const Cache c = cache_of(key_cache, value_cache, s);
+  const int64_t rows = hidden.size(0);
+  TORCH_CHECK(start >= 0 && start + rows <= c.slots, "decoder_layer: rows ", start, "..", start + rows,
+              " do not fit a cache of ", c.slots, " slots");
+  const Layer layer = make_layer(weights.data(), static_cast<int64_t>(weights.size()), s);
   TORCH_CHECK(index.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && index.is_contiguous() &&
                   offsets.is_contiguous() && offsets.numel() == rows + 1,
               "decoder_layer: index and offsets must be contiguous int64, offsets one longer than the rows");
   const int64_t* idx = index.data_ptr<int64_t>();
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t longest = splitinfer::check_visible(idx, index.numel(), off, rows, start + rows);
-
-  const float* x = hidden.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::Tensor out = at::empty({rows, width_in}, hidden.options());
-  at::Tensor qkv_t = at::empty({rows, width}, hidden.options());
-  at::Tensor gate_up_t = at::empty({rows, 2 * inner}, hidden.options());
-  at::Tensor act_t = at::empty({rows, inner}, hidden.options());
-  std::vector<float> a(rows * std::max(width_in, heads * dim));
-  float* y = out.data_ptr<float>();
-  float* qkv = qkv_t.data_ptr<float>();
-
-  norm(x, rows, width_in, weights[0], e, a.data());
-  multiply(qkv_w, a.data(), rows, qkv);
-  {
-    RECORD_FUNCTION("splitinfer::rotary_and_cache", std::vector<c10::IValue>());
-    rotate(qkv, rows, width, heads + kv_heads, dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-    float* keys = key_cache.data_ptr<float>();
-    float* values = value_cache.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t g = 0; g < kv_heads; ++g) {
-        const float* row = qkv + r * width + heads * dim + g * dim;
-        std::memcpy(keys + g * key_cache.stride(0) + (start + r) * key_cache.stride(1), row, dim * sizeof(float));
-        std::memcpy(values + g * value_cache.stride(0) + (start + r) * value_cache.stride(1), row + kv_width,
-                    dim * sizeof(float));
-      }
-    }
-  }
-  {
-    RECORD_FUNCTION("splitinfer::rows_attention", std::vector<c10::IValue>());
-    const splitinfer::AttentionOperands o{qkv, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-                                          dim, width, key_cache.stride(0), key_cache.stride(1),
-                                          value_cache.stride(0), value_cache.stride(1), idx, off, heads, kv_heads, dim,
-                                          static_cast<float>(scale), a.data()};
-    splitinfer::attend_rows(o, rows, longest);
-  }
-  multiply(o_w, a.data(), rows, y);
-  add(y, x, rows * width_in);  // y = x + attn W_o = x1
-  norm(y, rows, width_in, weights[1], e, a.data());
-  float* gate_up = gate_up_t.data_ptr<float>();
-  multiply(gate_up_w, a.data(), rows, gate_up);
-  at::silu_out(act_t, gate_up_t.narrow(1, 0, inner));
-  float* act = act_t.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < inner; ++i) act[r * inner + i] = act[r * inner + i] * gate_up[r * 2 * inner + inner + i];
-  }
-  std::vector<float> down(rows * width_in);
-  multiply(down_w, act, rows, down.data());
-  add(y, down.data(), rows * width_in);  // y = down + x1: the same sum as x1 + down
+  at::Tensor out = at::empty({rows, s.width}, hidden.options());
+  layer_pass(layer, s, hidden.data_ptr<float>(), rows, cos.data_ptr<float>(), sin.data_ptr<float>(), c, start, idx,
+             off, longest, out.data_ptr<float>());
   return out;
 }
+
+// The keys each row of a lone block sees (model/masks.py's attention_mask read as lists, model/attention.py's
+// visible_keys): the `committed` cached rows (positions 0..committed - 1, slots alike), then the block rows it is
+// allowed to see (slots committed..), within `window` positions of its own where the layer has one (0: none).
+void visible(const bool* allowed, const int64_t* positions, int64_t rows, int64_t committed, int64_t window,
+             std::vector<int64_t>& idx, std::vector<int64_t>& off) {
+  idx.clear();
+  off.assign(1, 0);
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t lowest = window > 0 ? positions[i] - window : std::numeric_limits<int64_t>::min();
+    for (int64_t j = std::max<int64_t>(0, lowest + 1); j < committed; ++j) idx.push_back(j);
+    for (int64_t j = 0; j < rows; ++j) {
+      if (allowed[i * rows + j] && positions[j] > lowest) idx.push_back(committed + j);
+    }
+    off.push_back(static_cast<int64_t>(idx.size()));
+  }
+}
+
+// The layers of a stack, checked once; `run` takes a lone block through all of them in one call.
+struct NativeStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> weights;  // kept alive: the layers point into them
+  std::vector<Layer> layers;
+  std::vector<int64_t> windows;  // each layer's sliding window (0: none)
+  Shape s;
+
+  NativeStack(std::vector<at::Tensor> all, std::vector<int64_t> layer_windows, int64_t width, int64_t heads,
+              int64_t kv_heads, int64_t dim, double eps, double scale)
+      : weights(std::move(all)), windows(std::move(layer_windows)),
+        s{width, heads, kv_heads, dim, static_cast<float>(eps), static_cast<float>(scale)} {
+    check_shape(s);
+    const int64_t per = 2 + 4 * PRODUCT_WEIGHTS, count = static_cast<int64_t>(windows.size());
+    TORCH_CHECK(static_cast<int64_t>(weights.size()) == per * count, "NativeStack: ", per, " weights a layer for ",
+                count, " layers, got ", weights.size());
+    for (int64_t l = 0; l < count; ++l) layers.push_back(make_layer(weights.data() + l * per, per, s));
+  }
+
+  // hidden [q, width]; cos_table, sin_table [P, dim] (rows: positions); positions [q] int64 (< P); allowed [q, q]
+  // bool; keys, values: each layer's [1, KVH, S, dim] buffers, the block written at slots committed..
+  at::Tensor run(const at::Tensor& hidden, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                 const at::Tensor& positions, const at::Tensor& allowed, int64_t committed,
+                 const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values) {
+    check_float(hidden, 2, "hidden");
+    const int64_t rows = hidden.size(0), count = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(hidden.is_contiguous() && hidden.size(1) == s.width && rows > 0,
+                "NativeStack: hidden must be a contiguous [rows, ", s.width, "]");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == rows &&
+                    allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.numel() == rows * rows,
+                "NativeStack: positions must be int64 [", rows, "] and allowed bool [", rows, ", ", rows, "]");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == count && static_cast<int64_t>(values.size()) == count,
+                "NativeStack: one key and one value buffer a layer");
+    for (const at::Tensor* t : {&cos_table, &sin_table}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(1) == s.dim,
+                  "NativeStack: the rotary tables must be contiguous float32 [positions, ", s.dim, "]");
+    }
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t table = std::min(cos_table.size(0), sin_table.size(0));
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < table, "NativeStack: position ", pos[r], " is past the rotary table (",
+                  table, " rows)");
+    }
+    thread_local std::vector<float> cos, sin, ping;
+    cos.resize(rows * s.dim);
+    sin.resize(rows * s.dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(cos.data() + r * s.dim, cos_table.data_ptr<float>() + pos[r] * s.dim, s.dim * sizeof(float));
+      std::memcpy(sin.data() + r * s.dim, sin_table.data_ptr<float>() + pos[r] * s.dim, s.dim * sizeof(float));
+    }
+    // The visible keys of every distinct window, built once for the block.
+    std::vector<int64_t> kinds;
+    std::vector<std::vector<int64_t>> idx, off;
+    std::vector<int64_t> longest;
+    for (int64_t w : windows) {
+      if (std::find(kinds.begin(), kinds.end(), w) != kinds.end()) continue;
+      kinds.push_back(w);
+      idx.emplace_back();
+      off.emplace_back();
+      visible(allowed.data_ptr<bool>(), pos, rows, committed, w, idx.back(), off.back());
+      longest.push_back(splitinfer::check_visible(idx.back().data(), static_cast<int64_t>(idx.back().size()),
+                                                  off.back().data(), rows, committed + rows));
+    }
+    at::Tensor out = at::empty({rows, s.width}, hidden.options());
+    ping.resize(rows * s.width);
+    // Layer l reads x and writes the other buffer; the last layer writes `out`.
+    const float* x = hidden.data_ptr<float>();
+    for (int64_t l = 0; l < count; ++l) {
+      TORCH_CHECK(keys[l].dim() == 4 && values[l].dim() == 4, "NativeStack: cache buffers are [1, KVH, S, dim]");
+      const Cache c = cache_of(keys[l], values[l], s);
+      TORCH_CHECK(committed >= 0 && committed + rows <= c.slots, "NativeStack: rows ", committed, "..",
+                  committed + rows, " do not fit a cache of ", c.slots, " slots");
+      const int64_t k = std::find(kinds.begin(), kinds.end(), windows[l]) - kinds.begin();
+      float* y = (count - 1 - l) % 2 == 0 ? out.data_ptr<float>() : ping.data();
+      layer_pass(layers[l], s, x, rows, cos.data(), sin.data(), c, committed, idx[k].data(), off[k].data(), longest[k],
+                 y);
+      x = y;
+    }
+    return out;
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitinfer, m) {
+  m.class_<NativeStack>("NativeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("run", &NativeStack::run);
   m.def("decoder_layer(Tensor hidden, Tensor cos, Tensor sin, Tensor(a!) key_cache, Tensor(b!) value_cache, int start, "
         "Tensor index, Tensor offsets, Tensor[] weights, int heads, int kv_heads, float eps, float scale) -> Tensor");
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -73,6 +74,54 @@ def run(layers, hidden: torch.Tensor, masks: dict, tables: dict, windows: list, 
     for index, (layer, window, rope_key) in enumerate(zip(layers, windows, rope_keys)):
         x = layer.native_call(index, x, masks[window], *rotations[rope_key], cache)
     return x[None]
+
+
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary types whose tables do not depend on the block
+TABLE_ROWS = 256  # positions a call of the rotary module computes while a table grows
+
+
+class StackCall:
+    """Every layer of a stack (all NativeLayer, on the CPU) as one native call a lone block: decoder_layer.cpp's
+    NativeStack, which holds the layers' operands (checked once), builds the rows' visible keys from the block's
+    structure and the cache length, and runs the layers back to back. After a step has streamed the weights
+    through the caches, what Python does around the kernels runs cold: a cloud step of SmolLM2 spent ~0.9 ms
+    (15%) on the per-layer calls, masks and rotary tables (measured in notes/benchmarks.md, stop 60).
+
+    The rotary tables are the rotary module's own output for positions 0..P-1, computed in slices and kept:
+    elementwise, so a position's row has the bits a call for that position alone gives
+    (tests/model/test_native_layer.py holds it)."""
+
+    def __init__(self, layers: list, windows: list, rotary: nn.Module, config):
+        first = layers[0]
+        heads, kv_heads, eps, scale = first._shape
+        self.head_dim = first._like.shape[-1]
+        weights = [w for layer in layers for w in layer._weights]
+        self.kernel = torch.classes.splitinfer.NativeStack(weights, [w or 0 for w in windows], config.hidden_size,
+                                                           heads, kv_heads, self.head_dim, eps, scale)
+        self.like, self.rotary, self.layers = first._like, rotary, len(layers)
+        self.cos = self.sin = torch.empty(0, self.head_dim)
+
+    @staticmethod
+    def fits(rotary: nn.Module) -> bool:
+        return getattr(rotary, "rope_type", "default") in STATIC_ROPE and getattr(rotary, "layer_types", None) is None
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, allowed: np.ndarray, cache: KVCache) -> torch.Tensor:
+        """hidden [1, q, d] (`runs_native` took it), positions [q], allowed [q, q], a cache with no held block."""
+        self._cover(int(positions.max()) + 1)
+        keys, values, start = cache.block_buffers(self.layers, hidden.shape[1], self.like)
+        mask = torch.from_numpy(np.ascontiguousarray(allowed, dtype=bool))
+        return self.kernel.run(hidden[0].contiguous(), self.cos, self.sin, positions.contiguous(), mask, start, keys,
+                               values)[None]
+
+    def _cover(self, positions: int) -> None:
+        """Grow the rotary tables to hold `positions` rows (doubling)."""
+        if positions <= self.cos.shape[0]:
+            return
+        size = max(TABLE_ROWS, 1 << (positions - 1).bit_length())
+        probe = torch.empty(0)
+        parts = [self.rotary(probe, torch.arange(first, first + TABLE_ROWS)[None]) for first in range(0, size, TABLE_ROWS)]
+        self.cos = torch.cat([cos[0] for cos, _ in parts]).contiguous()
+        self.sin = torch.cat([sin[0] for _, sin in parts]).contiguous()
 
 
 def _native_product(module: nn.Module) -> bool:

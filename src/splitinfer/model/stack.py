@@ -168,6 +168,9 @@ class LayerStack(nn.Module):
         # Every layer one native call (model/native_layer.py), on one device: a pass may skip the modules.
         self._native = (len(set(self.devices)) == 1
                         and all(isinstance(layer, native_layer.NativeLayer) for layer in self.layers))
+        # A lone block on a KVCache: every layer in one call (model/native_layer.py's StackCall).
+        self._stack_call = (native_layer.StackCall(list(self.layers), self.windows, self.rotary, self.config)
+                            if self._native and native_layer.StackCall.fits(self.rotary) else None)
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers))
@@ -223,6 +226,10 @@ class LayerStack(nn.Module):
         assert positions.shape == (q,), (positions.shape, q)
         if not len(self.layers):
             return hidden
+        if (self._stack_call is not None and type(cache) is KVCache and not cache.held_rows
+                and not self._takes_compiled(hidden, cache) and self.layers[0].runs_native(hidden, cache)):
+            with self.grad_mode():
+                return self._stack_call(hidden, positions, allowed, cache)
         masks = {
             w: attention_mask(cache.length, positions, allowed, hidden.dtype, window=w) for w in set(self.windows)
         }
@@ -234,14 +241,16 @@ class LayerStack(nn.Module):
         Inputs live on the first layer's device; the output is on the last one's. Layers placed on several
         devices get the activations, masks and rotary tables moved to them once per device, not per layer.
         """
-        compiled = (self._compiled is not None and type(cache) is KVCache and hidden.shape[0] == 1
-                    and hidden.shape[1] >= self.compile_rows)
         with self.grad_mode():
-            if not compiled:
+            if not self._takes_compiled(hidden, cache):
                 return self._pass(hidden, position_ids, masks, cache)
             # Buffers grown here, outside the compiled pass: inside, a growth is another graph to compile.
             cache.reserve(cache.length + cache.held_rows + hidden.shape[1], self._empty_keys)
             return self._compiled(*dynamic_rows(hidden, position_ids, masks), cache)
+
+    def _takes_compiled(self, hidden: torch.Tensor, cache) -> bool:
+        return (self._compiled is not None and type(cache) is KVCache and hidden.shape[0] == 1
+                and hidden.shape[1] >= self.compile_rows)
 
     def _pass(self, hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict, cache) -> torch.Tensor:
         tables = rotary_tables(self.rotary, set(self.rope_keys), hidden, position_ids)
