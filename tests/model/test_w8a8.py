@@ -90,3 +90,23 @@ def test_the_int8_dot_product_peak_is_a_rate():
     """bench step's integer compute bound: GOP/s of vpdpbusd, measured (a plausible range for one core)."""
     peak = torch.ops.splitinfer.int8_dot_peak(200_000)
     assert 10 < peak < 10_000
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("extras", [(), ("smooth",), ("bias",), ("smooth", "bias")])
+def test_the_one_call_linear_gives_quantize_product_and_bias_composed(rows, extras):
+    """Int8Linear's forward on the kernel (w8a8.linear) against its steps taken one by one."""
+    torch.manual_seed(rows)
+    state = formats.quantize_int8(torch.randn(192, 576))
+    packed, scale = w8a8.pack(state["qweight"]), state["scale"].contiguous()
+    x = torch.randn(rows, 576) * 3
+    x[0, 5] = 0.0
+    smooth = torch.rand(576) + 0.5 if "smooth" in extras else None
+    bias = torch.randn(192) if "bias" in extras else None
+    xq, sx = formats.quantize_rows(x * smooth if smooth is not None else x.clone())
+    composed = w8a8.matmul(xq, *packed, scale, sx.reshape(-1))
+    composed = composed + bias if bias is not None else composed
+    assert torch.equal(w8a8.linear(x, *packed, scale, smooth, bias), composed)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        w8a8.linear(x, *packed, scale, smooth, torch.zeros(5))

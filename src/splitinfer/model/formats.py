@@ -251,7 +251,8 @@ class Int8Linear(QuantLinear):
         runs, else the weight packed for FBGEMM (a second copy), or as [K, N] (a view) for `torch._int_mm`
         where FBGEMM is not there. All three give the same bits."""
         self._scale = self.scale.float()[None, :]
-        self._bias = None if self.bias is None else self.bias.float()
+        self._bias = None if self.bias is None else self.bias.float().contiguous()
+        self._smooth = None if self.smooth is None else self.smooth.float().contiguous()
         self._qweight_t = self.qweight.t()
         self._w8a8 = self._packed = None
         cpu = self.qweight.device.type == "cpu"
@@ -263,6 +264,10 @@ class Int8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x if dtype == torch.float32 else x.float()  # [..., K]
+        if self._w8a8 is not None and not (torch.is_grad_enabled() and x.requires_grad):  # one native call
+            y = w8a8.linear(x.reshape(-1, self.in_features), *self._w8a8, self._scale.view(-1), self._smooth, self._bias)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if dtype == torch.float32 else y.to(dtype)
         smooth = self.smooth is not None
         xq, sx = quantize_rows(x * self.smooth if smooth else x, own=smooth)
         if self._w8a8 is not None:  # the row scales applied in the kernel

@@ -234,6 +234,43 @@ at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Ten
   return y;
 }
 
+// y = x W^T (+ bias) as formats.py's Int8Linear.forward computes it on this kernel, in one call: x [M, K] float32
+// (times smooth [K] where given) quantized per row (quantize_rows_int8: quantize_rows' bits), the product with the
+// row scales in its epilogue, then the bias added. What the LM head and a draft head's readout run a step.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sums, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& smooth, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "w8a8_linear: x must be a 2-D float32 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = sums.numel();
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  packed.size(1) * 4 == K && packed.size(2) == 64 * TILES && N % COLS == 0 &&
+                  packed.size(0) == (N / COLS + TILES - 1) / TILES && sums.scalar_type() == at::kInt &&
+                  sums.is_contiguous() && scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N,
+              "w8a8_linear: x [", M, ", ", K, "] does not fit the packed weight ", packed.sizes(), " of ", N, " columns");
+  const auto floats = [&](const c10::optional<at::Tensor>& t, int64_t size, const char* name) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == size, "w8a8_linear: ", name,
+                " must be float32 [", size, "]");
+    return t->data_ptr<float>();
+  };
+  const float* smoothing = floats(smooth, K, "smooth");
+  const float* b = floats(bias, N, "bias");
+  const at::Tensor xc = x.contiguous();
+  thread_local std::vector<uint8_t> a;
+  thread_local std::vector<float> sx;
+  a.assign(splitinfer::w8a8_padded_rows(M) * K, 128);  // padding rows: inputs of zero
+  sx.resize(M);
+  splitinfer::quantize_rows_int8(xc.data_ptr<float>(), M, K, smoothing, a.data(), sx.data());
+  at::Tensor y = at::empty({M, N}, x.options());
+  float* out = y.data_ptr<float>();
+  splitinfer::w8a8_product(a.data(), M, K, packed.data_ptr<int8_t>(), sums.data_ptr<int32_t>(), scale.data_ptr<float>(),
+                           sx.data(), N, out);
+  for (int64_t m = 0; b != nullptr && m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) out[m * N + n] += b[n];
+  }
+  return y;
+}
+
 // This core's rate of int8 dot products, GOP/s (a multiply and an add per byte pair): twelve independent
 // chains of vpdpbusd, `iterations` times, on values the compiler cannot see through. What `bench step` sets an
 // integer product's compute bound with, measured where the step runs rather than taken from a datasheet.
@@ -265,10 +302,15 @@ double int8_dot_peak(int64_t iterations) {
 TORCH_LIBRARY_FRAGMENT(splitinfer, m) {
   m.def("w8a8_mm(Tensor xq, Tensor packed, Tensor column_sums, Tensor scale, Tensor? row_scale=None, int prefetch=0) "
         "-> Tensor");
+  m.def("w8a8_linear(Tensor x, Tensor packed, Tensor column_sums, Tensor scale, Tensor? smooth=None, Tensor? bias=None) "
+        "-> Tensor");
   m.def("int8_dot_peak(int iterations) -> float");
 }
 
-TORCH_LIBRARY_IMPL(splitinfer, CPU, m) { m.impl("w8a8_mm", &w8a8_mm); }
+TORCH_LIBRARY_IMPL(splitinfer, CPU, m) {
+  m.impl("w8a8_mm", &w8a8_mm);
+  m.impl("w8a8_linear", &w8a8_linear);
+}
 
 // No tensor argument to dispatch on: the peak is registered for every backend.
 TORCH_LIBRARY_IMPL(splitinfer, CompositeExplicitAutograd, m) { m.impl("int8_dot_peak", &int8_dot_peak); }

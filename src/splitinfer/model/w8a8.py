@@ -45,3 +45,11 @@ def matmul(xq: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: to
     (* row_scale[m] where given). prefetch > 0: up to four rows ask for the weight that many bytes ahead
     (scripts/bench_w8a8_stream.py measures it against the hardware prefetchers alone, the default)."""
     return torch.ops.splitinfer.w8a8_mm(xq, packed, sums, scale, row_scale, prefetch)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor,
+           smooth: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Int8Linear's forward in one call: x [M, K] float32 (times `smooth`) quantized per row as formats.py's
+    quantize_rows, times the packed weight, the row scales applied, plus `bias` -> [M, N] float32, the bits of
+    quantize_rows then `matmul` then the addition (tests/model/test_w8a8.py)."""
+    return torch.ops.splitinfer.w8a8_linear(x, packed, sums, scale, smooth, bias)
