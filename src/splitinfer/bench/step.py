@@ -62,7 +62,7 @@ GROUPS = ("products", "attention", "other ops", "python and dispatch")
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul",
                "aten::_int_mm", "aten::_weight_int4pack_mm_for_cpu",
                "quantized::linear_with_input_q_dq_qweight_dq_output_fp32",  # the integer formats' (model/formats.py)
-               "splitinfer::w4a8_mm", "splitinfer::w8a8_mm")  # model/native.py's int4 and int8 kernels
+               "splitinfer::w4a8_mm", "splitinfer::w8a8_mm", "splitinfer::w8a8_linear")  # model/native.py's kernels
 ATTENTION_OPS = ("splitinfer::rows_attention",)  # beside every op whose name has scaled_dot_product
 
 

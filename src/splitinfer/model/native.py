@@ -83,8 +83,12 @@ def _build() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("splitinfer::w8a8_mm")
-    def _(xq, packed, column_sums, scale, row_scale=None):
+    def _(xq, packed, column_sums, scale, row_scale=None, prefetch=0):
         return xq.new_empty(xq.shape[0], column_sums.shape[0])
+
+    @torch.library.register_fake("splitinfer::w8a8_linear")
+    def _(x, packed, column_sums, scale, smooth=None, bias=None):
+        return x.new_empty(x.shape[0], column_sums.shape[0])
 
     @torch.library.register_fake("splitinfer::rms_norm")
     def _(x, weight, eps):
