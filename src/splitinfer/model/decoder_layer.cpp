@@ -15,6 +15,13 @@
 //   weights: norm1, norm2 [D], then (packed, bias, column sums, scales, smoothing) for qkv, o, gate_up and down:
 //   int4 (model/w4a8.py's uint8 packing) with three empty tensors, or int8 (model/w8a8.py's int8 packing, int32
 //   column sums, float32 scales, SmoothQuant's factors or empty); an empty bias for none. Each product may be either.
+//
+// A lone block takes every layer of a stack in one call: NativeStack, a class built once a stack with all its
+// layers' weights (model/native_layer.py's StackCall), checks them when the stack loads, builds each row's visible
+// keys from the block's structure and the cache length (masks.py's rule), reads rotary rows from a table, and runs
+// the layers back to back in buffers kept between calls. After a step's weights have streamed through the caches,
+// the Python around 26 per-layer calls ran cold: ~0.9 ms of a one-row cloud step of SmolLM2 (notes/benchmarks.md,
+// stop 60).
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>

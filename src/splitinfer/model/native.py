@@ -5,7 +5,8 @@ Five kernels, each where no maintained library kernel serves (the measurements a
 rows_attention.cpp (model/attention.py: attention whose rows do not depend on the block around them),
 rms_norm.cpp (model/fused.py: the RMS norms of layers with integer products, one pass a row) and row_top.cpp
 (decoding/sources.py: Token Recycling's top-k successors and their softmax probabilities, two passes a row); and
-decoder_layer.cpp, which runs them back to back as one call a decoder layer (model/native_layer.py). They need
+decoder_layer.cpp, which runs them back to back as one call a decoder layer, or every layer of a stack for a lone
+block (model/native_layer.py). They need
 AVX512 (F, BW, VL, VNNI) and F16C, and a C++ compiler; the first use builds them (about 25 s on this 2-core
 machine) into PyTorch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), later starts
 load them in a fraction of a second.
