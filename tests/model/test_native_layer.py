@@ -79,7 +79,8 @@ def test_the_stacks_rotary_table_gives_the_rotary_modules_bits(tmp_path, family)
 
 
 @needs_native
-def test_the_stack_call_refuses_a_position_past_its_table_and_a_held_block_takes_the_masks(tmp_path):
+def test_the_stack_call_refuses_a_position_past_its_table_or_a_short_cache_and_a_held_block_takes_the_masks(tmp_path):
+    """Every operand is checked before the first layer writes its cache."""
     stack = cloud_stack(tmp_path, "llama", "int8")
     call, d = stack._stack_call, stack.config.hidden_size
     cache = stack.new_cache()
@@ -87,6 +88,14 @@ def test_the_stack_call_refuses_a_position_past_its_table_and_a_held_block_takes
         with pytest.raises(RuntimeError, match="position 900 is past the rotary table"):
             call.kernel.run(torch.zeros(1, d), call.cos, call.sin, torch.tensor([900]), torch.ones(1, 1, dtype=torch.bool),
                             0, *cache.block_buffers(len(stack.layers), 1, call.like)[:2])
+        keys, values, _ = cache.block_buffers(len(stack.layers), 1, call.like)
+        first = keys[0].zero_().clone()  # (new buffers hold whatever memory held: NaN is not equal to itself)
+        short = [k[:, :, :0] for k in keys[-1:]]  # the last layer's cache holds no slot: nothing may be written
+        with pytest.raises(RuntimeError, match="do not fit a cache of 0 slots"):
+            call.kernel.run(torch.randn(1, d), call.cos, call.sin, torch.tensor([0]), torch.ones(1, 1, dtype=torch.bool),
+                            0, keys[:-1] + short, values[:-1] + short)
+        assert torch.equal(keys[0], first)
+        cache.truncate(0)
         stack(torch.randn(1, 2, d), torch.arange(2), chain_allowed(2), cache)
         cache.hold()
         calls = []

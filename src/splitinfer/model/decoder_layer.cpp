@@ -324,65 +324,90 @@ struct NativeStack : torch::CustomClassHolder {
   }
 
   // hidden [q, width]; cos_table, sin_table [P, dim] (rows: positions); positions [q] int64 (< P); allowed [q, q]
-  // bool; keys, values: each layer's [1, KVH, S, dim] buffers, the block written at slots committed..
+  // bool; keys, values: each layer's [1, KVH, S, dim] buffers, the block written at slots committed.. Every operand
+  // is checked before the first layer writes its cache.
   at::Tensor run(const at::Tensor& hidden, const at::Tensor& cos_table, const at::Tensor& sin_table,
                  const at::Tensor& positions, const at::Tensor& allowed, int64_t committed,
                  const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values) {
+    const int64_t rows = check_block(hidden, positions, allowed);
+    TORCH_CHECK(committed >= 0, "NativeStack: the block cannot start at slot ", committed);
+    const std::vector<Cache> caches = caches_of(keys, values, committed + rows);
+    thread_local std::vector<float> cos, sin, ping;
+    rotary_rows(cos_table, positions, cos);
+    rotary_rows(sin_table, positions, sin);
+    const Visible seen(windows, allowed.data_ptr<bool>(), positions.data_ptr<int64_t>(), rows, committed);
+    at::Tensor out = at::empty({rows, s.width}, hidden.options());
+    ping.resize(rows * s.width);
+    const float* x = hidden.data_ptr<float>();
+    const int64_t count = static_cast<int64_t>(layers.size());
+    for (int64_t l = 0; l < count; ++l) {  // layer l reads x and writes the other buffer; the last one `out`
+      const int64_t k = seen.of(windows[l]);
+      float* y = (count - 1 - l) % 2 == 0 ? out.data_ptr<float>() : ping.data();
+      layer_pass(layers[l], s, x, rows, cos.data(), sin.data(), caches[l], committed, seen.idx[k].data(),
+                 seen.off[k].data(), seen.longest[k], y);
+      x = y;
+    }
+    return out;
+  }
+
+  // The visible keys of each distinct window, built once a block (`visible`).
+  struct Visible {
+    std::vector<int64_t> kinds, longest;
+    std::vector<std::vector<int64_t>> idx, off;
+    Visible(const std::vector<int64_t>& windows, const bool* allowed, const int64_t* pos, int64_t rows,
+            int64_t committed) {
+      for (int64_t w : windows) {
+        if (std::find(kinds.begin(), kinds.end(), w) != kinds.end()) continue;
+        kinds.push_back(w);
+        idx.emplace_back();
+        off.emplace_back();
+        visible(allowed, pos, rows, committed, w, idx.back(), off.back());
+        longest.push_back(splitinfer::check_visible(idx.back().data(), static_cast<int64_t>(idx.back().size()),
+                                                    off.back().data(), rows, committed + rows));
+      }
+    }
+    int64_t of(int64_t window) const { return std::find(kinds.begin(), kinds.end(), window) - kinds.begin(); }
+  };
+
+  // The block's rows: hidden [q, width], positions int64 [q], allowed bool [q, q]; returns q.
+  int64_t check_block(const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& allowed) const {
     check_float(hidden, 2, "hidden");
-    const int64_t rows = hidden.size(0), count = static_cast<int64_t>(layers.size());
+    const int64_t rows = hidden.size(0);
     TORCH_CHECK(hidden.is_contiguous() && hidden.size(1) == s.width && rows > 0,
                 "NativeStack: hidden must be a contiguous [rows, ", s.width, "]");
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == rows &&
                     allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.numel() == rows * rows,
                 "NativeStack: positions must be int64 [", rows, "] and allowed bool [", rows, ", ", rows, "]");
-    TORCH_CHECK(static_cast<int64_t>(keys.size()) == count && static_cast<int64_t>(values.size()) == count,
+    return rows;
+  }
+
+  // Each layer's cache, every one holding at least `slots` slots.
+  std::vector<Cache> caches_of(const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                               int64_t slots) const {
+    TORCH_CHECK(keys.size() == layers.size() && values.size() == layers.size(),
                 "NativeStack: one key and one value buffer a layer");
-    for (const at::Tensor* t : {&cos_table, &sin_table}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(1) == s.dim,
-                  "NativeStack: the rotary tables must be contiguous float32 [positions, ", s.dim, "]");
-    }
-    const int64_t* pos = positions.data_ptr<int64_t>();
-    const int64_t table = std::min(cos_table.size(0), sin_table.size(0));
-    for (int64_t r = 0; r < rows; ++r) {
-      TORCH_CHECK(pos[r] >= 0 && pos[r] < table, "NativeStack: position ", pos[r], " is past the rotary table (",
-                  table, " rows)");
-    }
-    thread_local std::vector<float> cos, sin, ping;
-    cos.resize(rows * s.dim);
-    sin.resize(rows * s.dim);
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(cos.data() + r * s.dim, cos_table.data_ptr<float>() + pos[r] * s.dim, s.dim * sizeof(float));
-      std::memcpy(sin.data() + r * s.dim, sin_table.data_ptr<float>() + pos[r] * s.dim, s.dim * sizeof(float));
-    }
-    // The visible keys of every distinct window, built once for the block.
-    std::vector<int64_t> kinds;
-    std::vector<std::vector<int64_t>> idx, off;
-    std::vector<int64_t> longest;
-    for (int64_t w : windows) {
-      if (std::find(kinds.begin(), kinds.end(), w) != kinds.end()) continue;
-      kinds.push_back(w);
-      idx.emplace_back();
-      off.emplace_back();
-      visible(allowed.data_ptr<bool>(), pos, rows, committed, w, idx.back(), off.back());
-      longest.push_back(splitinfer::check_visible(idx.back().data(), static_cast<int64_t>(idx.back().size()),
-                                                  off.back().data(), rows, committed + rows));
-    }
-    at::Tensor out = at::empty({rows, s.width}, hidden.options());
-    ping.resize(rows * s.width);
-    // Layer l reads x and writes the other buffer; the last layer writes `out`.
-    const float* x = hidden.data_ptr<float>();
-    for (int64_t l = 0; l < count; ++l) {
+    std::vector<Cache> caches;
+    for (size_t l = 0; l < layers.size(); ++l) {
       TORCH_CHECK(keys[l].dim() == 4 && values[l].dim() == 4, "NativeStack: cache buffers are [1, KVH, S, dim]");
-      const Cache c = cache_of(keys[l], values[l], s);
-      TORCH_CHECK(committed >= 0 && committed + rows <= c.slots, "NativeStack: rows ", committed, "..",
-                  committed + rows, " do not fit a cache of ", c.slots, " slots");
-      const int64_t k = std::find(kinds.begin(), kinds.end(), windows[l]) - kinds.begin();
-      float* y = (count - 1 - l) % 2 == 0 ? out.data_ptr<float>() : ping.data();
-      layer_pass(layers[l], s, x, rows, cos.data(), sin.data(), c, committed, idx[k].data(), off[k].data(), longest[k],
-                 y);
-      x = y;
+      caches.push_back(cache_of(keys[l], values[l], s));
+      TORCH_CHECK(caches.back().slots >= slots, "NativeStack: rows up to ", slots, " do not fit a cache of ",
+                  caches.back().slots, " slots");
     }
-    return out;
+    return caches;
+  }
+
+  // The table's rows at the block's positions, one after another, into `out`.
+  void rotary_rows(const at::Tensor& table, const at::Tensor& positions, std::vector<float>& out) const {
+    TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.dim() == 2 && table.size(1) == s.dim,
+                "NativeStack: the rotary tables must be contiguous float32 [positions, ", s.dim, "]");
+    const int64_t rows = positions.numel();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    out.resize(rows * s.dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(pos[r] >= 0 && pos[r] < table.size(0), "NativeStack: position ", pos[r],
+                  " is past the rotary table (", table.size(0), " rows)");
+      std::memcpy(out.data() + r * s.dim, table.data_ptr<float>() + pos[r] * s.dim, s.dim * sizeof(float));
+    }
   }
 };
 
