@@ -88,13 +88,7 @@ Product product(const at::Tensor* weights, int64_t k, const char* name) {
 void multiply(const Product& p, const float* x, int64_t rows, float* y) {
   if (p.int8) {
     RECORD_FUNCTION("splitinfer::w8a8_mm", std::vector<c10::IValue>());
-    thread_local std::vector<uint8_t> a;
-    thread_local std::vector<float> sx;
-    a.assign(splitinfer::w8a8_padded_rows(rows) * p.k, 128);  // the kernel reads whole blocks: padding rows of zeros
-    sx.resize(rows);
-    splitinfer::quantize_rows_int8(x, rows, p.k, p.smooth, a.data(), sx.data());
-    splitinfer::w8a8_product(a.data(), rows, p.k, static_cast<const int8_t*>(p.packed), p.sums, p.scale, sx.data(),
-                             p.n, y);
+    splitinfer::w8a8_rows(x, rows, p.k, p.smooth, static_cast<const int8_t*>(p.packed), p.sums, p.scale, p.n, y);
   } else {
     RECORD_FUNCTION("splitinfer::w4a8_mm", std::vector<c10::IValue>());
     splitinfer::w4a8_product(x, rows, p.k, static_cast<const uint8_t*>(p.packed), p.n, y);

@@ -20,6 +20,10 @@ constexpr int64_t w8a8_padded_rows(int64_t M) { return (M + W8A8_ROWS - 1) / W8A
 // pass of up to four rows asks for the weight that many bytes ahead with prefetcht0 (scripts/bench_w8a8_stream.py).
 void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, const int32_t* sums, const float* scale,
                   const float* sx, int64_t N, float* y, int64_t prefetch = 0);
+// w8a8.cpp: x [M, K] float32 rows (times smooth where not null) quantized per row, then their w8a8_product with the row
+// scales applied: Int8Linear's product without its bias.
+void w8a8_rows(const float* x, int64_t M, int64_t K, const float* smooth, const int8_t* packed, const int32_t* sums,
+               const float* scale, int64_t N, float* y);
 
 // rms_norm.cpp: rows of x [rows, dim] -> y = weight * (x / sqrt(mean(x^2) + eps)), one row at a time.
 void rms_norm_rows(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* y);

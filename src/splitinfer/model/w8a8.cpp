@@ -201,6 +201,16 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const
   });
 }
 
+void w8a8_rows(const float* x, int64_t M, int64_t K, const float* smooth, const int8_t* packed, const int32_t* sums,
+               const float* scale, int64_t N, float* y) {
+  thread_local std::vector<uint8_t> a;
+  thread_local std::vector<float> sx;
+  a.assign(w8a8_padded_rows(M) * K, 128);  // the kernel reads whole blocks: padding rows of zeros
+  sx.resize(M);
+  quantize_rows_int8(x, M, K, smooth, a.data(), sx.data());
+  w8a8_product(a.data(), M, K, packed, sums, scale, sx.data(), N, y);
+}
+
 }  // namespace splitinfer
 
 namespace {
@@ -256,15 +266,10 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const float* smoothing = floats(smooth, K, "smooth");
   const float* b = floats(bias, N, "bias");
   const at::Tensor xc = x.contiguous();
-  thread_local std::vector<uint8_t> a;
-  thread_local std::vector<float> sx;
-  a.assign(splitinfer::w8a8_padded_rows(M) * K, 128);  // padding rows: inputs of zero
-  sx.resize(M);
-  splitinfer::quantize_rows_int8(xc.data_ptr<float>(), M, K, smoothing, a.data(), sx.data());
   at::Tensor y = at::empty({M, N}, x.options());
   float* out = y.data_ptr<float>();
-  splitinfer::w8a8_product(a.data(), M, K, packed.data_ptr<int8_t>(), sums.data_ptr<int32_t>(), scale.data_ptr<float>(),
-                           sx.data(), N, out);
+  splitinfer::w8a8_rows(xc.data_ptr<float>(), M, K, smoothing, packed.data_ptr<int8_t>(), sums.data_ptr<int32_t>(),
+                        scale.data_ptr<float>(), N, out);
   for (int64_t m = 0; b != nullptr && m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) out[m * N + n] += b[n];
   }
