@@ -7,11 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from splitinfer.launch import free_port  # noqa: F401 (the tests' one way to pick a port)
 
 
 def wait_for(port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:

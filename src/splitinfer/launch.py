@@ -56,17 +56,62 @@ def pinned(cpu: int | None, threads: int):
         torch.set_num_threads(before)
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: never twice
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to bind(0) and to outgoing connections (Linux's ip_local_port_range)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A loopback port nobody listens on, for a child to bind a moment later.
+
+    Chosen below the ephemeral range: a port from bind(0) is free again once we close it, and any outgoing
+    connection of any process (a readiness probe, a client) may take it as its local port before the child
+    binds it, which fails the child's bind (seen in CI). Ports below the range are only ever taken by
+    explicit binds. Falls back to bind(0) where no such port is free."""
+    import random
+
+    low, _ = _ephemeral_range()
+    candidates = range(max(1024, low - 12000), low)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        if port not in _HANDED_OUT and _binds(port):
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def _binds(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _tail(log: Path | None, lines: int = 8) -> str:
+    """The last lines a child wrote to `log`, for an error that says why it exited ('' without one)."""
+    if log is None or not Path(log).exists():
+        return ""
+    text = Path(log).read_text(errors="replace").strip().splitlines()[-lines:]
+    return (" Its last output:\n" + "\n".join(text)) if text else ""
+
+
+def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 120.0, log: Path | None = None) -> None:
+    """Return once something listens on `port`; a ConfigError (with the tail of `log`) if `proc` exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ConfigError(f"the child process exited with code {proc.returncode} before listening on {port}.")
+            raise ConfigError(f"the child process exited with code {proc.returncode} before listening on {port}."
+                              + _tail(log))
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
@@ -130,12 +175,26 @@ def cloud_server(
         args += ["--token-file", str(token_file)]
     if tls_cert:
         args += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key or tls_cert)]
-    proc = spawn(args, cpu, threads, quiet, log)
-    try:
-        wait_for_port(port, proc, ready_timeout_s)
-        yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc
-    finally:
-        stop(proc)
+    with _kept_output(log, quiet) as log:
+        proc = spawn(args, cpu, threads, quiet, log)
+        try:
+            wait_for_port(port, proc, ready_timeout_s, log)
+            yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc
+        finally:
+            stop(proc)
+
+
+@contextmanager
+def _kept_output(log: Path | None, quiet: bool):
+    """`log`, or for a quiet child without one a temporary file (gone on exit): a child that fails to start
+    says why in the error, not into /dev/null."""
+    if log is not None or not quiet:
+        yield log
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="splitinfer-child-") as folder:
+        yield Path(folder) / "output.log"
 
 
 @contextmanager
@@ -149,12 +208,13 @@ def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_m
     args = ["wan", "--listen", str(port), "--upstream", host_port, "--rtt-ms", str(rtt_ms), "--jitter-ms", str(jitter_ms)]
     if bandwidth_mbit:
         args += ["--bandwidth-mbit", str(bandwidth_mbit)]
-    proc = spawn(args, cpu, None, quiet=True)
-    try:
-        wait_for_port(port, proc, timeout_s=30)
-        yield f"{scheme}://127.0.0.1:{port}"
-    finally:
-        stop(proc)
+    with _kept_output(None, quiet=True) as log:
+        proc = spawn(args, cpu, None, quiet=True, log=log)
+        try:
+            wait_for_port(port, proc, timeout_s=30, log=log)
+            yield f"{scheme}://127.0.0.1:{port}"
+        finally:
+            stop(proc)
 
 
 DEMO_PROMPT = "Explain in three sentences why the round trip dominates split inference over a WAN."
