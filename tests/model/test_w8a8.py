@@ -20,9 +20,10 @@ def integers(rows: int, k: int, seed: int) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("n, k", [(16, 4), (48, 64), (192, 576), (576, 1536), (1040, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 10, 11, 12, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 17])
 def test_the_kernel_gives_int_mm_and_fbgemm_bits(n, k, rows):
-    """Shapes with 1-4 tiles left over after the groups of four; one to four rows alone or after blocks of eight."""
+    """Shapes with 1-4 tiles left over after the groups of four; one to four rows (one pass of four), five and six
+    (one pass of six), seven and eight (pairs of tiles), alone or after blocks of eight."""
     torch.manual_seed(0)
     state = formats.quantize_int8(torch.randn(n, k))
     qweight, scale = state["qweight"], state["scale"]
@@ -52,7 +53,7 @@ def test_every_row_has_the_bits_it_has_alone(threads):
         blocks = {m: w8a8.matmul(xq[:m], *packed, state["scale"]) for m in [*range(2, 13), 64]}
     finally:
         torch.set_num_threads(before)
-    for m, block in blocks.items():  # every kernel path: one to four rows, pairs of tiles, blocks and their rest
+    for m, block in blocks.items():  # every kernel path: one to four rows, six, pairs of tiles, blocks and their rest
         assert torch.equal(block, alone[:m]), m
 
 

@@ -7,8 +7,10 @@
 // float(sum) * scale[n], what torch._int_mm and FBGEMM's product give (the caller multiplies by the row's
 // own scale), so the three kernels give the same bits and every row its own (tests/model/test_w8a8.py).
 //
-// Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); from five
-// rows, eight rows share each load of two tiles (`pair`), the group's other two tiles then coming from the cache.
+// Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); five and six
+// rows, one pass of six (`six`, 24 accumulators; 24 dot products a step where two passes of eight take 32, and
+// one read of the stream: notes/bench/step-int8-rows); seven and eight rows share each load of two tiles (`pair`), the group's other two tiles then
+// coming from the cache.
 // One pass (up to four rows) leaves the stream to the hardware prefetchers: asking for it 16 KB ahead with
 // prefetcht0 made one to four rows 1.17-1.29x slower (a cloud step's 104 products at one row 5.04 ms against
 // 4.23, notes/bench/w8a8-prefetch). Where several passes read a group, each asks for its share of the next
@@ -40,6 +42,7 @@ namespace {
 constexpr int64_t COLS = 16;  // output columns a tile
 constexpr int ROWS = 4;       // rows sharing a pass over a group of tiles
 constexpr int TILES = 4;      // tiles a group
+constexpr int SIX = 6;        // rows of one pass over a group's four tiles, for five and six rows
 constexpr int WIDE = splitinfer::W8A8_ROWS;  // rows sharing a pass over two tiles of a group, from five rows
 
 // The epilogue of one accumulator: row r, tile c of the group; rows and tiles past the real ones are padding.
@@ -102,6 +105,38 @@ void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, co
   }
   const __m512i acc[ROWS][TILES] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
   for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < TILES; ++c) finish(acc[r][c], r, c, sums, scale, sx, y, ldy, rows, tiles);
+}
+
+// Six rows (a: [6, K], padded) times four tiles in one pass: 24 accumulators, four weights and a broadcast
+// fill 29 of the 32 registers. Five and six rows then read the stream once, at 24 dot products a step
+// rather than the 32 of two passes of eight rows.
+void six(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, const float* scale, const float* sx,
+         float* y, int64_t ldy, int rows, int tiles, Ahead ahead) {
+  __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+  __m512i c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
+  __m512i c40 = c00, c41 = c00, c42 = c00, c43 = c00, c50 = c00, c51 = c00, c52 = c00, c53 = c00;
+  for (int64_t j = 0; j < K / 4; ++j) {
+    const int8_t* t = w + j * 64 * TILES;
+    ahead.at(j, K / 4);
+    const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
+    const __m512i w2 = _mm512_loadu_si512(t + 128), w3 = _mm512_loadu_si512(t + 192);
+    const __m512i a0 = broadcast4(a + 4 * j);
+    SPLITINFER_DOT4(a0, 0)
+    const __m512i a1 = broadcast4(a + K + 4 * j);
+    SPLITINFER_DOT4(a1, 1)
+    const __m512i a2 = broadcast4(a + 2 * K + 4 * j);
+    SPLITINFER_DOT4(a2, 2)
+    const __m512i a3 = broadcast4(a + 3 * K + 4 * j);
+    SPLITINFER_DOT4(a3, 3)
+    const __m512i a4 = broadcast4(a + 4 * K + 4 * j);
+    SPLITINFER_DOT4(a4, 4)
+    const __m512i a5 = broadcast4(a + 5 * K + 4 * j);
+    SPLITINFER_DOT4(a5, 5)
+  }
+  const __m512i acc[SIX][TILES] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
+                                   {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
+  for (int r = 0; r < SIX; ++r)
     for (int c = 0; c < TILES; ++c) finish(acc[r][c], r, c, sums, scale, sx, y, ldy, rows, tiles);
 }
 
@@ -178,7 +213,8 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const
         continue;
       }
       const int64_t blocks = M / WIDE, rest = M % WIDE;  // passes: two a block of eight, one or two for the rest
-      const int64_t passes = blocks * ((tiles + 1) / 2) + (rest == 0 ? 0 : rest > ROWS ? (tiles + 1) / 2 : 1);
+      // (one for five or six rows)
+      const int64_t passes = blocks * ((tiles + 1) / 2) + (rest == 0 ? 0 : rest > SIX ? (tiles + 1) / 2 : 1);
       const int8_t* next = g + 1 < g1 ? stream + TILES * K * COLS : nullptr;
       int64_t pass = 0;  // this pass's share of the next group: lines [pass * K / passes, (pass + 1) * K / passes)
       const auto share = [&] { return Ahead{next, pass * K / passes, (pass + 1) * K / passes - pass * K / passes}; };
@@ -186,10 +222,13 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const
         const float* row_scale = sx == nullptr ? nullptr : sx + m;
         const int rows = static_cast<int>(std::min<int64_t>(M - m, WIDE));
         float* out = y + m * N + t * COLS;
-        if (rows > ROWS) {
+        if (rows > SIX) {
           for (int c0 = 0; c0 < tiles; c0 += 2, ++pass) {
             pair(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, c0, share());
           }
+        } else if (rows > ROWS) {
+          six(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, share());
+          ++pass;
         } else {
           group(stream, K, a + m * K, sums + t * COLS, scale + t * COLS, row_scale, out, N, rows, tiles, share(),
                 prefetch);
