@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, PretrainedConfig
 
 from ..errors import ModelError
 from ..kv import KVCache
-from . import formats
+from . import arena, formats
 from .keyed_norm import install as install_keyed_norms
 from .manifest import DTYPES, WEIGHTS, read_manifest, sha256_file, split_of
 from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
@@ -191,7 +191,9 @@ def _lm_head(config, model, weights: dict, stored: dict, device: str, dtype: tor
     if fmt is not None:
         with torch.device("meta"):
             head = formats.quant_module(fmt, config.hidden_size, config.vocab_size, False, smooth="smooth" in stored)
-        return materialize(head, stored, device, dtype)
+        head = materialize(head, stored, device, dtype)
+        arena.gather(arena.packed_weights(head))  # one stream in huge pages (model/arena.py)
+        return head
     if getattr(config, "tie_word_embeddings", False) and not stored:
         head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
         return materialize(head, {"weight": weights["model.embed_tokens.weight"]}, device, dtype)

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..errors import ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
-from . import fastpath, formats, native_layer
+from . import arena, fastpath, formats, native_layer
 from .attention import install as install_attention
 from .fused import fuse_layer, fuse_norms
 from .rows import use_row_kernels
@@ -322,5 +322,6 @@ def build_stack(
         # Row-invariant products (int8/int4) need row-invariant attention to keep speculation exact.
         layer.self_attn.exact_rows = integer
         layers.append(layer)
+    arena.gather([w for layer in layers for w in arena.packed_weights(layer)])  # before a native stack points into them
     rotary = type(model.model.rotary_emb)(config=config).to(device)
     return LayerStack(config, layers, start, rotary).eval()
