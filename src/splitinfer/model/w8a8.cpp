@@ -74,11 +74,20 @@ struct Ahead {
   }
 };
 
-#define SPLITINFER_DOT4(a, r)                        \
-  c##r##0 = _mm512_dpbusd_epi32(c##r##0, a, w0);    \
-  c##r##1 = _mm512_dpbusd_epi32(c##r##1, a, w1);    \
-  c##r##2 = _mm512_dpbusd_epi32(c##r##2, a, w2);    \
-  c##r##3 = _mm512_dpbusd_epi32(c##r##3, a, w3);
+// The four tiles' weights of step j (t: the step's first byte).
+#define SPLITINFER_LOAD4                                                                  \
+  const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);              \
+  const __m512i w2 = _mm512_loadu_si512(t + 128), w3 = _mm512_loadu_si512(t + 192);
+
+// Row r's four inputs of step j times the four tiles, into row r's accumulators c<r>0..c<r>3.
+#define SPLITINFER_ROW4(r)                                     \
+  {                                                            \
+    const __m512i x = broadcast4(a + r * K + 4 * j);           \
+    c##r##0 = _mm512_dpbusd_epi32(c##r##0, x, w0);             \
+    c##r##1 = _mm512_dpbusd_epi32(c##r##1, x, w1);             \
+    c##r##2 = _mm512_dpbusd_epi32(c##r##2, x, w2);             \
+    c##r##3 = _mm512_dpbusd_epi32(c##r##3, x, w3);             \
+  }
 
 // Four rows (a: [4, K] shifted bytes, padded) times four tiles (w: the group's first tile; tiles padded) ->
 // the real `rows` x `tiles` of y. Sixteen named accumulators: in an array GCC moved or spilled them.
@@ -92,16 +101,8 @@ void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, co
       _mm_prefetch(reinterpret_cast<const char*>(t + prefetch + 64 * line), _MM_HINT_T0);
     }
     ahead.at(j, K / 4);
-    const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
-    const __m512i w2 = _mm512_loadu_si512(t + 128), w3 = _mm512_loadu_si512(t + 192);
-    const __m512i a0 = broadcast4(a + 4 * j);
-    SPLITINFER_DOT4(a0, 0)
-    const __m512i a1 = broadcast4(a + K + 4 * j);
-    SPLITINFER_DOT4(a1, 1)
-    const __m512i a2 = broadcast4(a + 2 * K + 4 * j);
-    SPLITINFER_DOT4(a2, 2)
-    const __m512i a3 = broadcast4(a + 3 * K + 4 * j);
-    SPLITINFER_DOT4(a3, 3)
+    SPLITINFER_LOAD4
+    SPLITINFER_ROW4(0) SPLITINFER_ROW4(1) SPLITINFER_ROW4(2) SPLITINFER_ROW4(3)
   }
   const __m512i acc[ROWS][TILES] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
   for (int r = 0; r < ROWS; ++r)
@@ -119,20 +120,8 @@ void six(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, cons
   for (int64_t j = 0; j < K / 4; ++j) {
     const int8_t* t = w + j * 64 * TILES;
     ahead.at(j, K / 4);
-    const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
-    const __m512i w2 = _mm512_loadu_si512(t + 128), w3 = _mm512_loadu_si512(t + 192);
-    const __m512i a0 = broadcast4(a + 4 * j);
-    SPLITINFER_DOT4(a0, 0)
-    const __m512i a1 = broadcast4(a + K + 4 * j);
-    SPLITINFER_DOT4(a1, 1)
-    const __m512i a2 = broadcast4(a + 2 * K + 4 * j);
-    SPLITINFER_DOT4(a2, 2)
-    const __m512i a3 = broadcast4(a + 3 * K + 4 * j);
-    SPLITINFER_DOT4(a3, 3)
-    const __m512i a4 = broadcast4(a + 4 * K + 4 * j);
-    SPLITINFER_DOT4(a4, 4)
-    const __m512i a5 = broadcast4(a + 5 * K + 4 * j);
-    SPLITINFER_DOT4(a5, 5)
+    SPLITINFER_LOAD4
+    SPLITINFER_ROW4(0) SPLITINFER_ROW4(1) SPLITINFER_ROW4(2) SPLITINFER_ROW4(3) SPLITINFER_ROW4(4) SPLITINFER_ROW4(5)
   }
   const __m512i acc[SIX][TILES] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
                                    {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
