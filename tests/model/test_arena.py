@@ -58,3 +58,19 @@ def test_a_loaded_stack_streams_one_block_in_order_with_the_bits_of_its_own_allo
     out_apart, kv_apart = run_blocks(apart, hidden, 6)
     assert torch.equal(out, out_apart)
     assert all(torch.equal(a, b) for pair, other in zip(kv, kv_apart) for a, b in zip(pair, other))
+
+
+def test_a_kernel_without_huge_pages_still_gets_one_block(monkeypatch):
+    import mmap
+
+    def refuse(self, *args):
+        raise OSError(22, "Invalid argument")  # madvise(MADV_HUGEPAGE) where the kernel has no THP
+
+    class Mapping(mmap.mmap):
+        madvise = refuse
+
+    monkeypatch.setattr(arena.mmap, "mmap", Mapping)
+    tensors = [torch.arange(300, dtype=torch.int32), torch.ones(70)]
+    expected = [t.clone() for t in tensors]
+    assert arena.gather(tensors) == sum(t.nbytes for t in tensors)
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected)) and tensors[0].data_ptr() % arena.ALIGN == 0

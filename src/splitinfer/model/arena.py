@@ -51,7 +51,10 @@ def gather(tensors: list[torch.Tensor]) -> int:
     sizes = [-(-t.nbytes // 64) * 64 for t in tensors]
     mapping = mmap.mmap(-1, sum(sizes) + ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first write: the pages are then huge from the start
+        try:  # before the first write: the pages are then huge from the start
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages: one block of ordinary pages still serves
+            pass
     block = torch.frombuffer(mapping, dtype=torch.uint8)  # the storage keeps the mapping alive
     offset = -block.data_ptr() % ALIGN
     for tensor, size in zip(tensors, sizes):
