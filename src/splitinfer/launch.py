@@ -175,19 +175,26 @@ def cloud_server(
         args += ["--token-file", str(token_file)]
     if tls_cert:
         args += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key or tls_cert)]
+    with listening_child(args, port, cpu, threads, quiet, log, ready_timeout_s) as proc:
+        yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc
+
+
+@contextmanager
+def listening_child(args: list[str], port: int, cpu: int | None, threads: int | None, quiet: bool = True,
+                    log: Path | None = None, timeout_s: float = 120.0, module: str = "splitinfer"):
+    """Yields a `spawn`ed child once it listens on `port`, and stops it on the way out. A quiet child without
+    `log` writes to a temporary file (gone on exit), so one that exits before listening says why in the error."""
     with _kept_output(log, quiet) as log:
-        proc = spawn(args, cpu, threads, quiet, log)
+        proc = spawn(args, cpu, threads, quiet, log, module)
         try:
-            wait_for_port(port, proc, ready_timeout_s, log)
-            yield f"{'wss' if tls_cert else 'ws'}://127.0.0.1:{port}", proc
+            wait_for_port(port, proc, timeout_s, log)
+            yield proc
         finally:
             stop(proc)
 
 
 @contextmanager
 def _kept_output(log: Path | None, quiet: bool):
-    """`log`, or for a quiet child without one a temporary file (gone on exit): a child that fails to start
-    says why in the error, not into /dev/null."""
     if log is not None or not quiet:
         yield log
         return
@@ -208,13 +215,8 @@ def wan_proxy(upstream_url: str, rtt_ms: float, cpu: int | None = None, jitter_m
     args = ["wan", "--listen", str(port), "--upstream", host_port, "--rtt-ms", str(rtt_ms), "--jitter-ms", str(jitter_ms)]
     if bandwidth_mbit:
         args += ["--bandwidth-mbit", str(bandwidth_mbit)]
-    with _kept_output(None, quiet=True) as log:
-        proc = spawn(args, cpu, None, quiet=True, log=log)
-        try:
-            wait_for_port(port, proc, timeout_s=30, log=log)
-            yield f"{scheme}://127.0.0.1:{port}"
-        finally:
-            stop(proc)
+    with listening_child(args, port, cpu, None, timeout_s=30):
+        yield f"{scheme}://127.0.0.1:{port}"
 
 
 DEMO_PROMPT = "Explain in three sentences why the round trip dominates split inference over a WAN."

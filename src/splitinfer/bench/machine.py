@@ -39,8 +39,7 @@ def _median_s(run, repeats: int) -> float:
 def bandwidth_gbps(repeats: int = 5) -> float:
     """One thread's read bandwidth: a 1 GiB float32 buffer summed, median of `repeats`, in ordinary 4 KB pages
     and again moved into transparent huge pages as the integer weights are (model/arena.py); the higher of the
-    two, so that no step's weights can stream faster than its bound says (huge pages read ~1.3x faster
-    here)."""
+    two, so that no step's weights can stream faster than its bound says."""
     buf = torch.ones(1 << 28)
     plain = buf.numel() * 4 / _median_s(buf.sum, repeats) / 1e9
     if not arena.gather([buf]):  # no anonymous mappings here, or SPLITINFER_ARENA=0

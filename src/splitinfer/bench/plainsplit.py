@@ -51,16 +51,12 @@ class PlainSplitOptions:
 @contextmanager
 def plain_cloud_server(shard: Path, cpu: int | None, threads: int):
     """Yields the ws:// URL of a plain transformers cloud process (bench/plaincloud.py) on a loopback port."""
-    from ..launch import free_port, spawn, stop, wait_for_port
+    from ..launch import free_port, listening_child
 
     port = free_port()
-    proc = spawn(["--shard", str(shard), "--port", str(port)], cpu, threads, quiet=True,
-                 module="splitinfer.bench.plaincloud")
-    try:
-        wait_for_port(port, proc)
+    with listening_child(["--shard", str(shard), "--port", str(port)], port, cpu, threads,
+                         module="splitinfer.bench.plaincloud"):
         yield f"ws://127.0.0.1:{port}"
-    finally:
-        stop(proc)
 
 
 def record(impl: str, rtt: float, rep: int, p: dict, tokens: list[int], stats: dict, steps: list[dict]) -> dict:
