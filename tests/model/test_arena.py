@@ -74,3 +74,29 @@ def test_a_kernel_without_huge_pages_still_gets_one_block(monkeypatch):
     expected = [t.clone() for t in tensors]
     assert arena.gather(tensors) == sum(t.nbytes for t in tensors)
     assert all(torch.equal(t, e) for t, e in zip(tensors, expected)) and tensors[0].data_ptr() % arena.ALIGN == 0
+
+
+@needs_native
+def test_loaded_halves_hold_one_copy_of_an_int8_weight_and_hand_freed_memory_back(tmp_path, monkeypatch):
+    from splitinfer.model import formats
+    from splitinfer.model.shards import load_cloud, load_local
+    from splitinfer.model.source import SourceModel
+    from splitinfer.model.prepare import prepare
+    from splitinfer.model.formats import WeightFormats
+    from tiny import tiny_model
+
+    model = tiny_model("llama")
+    out = prepare(SourceModel("tiny-llama", model.config, model, None), tmp_path / "shards", 2, 1, "float32",
+                  weights=WeightFormats.parse("int8,lm_head=int8"))
+    trims = []
+    monkeypatch.setattr(arena, "return_freed", lambda: trims.append(1) or True)
+    cloud, local = load_cloud(out / "cloud"), load_local(out / "local")
+    assert len(trims) == 2  # once a half
+    products = [m for top in (cloud.stack, local.head, local.tail, local.lm_head) for m in top.modules()
+                if isinstance(m, formats.Int8Linear)]
+    assert products and all(m.qweight is None and m._w8a8 is not None for m in products)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out / "local" / "weights.safetensors"))  # the shard's integers read back whole
+    assert torch.equal(local.lm_head.int8_weight(), stored["lm_head.qweight"])
+    assert torch.equal(local.lm_head.stored_state()["scale"], stored["lm_head.scale"])

@@ -65,16 +65,29 @@ def test_int8_linears_take_the_kernel_where_their_shape_tiles(monkeypatch):
     odd.finish()
     assert odd._w8a8 is None
     even = Int8Linear(64, 48)
-    even.load_state_dict(formats.quantize_int8(torch.randn(48, 64)))
+    stored = formats.quantize_int8(torch.randn(48, 64))
+    even.load_state_dict(stored)
     even.finish()
     assert even._w8a8 is not None and even._packed is None
+    # the tiles are the one copy: the [N, K] buffer is released, and what the shard stores reads back whole
+    assert even.qweight is None and odd.qweight is not None
+    assert torch.equal(even.stored_state()["qweight"], stored["qweight"])
+    assert torch.equal(even.weight, formats.dequantize(stored))
+    even.finish()  # finishing again changes nothing
+    assert even.qweight is None and torch.equal(even.int8_weight(), stored["qweight"])
     x = torch.randn(5, 64)
     monkeypatch.setattr(w8a8, "available", lambda: False)
     library = Int8Linear(64, 48)
-    library.load_state_dict(dict(even.named_buffers()))
+    library.load_state_dict(even.stored_state())
     library.finish()
-    assert library._w8a8 is None
+    assert library._w8a8 is None and library.qweight is not None
     assert torch.equal(even(x), library(x))
+
+
+@pytest.mark.parametrize("n, k", [(64, 4), (48, 64), (576, 576), (200, 36)])
+def test_unpack_is_packs_inverse(n, k):
+    weight = torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(n), dtype=torch.int8)
+    assert torch.equal(w8a8.unpack(w8a8.pack(weight)[0], n), weight)
 
 
 @needs_kernel

@@ -38,7 +38,7 @@ import torch
 
 from .. import __version__
 from ..model import native
-from ..model.formats import WeightFormats
+from ..model.formats import Int8Linear, WeightFormats
 from ..tables import table
 from .machine import bandwidth_gbps, cpu_flags, kernels_line
 
@@ -76,13 +76,18 @@ def prepare_all(model: str | None, shards_dir: Path, specs: tuple[str, ...], log
 
 
 def stored_bytes(modules) -> int:
-    """Bytes a step streams for these modules' weights: parameters and persistent buffers, as stored."""
+    """Bytes a step streams for these modules' weights: parameters and persistent buffers, as stored (an int8
+    weight held only as its kernel's tiles counted as its stored [N, K] bytes)."""
     seen, total = set(), 0
     for module in modules:
         for t in list(module.parameters()) + [b for _, b in module.named_buffers()]:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
+        for m in module.modules():
+            if isinstance(m, Int8Linear) and m.qweight is None and id(m) not in seen:
+                seen.add(id(m))
+                total += m.out_features * m.in_features
     return total
 
 

@@ -317,8 +317,10 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
                 "compute_bound_ms": float(f"{side.compute_bound_ms(q, peak, int8_peak):.4g}"),
                 "breakdown_ms": {k: round(v * ours, 2) for k, v in shares.items()},
             })
-            products_ms = rows[-1]["breakdown_ms"]["products"]
-            rows[-1]["products_gflops"] = round(side.product_flops(q) / products_ms / 1e6, 1) if products_ms else None
+            row, products_ms = rows[-1], rows[-1]["breakdown_ms"]["products"]
+            below = row["bound_ms"] + row["breakdown_ms"]["attention"]  # the bytes it streams plus its own attention
+            row["x_bound_attention"] = round(row["splitinfer_ms"] / below, 2) if below else None  # from the JSON's fields
+            row["products_gflops"] = round(side.product_flops(q) / products_ms / 1e6, 1) if products_ms else None
             log(f"{side.name:<5} ctx {side.context:>5} q {q:>2}: splitinfer {ours:7.1f} ms  transformers {anchor:7.1f} ms  "
                 f"x{ours / anchor:.2f}  bound {rows[-1]['bound_ms']} ms")
     report = {
@@ -389,12 +391,13 @@ def markdown(report: dict) -> str:
              f"Medians of {report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: "
              "the side's weights plus the cached keys/values it reads, over that bandwidth; compute bound: the weight "
              f"products' flops over {compute_peaks(report)}; products GFLOP/s: those flops over the profiled products' "
-             "time.", ""]
-    header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "memory bound", "compute bound", *GROUPS,
-              "products GFLOP/s"]
+             "time; x (bound + attention): the step over the memory bound plus its attention's time.", ""]
+    header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "memory bound", "compute bound",
+              "x (bound + attention)", *GROUPS, "products GFLOP/s"]
     body = [[r["side"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], f"{r['ratio']}x", r["bound_ms"],
-             r["compute_bound_ms"], *(r["breakdown_ms"][g] for g in GROUPS), r["products_gflops"]] for r in report["rows"]]
-    lines += table(header, body, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|") + [""]
+             r["compute_bound_ms"], f"{r.get('x_bound_attention') or '-'}x", *(r["breakdown_ms"][g] for g in GROUPS),
+             r["products_gflops"]] for r in report["rows"]]
+    lines += table(header, body, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|") + [""]
     e2e_ = report.get("e2e")
     if e2e_:
         lines += [f"Whole generations, {e2e_['tokens']} tokens, prompts {', '.join(e2e_['prompts'])}: local-only "

@@ -15,6 +15,8 @@ are not on the CPU, or SPLITINFER_ARENA=0 (for A/B runs: scripts/bench_arena.py)
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import os
 
@@ -63,3 +65,18 @@ def gather(tensors: list[torch.Tensor]) -> int:
         tensor.set_(view.untyped_storage(), offset // tensor.element_size(), tensor.shape, tensor.stride())
         offset += size
     return sum(t.nbytes for t in tensors)
+
+
+def return_freed() -> bool:
+    """Hand the heap memory freed while a shard loaded back to the OS (glibc's `malloc_trim`): reading the file,
+    quantized states packed, fused and gathered leave freed blocks that the allocator otherwise keeps for the
+    process's life, as resident memory. True where it ran (a C library without it: nothing to do)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True

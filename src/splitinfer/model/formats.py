@@ -227,12 +227,16 @@ def int_mm_product(xq: torch.Tensor, qweight_t: torch.Tensor, scale: torch.Tenso
 
 
 class QuantLinear(nn.Module):
-    """What the integer linears share: `weight`, the float32 weight they stand for (computed on each read:
-    for readers outside the step, such as a draft head copying rows of the LM head)."""
+    """What the integer linears share: `weight`, the float32 weight they stand for, and `stored_state`, the
+    state as the shard stores it (both computed on each read: for readers outside the step, such as a draft
+    head copying rows of the LM head)."""
 
     @property
     def weight(self) -> torch.Tensor:
-        return dequantize(dict(self.named_buffers()))
+        return dequantize(self.stored_state())
+
+    def stored_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_buffers())
 
 
 class Int8Linear(QuantLinear):
@@ -249,17 +253,30 @@ class Int8Linear(QuantLinear):
     def finish(self) -> None:
         """Ready the kernel's operands after the state is loaded: model/w8a8.py's tiles where that kernel
         runs, else the weight packed for FBGEMM (a second copy), or as [K, N] (a view) for `torch._int_mm`
-        where FBGEMM is not there. All three give the same bits."""
+        where FBGEMM is not there. All three give the same bits. The tiles hold every integer of the weight,
+        so where they are made the stored [N, K] copy is released: one copy of the weight in memory, not two
+        (`int8_weight` unpacks it for the readers outside the step)."""
+        if self.qweight is None:  # finished already: the tiles are the weight
+            return
         self._scale = self.scale.float()[None, :]
         self._bias = None if self.bias is None else self.bias.float().contiguous()
         self._smooth = None if self.smooth is None else self.smooth.float().contiguous()
-        self._qweight_t = self.qweight.t()
-        self._w8a8 = self._packed = None
+        self._w8a8 = self._packed = self._qweight_t = None
         cpu = self.qweight.device.type == "cpu"
         if cpu and w8a8.supports_shape(self.out_features, self.in_features) and w8a8.available():
             self._w8a8 = w8a8.pack(self.qweight)
-        elif cpu:
+            self.qweight = None
+            return
+        self._qweight_t = self.qweight.t()
+        if cpu:
             self._packed = fbgemm_pack(self.qweight, self.scale.float())
+
+    def int8_weight(self) -> torch.Tensor:
+        """The stored int8 weight [N, K]: the buffer, or the kernel's tiles unpacked once `finish` released it."""
+        return self.qweight if self.qweight is not None else w8a8.unpack(self._w8a8[0], self.out_features)
+
+    def stored_state(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.named_buffers()), "qweight": self.int8_weight()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -339,9 +356,10 @@ def select_rows(linear: nn.Module, index: torch.Tensor) -> QuantLinear | None:
         names = ("qweight", "scale", "min", "bias")
     else:
         return None
+    state = linear.stored_state()
     for name in names:
-        if getattr(linear, name) is not None:
-            setattr(rows, name, getattr(linear, name)[index].contiguous())
+        if name in state:
+            setattr(rows, name, state[name][index].contiguous())
     rows.finish()
     return rows
 

@@ -122,9 +122,10 @@ def _concatenated(modules: list[QuantLinear]) -> QuantLinear | None:
             fused.smooth = first.smooth
     else:
         fused = Int4Linear(first.in_features, out_features, bias=first.bias is not None)
+    states = [m.stored_state() for m in modules]  # an int8 weight already packed: unpacked from its tiles
     for name in names:
-        if getattr(first, name, None) is not None:
-            setattr(fused, name, torch.cat([getattr(m, name) for m in modules]))
+        if name in states[0]:
+            setattr(fused, name, torch.cat([state[name] for state in states]))
     fused.finish()
     return fused
 

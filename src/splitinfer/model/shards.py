@@ -162,6 +162,8 @@ def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = N
     manifest, split, config, weights, torch_dtype, model = _open(Path(directory), "cloud", dtype, verify)
     warn_if_inexact(Path(directory), weights, torch_dtype, device)
     stack = build_stack(config, model, split.cloud_start, split.cloud_end, weights, device, torch_dtype)
+    del weights, model  # what the stack does not hold is freed now, and handed back to the OS
+    arena.return_freed()
     return CloudHalf(manifest=manifest, config=config, stack=stack)
 
 
@@ -181,6 +183,8 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
     tokenizer = None
     if manifest.get("has_tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    del weights, model  # what the half does not hold is freed now, and handed back to the OS
+    arena.return_freed()
     return LocalHalf(manifest, config, embed, head, tail, norm, lm_head, tokenizer)
 
 

@@ -39,6 +39,13 @@ def pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.reshape(groups, k // 4, GROUP * COLS * 4).contiguous(), qweight.sum(dim=1, dtype=torch.int32)
 
 
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack`'s groups -> the int8 weight [n, K] they hold: pack's inverse, for readers outside the step."""
+    groups, steps, _ = packed.shape
+    weight = packed.reshape(groups, steps, GROUP, COLS, 4).permute(0, 2, 3, 1, 4)  # [G, tile, column, K/4, 4]
+    return weight.reshape(groups * GROUP * COLS, steps * 4)[:n].contiguous()
+
+
 def matmul(xq: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor,
            row_scale: torch.Tensor | None = None, prefetch: int = 0) -> torch.Tensor:
     """xq [M, K] float32 integers in -127..127 times the packed weight -> [M, N] float32: float(sum) * scale[n]
