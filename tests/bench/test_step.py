@@ -43,9 +43,10 @@ def test_the_report_and_the_guard(tmp_path):
     assert row["splitinfer_ms"] > 0 and row["transformers_ms"] > 0 and row["bound_ms"] > 0
     assert row["compute_bound_ms"] > 0 and report["product_peak_gflops"] > 0
     assert set(row["breakdown_ms"]) == set(step.GROUPS)
-    for r in report["rows"]:  # the issue's yardstick: the step over the bytes bound plus its own attention
-        below = r["bound_ms"] + r["breakdown_ms"]["attention"]
-        assert r["x_bound_attention"] == (round(r["splitinfer_ms"] / below, 2) if below else None)
+    for r in report["rows"]:  # the step over its weights' bytes (the bound less the cached keys) plus its attention
+        assert r["weights_bound_ms"] <= r["bound_ms"]
+        below = r["weights_bound_ms"] + r["breakdown_ms"]["attention"]
+        assert r["x_weights_attention"] == (round(r["splitinfer_ms"] / below, 2) if below else None)
     assert "| cloud | 8 | 1 |" in (tmp_path / "out" / "step.md").read_text()
     strict = step.guard(report, StepBenchConfig(max_ratio=1e-9))
     loose = step.guard(report, StepBenchConfig(max_ratio=1e9))

@@ -69,3 +69,24 @@ def test_only_layers_with_integer_products_take_the_native_norm(tmp_path, weight
     assert norms and all(isinstance(m, norm) for m in norms)
     other = RMSNormCall if norm is NativeRMSNorm else NativeRMSNorm
     assert not any(isinstance(m, other) for m in norms)
+
+
+@needs_native
+@pytest.mark.parametrize("weights, norm", [("int8,lm_head=int8", NativeRMSNorm), ("int8,lm_head=float32", RMSNormCall)])
+def test_the_final_norm_takes_the_native_kernel_before_an_integer_lm_head_only(tmp_path, weights, norm):
+    """An int8 LM head quantizes its input anyway: the norm before it runs as one native call; before a float
+    head the norm keeps transformers' bits. Training through it (a draft head's readout) keeps a gradient."""
+    from splitinfer.model.shards import load_local
+
+    model = tiny_model("llama")
+    shards = tmp_path / "shards"
+    prepare(SourceModel("tiny-llama", model.config, model, None), shards, 1, 1, "float32",
+            weights=WeightFormats.parse(weights))
+    final = load_local(shards / "local").norm
+    assert isinstance(final, norm)
+    x = torch.randn(3, model.config.hidden_size, requires_grad=True)
+    y = final(x)
+    assert y.grad_fn is not None  # never the kernel, which has no gradient
+    with torch.no_grad():
+        expected = torch.ops.splitinfer.rms_norm(x, final._weight, final._eps) if norm is NativeRMSNorm else y
+        assert torch.equal(final(x.detach()), expected)

@@ -196,11 +196,11 @@ class Side:
             return self.product_flops(q) / float_peak / 1e6
         return (self.product_flops(q, (nn.Linear,)) / float_peak + self.product_flops(q, (QuantLinear,)) / int8_peak) / 1e6
 
-    def streamed_bytes(self) -> int:
-        """Weights read once as stored (an integer format's state and scales too) plus the cached keys and
-        values attended to, per step."""
+    def streamed_bytes(self, cached: bool = True) -> int:
+        """Weights read once as stored (an integer format's state and scales too) plus (`cached`) the cached keys
+        and values attended to, per step."""
         return stored_bytes(list(self.stacks) + list(self.tail or ())) + sum(
-            s.kv_bytes_per_token() for s in self.stacks) * self.context
+            s.kv_bytes_per_token() for s in self.stacks) * self.context * cached
 
 
 def build_sides(shards: Path, contexts: tuple[int, ...], rows: tuple[int, ...], dtype: str | None = None,
@@ -318,8 +318,9 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
                 "breakdown_ms": {k: round(v * ours, 2) for k, v in shares.items()},
             })
             row, products_ms = rows[-1], rows[-1]["breakdown_ms"]["products"]
-            below = row["bound_ms"] + row["breakdown_ms"]["attention"]  # the bytes it streams plus its own attention
-            row["x_bound_attention"] = round(row["splitinfer_ms"] / below, 2) if below else None  # from the JSON's fields
+            row["weights_bound_ms"] = round(side.streamed_bytes(cached=False) / gbps / 1e6, 2)
+            below = row["weights_bound_ms"] + row["breakdown_ms"]["attention"]  # attention reads the cached keys
+            row["x_weights_attention"] = round(row["splitinfer_ms"] / below, 2) if below else None  # the JSON's fields
             row["products_gflops"] = round(side.product_flops(q) / products_ms / 1e6, 1) if products_ms else None
             log(f"{side.name:<5} ctx {side.context:>5} q {q:>2}: splitinfer {ours:7.1f} ms  transformers {anchor:7.1f} ms  "
                 f"x{ours / anchor:.2f}  bound {rows[-1]['bound_ms']} ms")
@@ -391,11 +392,11 @@ def markdown(report: dict) -> str:
              f"Medians of {report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: "
              "the side's weights plus the cached keys/values it reads, over that bandwidth; compute bound: the weight "
              f"products' flops over {compute_peaks(report)}; products GFLOP/s: those flops over the profiled products' "
-             "time; x (bound + attention): the step over the memory bound plus its attention's time.", ""]
+             "time; x (weights + attention): the step over its weights' bytes over that bandwidth plus its attention.", ""]
     header = ["side", "context", "rows", "splitinfer", "transformers", "ratio", "memory bound", "compute bound",
-              "x (bound + attention)", *GROUPS, "products GFLOP/s"]
+              "x (weights + attention)", *GROUPS, "products GFLOP/s"]
     body = [[r["side"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], f"{r['ratio']}x", r["bound_ms"],
-             r["compute_bound_ms"], f"{r.get('x_bound_attention') or '-'}x", *(r["breakdown_ms"][g] for g in GROUPS),
+             r["compute_bound_ms"], f"{r.get('x_weights_attention') or '-'}x", *(r["breakdown_ms"][g] for g in GROUPS),
              r["products_gflops"]] for r in report["rows"]]
     lines += table(header, body, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|") + [""]
     e2e_ = report.get("e2e")

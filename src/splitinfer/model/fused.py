@@ -162,8 +162,8 @@ class NativeRMSNorm(nn.Module):
     """The same norm through model/native.py's one-pass kernel (its own rounding: integer layers only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            return F.rms_norm(x, self._shape, self._weight, self._eps)
+        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+            return F.rms_norm(x, self._shape, self._weight, self._eps)  # (the kernel has no gradient: training)
         return torch.ops.splitinfer.rms_norm(x, self._weight, self._eps)
 
 
