@@ -179,8 +179,8 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
     embed = materialize(model.model.embed_tokens, part("model.embed_tokens."), device, torch_dtype)
     norm = materialize(model.model.norm, part("model.norm."), device, torch_dtype)
     lm_head = _lm_head(config, model, weights, part("lm_head."), device, torch_dtype)
-    # One call, not six small ones (~0.12 ms of a cold local step): an integer LM head's input takes the native
-    # norm's bits, as its layers' norms do; a float head's keeps transformers' bits (F.rms_norm where it gives them).
+    # One call, not six small ones: an integer LM head's input takes the native norm's bits, as its layers' norms
+    # do; a float head's keeps transformers' bits (F.rms_norm where it gives them).
     fuse_norms(norm, own_bits=isinstance(lm_head, formats.QuantLinear))
     head = build_stack(config, model, 0, split.head_range[1], weights, device, torch_dtype)
     tail = build_stack(config, model, split.cloud_end, split.num_layers, weights, device, torch_dtype)
