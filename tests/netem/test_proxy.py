@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import selectors
 import socket
 import socketserver
 import statistics
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from splitinfer.netem import WanConfig, WanProxy, start_proxy_thread
-from splitinfer.netem.proxy import _Link, _Schedule
+from splitinfer.netem.proxy import _Lead, _Link, _PreciseEpoll, _Schedule
 
 TIMEOUT = 5.0
 
@@ -254,3 +255,27 @@ def test_wan_command_rejects_bad_fault_options_with_a_sentence(capsys):
     assert main(["wan", "--listen", "0", "--upstream", "127.0.0.1:1", "--spike-prob", "2"]) == 2
     err = capsys.readouterr().err
     assert "spike_prob must lie in [0, 1]" in err and "Traceback" not in err
+
+
+def test_lead_learns_the_loops_lateness_and_stays_bounded() -> None:
+    lead, late_by = _Lead(), 0.0003  # a wake aimed at t comes at t + 0.3 ms
+    for _ in range(200):
+        lead.observe(late_by - lead.seconds)  # aimed at the moment minus the lead
+    assert lead.seconds == pytest.approx(late_by, rel=1e-3)
+    for _ in range(200):
+        lead.observe(0.05)
+    assert lead.seconds == _Lead.MAX_LEAD_S
+    for _ in range(200):
+        lead.observe(-0.05)
+    assert lead.seconds == 0.0
+
+
+@pytest.mark.skipif(not hasattr(selectors, "EpollSelector"), reason="epoll is Linux's")
+def test_precise_epoll_reports_ready_sockets_and_waits_out_its_timeout() -> None:
+    a, b = socket.socketpair()
+    with a, b, _PreciseEpoll() as selector:
+        selector.register(a, selectors.EVENT_READ)
+        t0 = time.perf_counter()
+        assert selector.select(0.0105) == [] and time.perf_counter() - t0 >= 0.0105
+        b.send(b"x")
+        assert [key.fileobj for key, _ in selector.select(5.0)] == [a]
