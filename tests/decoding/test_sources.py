@@ -267,6 +267,41 @@ def test_recycling_is_best_first_even_when_the_frontier_is_full():
     assert set(trie_paths(trie)) == {(1,), (1, 9), (1, 9, 17), (1, 9, 17, 18), (1, 9, 17, 19)}
 
 
+def _full_frontier_propose(table, root, trie, max_nodes, max_depth, weight):
+    """Best-first over the successor table pushing every successor of a node at once, each path inserted
+    whole: what TokenRecycling.propose did before it pushed a node's next sibling only as the node left."""
+    import heapq
+    import itertools
+
+    counter = itertools.count()
+    frontier, added = [(-1.0, next(counter), [root], [])], 0
+    while frontier and added < max_nodes:
+        neg_prob, _, path, probs = heapq.heappop(frontier)
+        if len(path) > 1:
+            trie.add_path(path[1:], [p * weight for p in probs], "recycling", [("recycling", p) for p in probs])
+            added += 1
+        if len(path) - 1 >= max_depth or path[-1] not in table:
+            continue
+        for token, p in zip(*table[path[-1]]):
+            heapq.heappush(frontier, (neg_prob * p * weight, next(counter), path + [token], probs + [p]))
+
+
+@pytest.mark.parametrize("weight", [0.4, 1.0, 2.0])
+def test_recycling_pushing_siblings_one_at_a_time_builds_the_same_trie(weight):
+    gen = torch.Generator().manual_seed(int(weight * 10))
+    rec = TokenRecycling(k=6)
+    for token in range(30):  # successors most likely first, as observe and the shipped table store them
+        ps = torch.rand(6, generator=gen, dtype=torch.float64).sort(descending=True).values / 2
+        rec._next[token] = (torch.randint(0, 30, (6,), generator=gen).tolist(), ps.tolist())
+    for root in range(5):
+        for nodes, depth in ((1, 1), (7, 3), (48, 12), (200, 5)):
+            got, want = TokenTrie(), TokenTrie()
+            rec.propose(root, got, nodes, depth, weight)
+            _full_frontier_propose(rec._next, root, want, nodes, depth, weight)
+            assert (got.token, got.parent, got.score, got.key, got.proposed) == (
+                want.token, want.parent, want.score, want.key, want.proposed)
+
+
 # ---------------------------------------------------------------- NgramPool
 
 

@@ -103,25 +103,31 @@ class TokenTrie:
         node, path_prob = 0, 1.0
         keys = keys if keys is not None else [None] * len(tokens)
         for token, p, key in zip(tokens, probs, keys):
-            path_prob *= min(p, MAX_STEP_PROB)
-            child = self.children[node].get(token)
-            if child is None:
-                child = len(self.token)
-                self.children[node][token] = child
-                self.children.append({})
-                self.token.append(token)
-                self.parent.append(node)
-                self.score.append(path_prob)
-                self.source.append(source)
-                self.key.append(key)
-                self.proposed.append({})
-            elif path_prob > self.score[child]:
-                self.score[child] = path_prob
-                self.source[child] = source
-                self.key[child] = key
-            proposed = self.proposed[child]
-            proposed[source] = max(proposed.get(source, 0.0), path_prob)
-            node = child
+            node, path_prob = self.add_child(node, path_prob, token, p, source, key)
+
+    def add_child(self, node: int, path_prob: float, token: int, p: float, source: str = "", key=None) -> tuple[int, float]:
+        """One step of `add_path`: `token` below `node`, reached along a path of probability `path_prob` (the
+        source's own, not the node's score), with conditional probability p -> (the child, its path probability).
+        A source growing paths node by node (Token Recycling) inserts each node once, not its whole path again."""
+        path_prob *= min(p, MAX_STEP_PROB)
+        child = self.children[node].get(token)
+        if child is None:
+            child = len(self.token)
+            self.children[node][token] = child
+            self.children.append({})
+            self.token.append(token)
+            self.parent.append(node)
+            self.score.append(path_prob)
+            self.source.append(source)
+            self.key.append(key)
+            self.proposed.append({})
+        elif path_prob > self.score[child]:
+            self.score[child] = path_prob
+            self.source[child] = source
+            self.key[child] = key
+        proposed = self.proposed[child]
+        proposed[source] = max(proposed.get(source, 0.0), path_prob)
+        return child, path_prob
 
     def __len__(self) -> int:
         return len(self.token) - 1

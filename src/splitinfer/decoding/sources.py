@@ -16,6 +16,7 @@ an index of earlier text, whichever it is (this text, earlier outputs, the shipp
 
 from __future__ import annotations
 
+import array
 import bisect
 import heapq
 import itertools
@@ -104,12 +105,13 @@ class ReplyStore:
         self.max_match = max_match
         self.max_occurrences = max_occurrences
         self._starts = list(itertools.accumulate((len(d) for d in docs), initial=0))
+        # Every reply's tokens in one list, and where each position's reply ends: an n-gram is one slice.
+        self._flat = [token for doc in docs for token in doc]
+        self._ends = array.array("l", (end for start, end in itertools.pairwise(self._starts) for _ in range(start, end)))
         self.order = order if order is not None else sorted(range(self._starts[-1]), key=lambda i: self._ngram(i, max_match))
 
     def _ngram(self, i: int, n: int) -> list[int]:
-        doc = bisect.bisect_right(self._starts, i) - 1
-        pos = i - self._starts[doc]
-        return self.docs[doc][pos : pos + n]
+        return self._flat[i : min(i + n, self._ends[i])]
 
     def occurrences(self, ngram: tuple[int, ...]) -> list[tuple[list[int], int]]:
         """(reply, end) of up to `max_occurrences` occurrences of `ngram` that something followed."""
@@ -211,21 +213,31 @@ class TokenRecycling:
         """Best-first expansion from the root token through the successor table (a max-heap on path probability).
 
         Each step's probability is the table's p times `weight` (the calibrated trust in this source); each
-        node's key ("recycling", p) keeps the uncalibrated p for calibration.py to learn from.
+        node's key ("recycling", p) keeps the uncalibrated p for calibration.py to learn from. A token's
+        successors are stored most likely first, so a node's next sibling joins the heap only when the node
+        leaves it (nothing below it could leave first): about two pushes a node rather than k.
         """
-        counter = itertools.count()  # tie-breaker: heapq never compares the lists
-        frontier = [(-1.0, next(counter), [root], [])]
-        added = 0
-        while frontier and added < max_nodes:
-            neg_prob, _, path, probs = heapq.heappop(frontier)
-            if len(path) > 1:
-                trie.add_path(path[1:], [p * weight for p in probs], "recycling", [("recycling", p) for p in probs])
-                added += 1
-            if len(path) - 1 >= max_depth or path[-1] not in self._next:
-                continue
-            ids, ps = self._next[path[-1]]
-            for token, p in zip(ids, ps):
-                heapq.heappush(frontier, (neg_prob * p * weight, next(counter), path + [token], probs + [p]))
+        counter = itertools.count()  # tie-breaker: heapq never compares the rest
+        # (-path priority, tie, the parent's trie node, its path probability, depth, successors, index among them)
+        frontier: list = []
+
+        def push_first(node: int, prob: float, path_prob: float, depth: int, token: int) -> None:
+            if depth < max_depth and token in self._next:
+                successors = self._next[token]
+                heapq.heappush(frontier, (-prob * successors[1][0] * weight, next(counter), node, prob, path_prob,
+                                          depth, successors, 0))
+
+        push_first(0, 1.0, 1.0, 0, root)
+        for _ in range(max_nodes):
+            if not frontier:
+                break
+            neg, _, parent, parent_prob, parent_path, depth, (ids, ps), i = heapq.heappop(frontier)
+            if i + 1 < len(ids):  # the next sibling, the likeliest left among this parent's successors
+                heapq.heappush(frontier, (-parent_prob * ps[i + 1] * weight, next(counter), parent, parent_prob,
+                                          parent_path, depth, (ids, ps), i + 1))
+            p = ps[i]
+            node, path_prob = trie.add_child(parent, parent_path, ids[i], p * weight, "recycling", ("recycling", p))
+            push_first(node, -neg, path_prob, depth + 1, ids[i])
 
 
 class NgramPool:

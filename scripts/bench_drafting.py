@@ -1,0 +1,131 @@
+"""What drafting a tree costs a step, without a model: stored generations replayed through the tree strategy.
+
+    python scripts/bench_drafting.py --replies notes/bench/drafting/replay.json --out notes/bench/drafting
+
+Each generation's prompt starts a `Tree` (the shipped successor table and replies, as a client's); then, step
+by step, `propose` drafts from the text so far, the step accepts what the stored reply says next (the longest
+path of the draft that the reply follows, and the token after it), and the strategy learns from that as it
+does from a verified block (the copy calibration, the suffix index, the cost controller, fed 90 ms + 0.8 ms a
+row). The successor table keeps its shipped rows (no logits here). Timed: `propose` alone, each step either
+right after the previous one (warm caches) or after writing 96 MB (cold: as after the LM head and a cloud
+step have streamed their weights through the caches). The digest hashes every draft (tokens, parents,
+scores): equal digests, equal drafts.
+
+--replies: a `bench spec` speculative.json (its tree generations are taken and saved as replay.json beside
+the results) or a replay.json written so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import splitinfer
+from splitinfer.decoding.controller import StepCosts
+from splitinfer.decoding.tree import Tree, TreeConfig
+from splitinfer.decoding.warm import RecyclingTable, shipped_table_dirs
+from splitinfer.tables import table
+
+COLD_BYTES = 96 * 2**20
+
+
+def load_replies(path: Path) -> list[dict]:
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        return data
+    return [{"prompt": r["prompt_token_ids"], "reply": r["token_ids"]} for r in data["runs"] if r["strategy"] == "tree"]
+
+
+def accepted(draft, root: int, reply: list[int], i: int) -> list[int]:
+    """The block rows of the draft that reply[i:] follows, the root first."""
+    tokens, parents = draft.block(root)
+    children: dict[int, dict[int, int]] = {}
+    for row in range(1, len(tokens)):
+        children.setdefault(parents[row], {})[tokens[row]] = row
+    path, row = [0], 0
+    while i < len(reply) and reply[i] in children.get(row, {}):
+        row = children[row][reply[i]]
+        path.append(row)
+        i += 1
+    return path
+
+
+def replay(replies: list[dict], table_: RecyclingTable, cold: bool, digest) -> list[float]:
+    """ms of every propose over the replies, in one pass."""
+    costs, times = StepCosts(), []
+    sink = torch.ones(COLD_BYTES // 4)
+    for item in replies:
+        tree = Tree(TreeConfig(), costs=costs, recycling_table=table_)
+        prompt, reply = item["prompt"], item["reply"]
+        tree.start(prompt, torch.zeros(0, 64))  # no prompt logits: the table stays as shipped
+        history, i = [*prompt, reply[0]], 1
+        while i < len(reply):
+            if cold:
+                sink.add_(1.0)
+            t0 = time.perf_counter()
+            draft = tree.propose(history)
+            times.append((time.perf_counter() - t0) * 1e3)
+            digest.update(repr((draft.tokens, draft.parents, [round(s, 9) for s in draft.scores])).encode())
+            path = accepted(draft, history[-1], reply, i)
+            emitted = reply[i : i + len(path)]
+            tree.calibration.observe(draft.keys, draft.parents, set(path))
+            tree.index.extend(tree.doc, emitted)
+            rows = len(draft) + 1
+            tree.controller.observe(rows, 90 + 0.8 * rows, sum(draft.scores), len(path) - 1)
+            history += emitted
+            i += len(emitted)
+    return times
+
+
+def commit_of() -> str | None:
+    source = Path(splitinfer.__file__).parent
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=source).stdout.strip()  # noqa: E731
+    return (git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", ".") else "")) or None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replies", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--repeats", type=int, default=3, help="passes over the replies, each warm and cold")
+    args = parser.parse_args()
+    replies = load_replies(args.replies)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.replies.name != "replay.json":
+        (args.out / "replay.json").write_text(json.dumps(replies) + "\n")
+    table_ = RecyclingTable.load(shipped_table_dirs()[0])
+    digest, runs = hashlib.sha256(), {"warm": [], "cold": []}
+    replay(replies, table_, False, hashlib.sha256())  # warm-up pass, not timed
+    for _ in range(args.repeats):
+        for mode in ("warm", "cold"):
+            runs[mode] += replay(replies, table_, mode == "cold", digest)
+    rows = [[mode, len(ms), round(statistics.median(ms), 3), round(statistics.mean(ms), 3)] for mode, ms in runs.items()]
+    report = {"command": "python " + shlex.join(sys.argv), "splitinfer": splitinfer.__version__, "commit": commit_of(),
+              "torch": torch.__version__, "platform": platform.platform(), "generations": len(replies),
+              "replies_sha256": hashlib.sha256(args.replies.read_bytes()).hexdigest()[:16],
+              "drafts_sha256": digest.hexdigest()[:16], "rows": rows}
+    (args.out / "drafting.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = ["# Drafting a tree, replayed without a model", "",
+             f"`{report['command']}` (at {report['commit'] or 'an unknown commit'})", "",
+             f"{len(replies)} stored generations (replies {report['replies_sha256']}), {args.repeats} passes each warm "
+             f"and cold after one untimed pass; ms of `Tree.propose` a step (scripts/bench_drafting.py). Drafts "
+             f"digest {report['drafts_sha256']}.", "",
+             *table(["caches", "steps", "median ms", "mean ms"], rows, "|---|---:|---:|---:|"), ""]
+    (args.out / "drafting.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
