@@ -24,14 +24,14 @@ import contextlib
 import logging
 import math
 import random
-import select
-import selectors
 import signal
 import socket
 import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
+
+from .clock import Lead, run_loop, sleep_until
 
 log = logging.getLogger("splitinfer.netem")
 
@@ -94,22 +94,6 @@ class _Cut(ConnectionResetError):
     """An injected fault: the proxy resets the connection on purpose."""
 
 
-class _Lead:
-    """How much earlier than a delivery's moment to wake, learned from how late the wakes came (a timer fires a
-    little after its moment: the kernel's slack and the event loop's turn, ~0.3 ms a wake measured here): each
-    wake moves it by a share of its error, within [0, MAX_LEAD_S], so wakes centre on the moment; one that comes
-    early waits out the rest (`_Pipe._write`), so no chunk is delivered before its moment."""
-
-    MAX_LEAD_S = 0.002
-    WEIGHT = 0.1
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def observe(self, late: float) -> None:
-        self.seconds = min(max(self.seconds + self.WEIGHT * late, 0.0), self.MAX_LEAD_S)
-
-
 class _Link:
     """One direction of the emulated line; shared so parallel connections compete for bandwidth."""
 
@@ -119,7 +103,7 @@ class _Link:
         self.spikes_left = config.spike_count  # the fault budget is the line's, not one connection's
         # Serialize in about 1 ms slices so a big read does not arrive as one late lump.
         self.slice = max(_MSS, min(_CHUNK, int(1e-3 / self.byte_time))) if self.byte_time else _CHUNK
-        self.lead = _Lead()  # the event loop's lateness, the same for every connection
+        self.lead = Lead()  # the event loop's lateness, the same for every connection
 
 
 class _Schedule:
@@ -153,38 +137,6 @@ def _buffer_limit(config: WanConfig) -> int:
     rate = config.bandwidth_mbit * 1e6 / 8 if config.bandwidth_mbit else 1.25e9
     bdp = rate * (config.rtt_ms / 2 + config.jitter_ms) / 1000
     return int(min(max(4 << 20, 2 * bdp), 256 << 20))
-
-
-class _PreciseEpoll(getattr(selectors, "EpollSelector", selectors.DefaultSelector)):
-    """epoll, waited on through select()'s microsecond timeout: epoll_wait takes whole milliseconds and Python
-    rounds a timeout up, so every delivery came up to 1 ms late (81.2 ms measured for an 80 ms round trip;
-    notes/benchmarks.md). The one descriptor select() watches is epoll's own, ready when any socket is."""
-
-    def select(self, timeout: float | None = None):
-        if timeout is not None and timeout > 0:
-            select.select([self.fileno()], [], [], timeout)
-            timeout = 0
-        return super().select(timeout)
-
-
-def _run(main) -> None:
-    """asyncio.run(main()) on an event loop whose timers keep their microseconds where epoll is there."""
-    if not hasattr(selectors, "EpollSelector"):
-        asyncio.run(main())
-        return
-    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(_PreciseEpoll())) as runner:
-        runner.run(main())
-
-
-async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
-    # An absolute deadline avoids the drift of recomputing relative sleeps.
-    if when > loop.time():
-        fut = loop.create_future()
-        handle = loop.call_at(when, lambda: fut.done() or fut.set_result(None))
-        try:
-            await fut
-        finally:
-            handle.cancel()
 
 
 class _Pipe:
@@ -233,7 +185,7 @@ class _Pipe:
             when, payload = held or await self._queue.get()
             held = None
             if when > loop.time():
-                await _sleep_until(loop, when - self._link.lead.seconds)
+                await sleep_until(loop, when - self._link.lead.seconds)
                 self._link.lead.observe(loop.time() - when)
                 while loop.time() < when:  # woke early: the last microseconds, so nothing goes before its moment
                     pass
@@ -409,7 +361,7 @@ def run_wan(listen_host: str, listen_port: int, upstream_host: str, upstream_por
             await proxy.close()
 
     with contextlib.suppress(KeyboardInterrupt):
-        _run(main)
+        run_loop(main)
 
 
 class ProxyThread:
@@ -422,7 +374,7 @@ class ProxyThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=lambda: _run(self._main), name="netem-proxy", daemon=True)
+        self._thread = threading.Thread(target=lambda: run_loop(self._main), name="netem-proxy", daemon=True)
 
     @property
     def port(self) -> int:
