@@ -2,9 +2,9 @@
 delivery on its moment.
 
 epoll_wait takes whole milliseconds and Python rounds a timeout up, so on asyncio's default loop every delivery
-came up to a millisecond late (an 80 ms echo through the proxy measured 81.2 ms); the loop here waits on
-epoll's own descriptor through select()'s microsecond timeout. A timer still fires a little after its moment
-(the kernel's slack, the loop's turn), which `Lead` learns and `proxy._Pipe` wakes that much earlier for.
+came up to a millisecond late; the loop here waits on epoll's own descriptor through select()'s microsecond
+timeout. A timer still fires a little after its moment (the kernel's slack, the loop's turn), which `Lead`
+learns and `proxy._Pipe` wakes that much earlier for.
 """
 
 from __future__ import annotations
@@ -46,12 +46,11 @@ async def sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
 
 
 class Lead:
-    """How much earlier than a delivery's moment to wake, learned from how late the wakes came (a timer fires a
-    little after its moment: the kernel's slack and the event loop's turn, ~0.3 ms a wake measured here): each
-    wake moves it by a share of its error, within [0, MAX_LEAD_S], so wakes centre on the moment; one that comes
-    early waits out the rest (`proxy._Pipe._write`), so no chunk is delivered before its moment."""
+    """How much earlier than a delivery's moment to wake, learned from how late the wakes came: each wake moves
+    it by a share of its error, within [0, MAX_LEAD_S], so wakes centre on the moment; one that comes early
+    waits out the rest (`proxy._Pipe._write`), so no chunk is delivered before its moment."""
 
-    MAX_LEAD_S = 0.002
+    MAX_LEAD_S = 0.001  # also bounds how long an early wake spins
     WEIGHT = 0.1
 
     def __init__(self) -> None:
