@@ -24,7 +24,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 import splitinfer
+from splitinfer.bench.provenance import source_commit
 from splitinfer.decoding.controller import StepCosts
 from splitinfer.decoding.tree import Tree, TreeConfig
 from splitinfer.decoding.warm import RecyclingTable, shipped_table_dirs
@@ -88,12 +88,6 @@ def replay(replies: list[dict], table_: RecyclingTable, cold: bool, digest) -> l
     return times
 
 
-def commit_of() -> str | None:
-    source = Path(splitinfer.__file__).parent
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=source).stdout.strip()  # noqa: E731
-    return (git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", ".") else "")) or None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replies", required=True, type=Path)
@@ -111,7 +105,7 @@ def main() -> None:
         for mode in ("warm", "cold"):
             runs[mode] += replay(replies, table_, mode == "cold", digest)
     rows = [[mode, len(ms), round(statistics.median(ms), 3), round(statistics.mean(ms), 3)] for mode, ms in runs.items()]
-    report = {"command": "python " + shlex.join(sys.argv), "splitinfer": splitinfer.__version__, "commit": commit_of(),
+    report = {"command": "python " + shlex.join(sys.argv), "splitinfer": splitinfer.__version__, "commit": source_commit(),
               "torch": torch.__version__, "platform": platform.platform(), "generations": len(replies),
               "replies_sha256": hashlib.sha256(args.replies.read_bytes()).hexdigest()[:16],
               "drafts_sha256": digest.hexdigest()[:16], "rows": rows}

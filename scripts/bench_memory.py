@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import splitinfer
+from splitinfer.bench.provenance import source_commit
 from splitinfer.tables import table
 
 CHILD = """
@@ -74,9 +75,7 @@ def main() -> None:
     if not Path("/proc/self/status").is_file():
         sys.exit("bench_memory reads VmRSS from /proc: Linux only.")
     rows = [measure(Path(s), half) for s in args.shards.split(",") for half in ("cloud", "local")]
-    source = Path(splitinfer.__file__).parent
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=source).stdout.strip()  # noqa: E731
-    commit = (git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", ".") else "")) or None
+    commit = source_commit()
     report = {"command": "python " + shlex.join(sys.argv), "splitinfer": splitinfer.__version__, "commit": commit,
               "torch": torch.__version__, "platform": platform.platform(), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
