@@ -33,6 +33,7 @@ import torch
 import splitinfer
 from splitinfer.bench.provenance import source_commit
 from splitinfer.decoding.controller import StepCosts
+from splitinfer.decoding.draft import children_of
 from splitinfer.decoding.tree import Tree, TreeConfig
 from splitinfer.decoding.warm import RecyclingTable, shipped_table_dirs
 from splitinfer.tables import table
@@ -49,10 +50,7 @@ def load_replies(path: Path) -> list[dict]:
 
 def accepted(draft, root: int, reply: list[int], i: int) -> list[int]:
     """The block rows of the draft that reply[i:] follows, the root first."""
-    tokens, parents = draft.block(root)
-    children: dict[int, dict[int, int]] = {}
-    for row in range(1, len(tokens)):
-        children.setdefault(parents[row], {})[tokens[row]] = row
+    children = children_of(*draft.block(root))
     path, row = [0], 0
     while i < len(reply) and reply[i] in children.get(row, {}):
         row = children[row][reply[i]]
