@@ -82,12 +82,6 @@ def proxy(src: str | None, upstream: int, rtt_ms: float):
             os.environ["PYTHONPATH"] = saved
 
 
-def tree_commit(src: str) -> str | None:
-    """The commit checked out where `src` lies."""
-    done = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or None
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path)
@@ -111,7 +105,7 @@ def main() -> None:
                     times[name] += round_trips(port, args.size, args.count)
     finally:
         stop(echo)
-    commits = {"this tree": source_commit(), "other tree": tree_commit(args.other_src) if args.other_src else None}
+    commits = {"this tree": source_commit(), "other tree": source_commit(args.other_src) if args.other_src else None}
     rows = []
     for name, ms in times.items():
         added = 0.0 if name == "no proxy" else args.rtt_ms

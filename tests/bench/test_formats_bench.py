@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 
 import pytest
 
-from splitinfer.bench import spec_formats
+from splitinfer.bench import spec_formats, speculative
 from splitinfer.cli import main
 
 
@@ -28,6 +30,34 @@ def test_formats_are_paired_generation_by_generation_against_the_first():
               "formats": {k: {"summary": spec_formats.compare_row(v)} for k, v in reports.items()}}
     text = spec_formats.markdown(report)
     assert "| int8 | tree | 80 | 12.0 | 1.5x (1.5-1.5) | 2.0 | 0.5 | 1 |" in text
+
+
+def test_bench_spec_over_several_shards_runs_each_prompt_on_every_one_before_the_next(monkeypatch, tmp_path):
+    order, opened = [], []
+
+    @contextlib.contextmanager
+    def measuring(args, shards, prompts, strategies, rtts, local, depths):
+        opened.append(str(shards))
+        yield [], [], lambda rep, p: order.append((rep, p["id"], str(shards)))
+        opened.remove(str(shards))
+
+    def report(args, *rest, others):
+        assert not opened, "every server stays up until the last prompt has run"
+        return {"shards": args.shards, "others": others}
+
+    prompts = [{"id": "p1"}, {"id": "p2"}]
+    monkeypatch.setattr(speculative, "measuring", measuring)
+    monkeypatch.setattr(speculative, "load_prompts", lambda *a: prompts)
+    monkeypatch.setattr(speculative, "open_client", lambda **kw: None)
+    monkeypatch.setattr(speculative, "prompt_lookup_reference", lambda *a: {})
+    monkeypatch.setattr(speculative, "pin_self", lambda cpu: None)
+    monkeypatch.setattr(speculative, "_report", lambda args, *rest: report(args, *rest[:-1], others=rest[-1]))
+    shared = dict(rtt_ms="80", strategies="tree", prompts="x", per_category=1, in_flight="1", repeats=2,
+                  max_new_tokens=8)
+    each = [argparse.Namespace(shards=name, out=str(tmp_path / name), readme=None, **shared) for name in ("a", "b")]
+    reports = speculative.run_interleaved(each)
+    assert order == [(rep, p, shards) for rep in (0, 1) for p in ("p1", "p2") for shards in ("a", "b")]
+    assert reports == [{"shards": "a", "others": ["b"]}, {"shards": "b", "others": ["a"]}]
 
 
 @pytest.mark.slow

@@ -213,12 +213,12 @@ def cmd_plan(args) -> int:
 
 
 def cmd_bench_spec(args) -> int:
-    from .speculative import run_speculative_bench
+    from .speculative import run_interleaved, run_speculative_bench
 
     if "," in str(args.shards):
         from .spec_formats import run_spec_formats
 
-        run_spec_formats(args, run_speculative_bench)
+        run_spec_formats(args, run_interleaved)
     else:
         run_speculative_bench(args)
     return 0
@@ -375,7 +375,8 @@ def register(sub) -> None:
     s = sub.add_parser("spec", help="speculative strategies vs sequential: accepted tokens per step, tok/s")
     add_options(s, Shared, (
         Opt("shards", help="a prepared OUT directory, or several separated by commas (weight formats, `prepare "
-                           "--weights`): each runs in turn and OUT/formats.md compares them against the first"),
+                           "--weights`): each prompt runs on every one before the next, and OUT/formats.md "
+                           "compares them against the first"),
         Opt("out", help="directory for speculative.json and speculative.md"),
     ))
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench for MT-Bench's first turns (`make chat-data`; default: "

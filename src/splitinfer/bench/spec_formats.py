@@ -1,12 +1,12 @@
 """`bench spec --shards A,B,...`: the same speculative benchmark on several prepared shards (weight formats,
 `prepare --weights`) in one command, and a table that compares them.
 
-Each shards directory runs the whole of `bench spec` in turn (its own server, its own local-only and
-transformers anchors, its report in OUT/<format>/); the first directory is the reference (float32, say).
-The comparison pairs every generation with the reference's generation of the same strategy, prompt,
-round trip and repetition: tok/s ratios are medians of those pairs. The formats run one after another,
-not interleaved, so a machine whose speed drifts during the run moves their ratio; the pairs' spread is
-reported beside it.
+Every shards directory gets the whole of `bench spec` (its own server, its own local-only and transformers
+anchors, its report in OUT/<format>/), interleaved prompt by prompt: each prompt runs on every format before
+the next one starts (bench/speculative.py's run_interleaved), so a machine whose speed drifts during the run
+moves every format alike. The first directory is the reference (float32, say). The comparison pairs every
+generation with the reference's generation of the same strategy, prompt, round trip and repetition: tok/s
+ratios are medians of those pairs, their spread reported beside them.
 """
 
 from __future__ import annotations
@@ -29,19 +29,21 @@ def shards_label(shards: Path) -> str:
     return WeightFormats(**weights).spec() if weights else manifest["dtype"]
 
 
-def run_spec_formats(args, run_one) -> dict:
-    """`run_one(args)` (bench/speculative.py's run) once per shards directory; the comparison report."""
+def run_spec_formats(args, run_many) -> dict:
+    """`run_many([args, ...])` (bench/speculative.py's run_interleaved) over every shards directory; the
+    comparison report."""
     dirs = [Path(s.strip()) for s in str(args.shards).split(",") if s.strip()]
     out = Path(args.out)
-    reports = {}
+    each = {}
     for shards in dirs:
         label = shards_label(shards)
-        if label in reports:
+        if label in each:
             label = f"{label} ({shards.name})"
         one = copy.copy(args)
         one.shards, one.out, one.readme = str(shards), str(out / label.replace(",", "+").replace("=", "-")), None
         print(f"bench spec: {label} ({shards})", file=sys.stderr)
-        reports[label] = run_one(one)
+        each[label] = one
+    reports = dict(zip(each, run_many(list(each.values()))))
     report = {"command": "splitinfer bench spec " + " ".join(sys.argv[3:]), "reference": next(iter(reports)),
               "formats": {k: {"out": str(out / k.replace(",", "+").replace("=", "-")), "summary": compare_row(v)}
                           for k, v in reports.items()},
@@ -94,8 +96,9 @@ def markdown(report: dict) -> str:
             rows.append([label, name.split("@")[0], name.split("@")[1], r["tokens_per_s_whole_set"], spread,
                          r["emitted_per_step"], r["rtt_efficiency"], s["divergences"]])
     lines = [f"Command: `{report['command']}`", "",
-             f"Each format ran the whole benchmark in turn (reports in its own folder); x {ref} pairs every "
-             "generation with the reference's same strategy, prompt, round trip and repetition (median, min-max).",
+             f"Each format ran the whole benchmark (reports in its own folder), every prompt on each format before "
+             f"the next prompt; x {ref} pairs every generation with the reference's same strategy, prompt, round trip "
+             "and repetition (median, min-max).",
              "", *table(["weights", "mode", "added RTT ms", "tok/s, whole set", f"x {ref}, same mode (pairs)",
                          "emitted tokens/step, pooled", "RTT efficiency", "outputs not equal to sequential"], rows)]
     return "\n".join(lines) + "\n"

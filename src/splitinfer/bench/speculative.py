@@ -35,7 +35,7 @@ import os
 import platform
 import shlex
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -96,23 +96,50 @@ def margin_before(client: SplitClient, prompt_ids: list[int], tokens: list[int],
 
 
 def run_speculative_bench(args) -> dict:
-    shards = Path(args.shards)
-    rtts = [float(x) for x in str(args.rtt_ms).split(",") if x.strip()]
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    """The benchmark on one shards directory (args.shards): its report, written to args.out."""
+    return run_interleaved([args])[0]
+
+
+def run_interleaved(each: list) -> list[dict]:
+    """The benchmark on several shards directories at once (`each`: one args namespace a directory, with its own
+    shards, out and readme; prompts, strategies and the rest from the first): every directory's server and clients
+    stay up, and each prompt runs on every directory before the next prompt starts, so a machine whose speed
+    drifts during the run moves them alike. Their reports, in order."""
+    first = each[0]
+    rtts = [float(x) for x in str(first.rtt_ms).split(",") if x.strip()]
+    strategies = [s.strip() for s in first.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"unknown strategy {', '.join(unknown)}; choose among {', '.join(STRATEGIES)}.")
     if "sequential" not in strategies:
         strategies.insert(0, "sequential")
-    prompts = load_prompts(args.prompts, args.per_category)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(first.prompts, first.per_category)
+    depths = parse_depths(str(first.in_flight))
     pin_self(0)
-    local = open_client(local_only=True, shards=shards)
-    reference = prompt_lookup_reference(shards, prompts, local, args.max_new_tokens)
-    print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()}, file=sys.stderr)
-    depths = parse_depths(str(args.in_flight))
-    runs, local_runs = _measure(args, shards, prompts, strategies, rtts, local, depths)
+    done = []
+    with ExitStack() as stack:
+        for args in each:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            local = open_client(local_only=True, shards=Path(args.shards))
+            reference = prompt_lookup_reference(Path(args.shards), prompts, local, first.max_new_tokens)
+            print("prompt lookup (transformers, local):", {k: v["accepted_per_step"] for k, v in reference.items()},
+                  file=sys.stderr)
+            measured = stack.enter_context(measuring(args, Path(args.shards), prompts, strategies, rtts, local, depths))
+            done.append((args, local, reference, measured))
+        for rep in range(first.repeats):
+            for p in prompts:
+                for *_, (_, _, run_prompt) in done:
+                    run_prompt(rep, p)
+    others = [str(args.shards) for args in each]
+    return [_report(args, prompts, strategies, rtts, depths, local, reference, runs, local_runs,
+                    [o for o in others if o != str(args.shards)])
+            for args, local, reference, (runs, local_runs, _) in done]
+
+
+def _report(args, prompts: list[dict], strategies: list[str], rtts: list[float], depths: list[int],
+            local: SplitClient, reference: dict, runs: list[dict], local_runs: list[dict], others: list[str]) -> dict:
+    """One directory's report from its runs: written as OUT/speculative.json and .md (and into --readme)."""
+    shards, out = Path(args.shards), Path(args.out)
     divergences = find_divergences(runs, local)
     device = args.cloud_device or "cpu"
     pass_ms = args.cloud_pass_ms or 0
@@ -127,6 +154,8 @@ def run_speculative_bench(args) -> dict:
                if table is not None and table.replies is not None else "")
     warm = (f"tree's Token Recycling starts from the shipped table ({table.manifest.get('table_tokens')} tokens, data "
             f"{str(table.manifest.get('data_sha256'))[:12]}){replies}" if table is not None else "no recycling table for this model")
+    beside = (f", and so does every configuration of {', '.join(others)} (their servers up beside this one)"
+              if others else "")
     report = {
         "command": "splitinfer bench spec " + " ".join(shlex.quote(a) for a in sys.argv[3:]),
         "splitinfer": __version__,
@@ -136,7 +165,8 @@ def run_speculative_bench(args) -> dict:
         f"WAN emulator: child process on core 1; {args.wire_dtype} wire; greedy; fresh drafting state per generation "
         "(the client's measured step costs, and what its draft head is worth, are shared by its generations); "
         f"local-only: the whole model in this process, core 0, 1 thread, sequential greedy, {dtype}; every "
-        f"configuration runs on a prompt before the next prompt starts; {warm}",
+        f"configuration runs on a prompt before the next prompt starts{beside}; {warm}",
+        "interleaved_with": others,
         "model": manifest["model_id"],
         "dtype": dtype,  # the shards' compute dtype (both sides and local-only)
         "wire_dtype": args.wire_dtype,
@@ -201,12 +231,13 @@ def _client_config(args, depth: int, pad: PadSetting) -> ClientConfig:
     return ClientConfig(wire_dtype=args.wire_dtype, in_flight=depth, pad_prompt_rows=prompts, **pad.client_fields())
 
 
-def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient,
-             depths: list[int] = (1,)):
-    """(split runs, local-only runs): every configuration once per prompt and repetition, interleaved prompt
-    by prompt (local-only, then every configuration on the same prompt), so a machine whose speed drifts
-    during the run slows every configuration alike. Sequential decoding has nothing to send ahead, so it
-    runs with one block in flight only."""
+@contextmanager
+def measuring(args, shards: Path, prompts: list[dict], strategies: list[str], rtts: list[float], local: SplitClient,
+              depths: list[int] = (1,)):
+    """Yields (split runs, local-only runs, run_prompt) with the cloud server, WAN emulators and clients of `shards`
+    up and warmed: run_prompt(rep, p) runs local-only, its transformers anchor, then every configuration on prompt
+    p, adding to the two lists, so a machine whose speed drifts during the run slows every configuration alike.
+    Sequential decoding has nothing to send ahead, so it runs with one block in flight only."""
     runs: list[dict] = []
     local_runs: list[dict] = []
     extra = ("--device", args.cloud_device) if args.cloud_device else ()
@@ -233,16 +264,17 @@ def _measure(args, shards: Path, prompts: list[dict], strategies: list[str], rtt
         for strategy, rtt, d, pad in configs:
             clients[(rtt, d, pad)].generate(prompts[0]["prompt"], max_new_tokens=16, strategy=strategy)
         turns = args.turns
-        for rep in range(args.repeats):
-            for p in prompts:
-                for q, result in zip(turn_rows(p, turns), generations(local, p, args.max_new_tokens, "sequential", turns)):
-                    local_runs.append(_record("local-only", 0.0, rep, q, result))
-                    local_runs.append(transformers_record(whole, rep, q, result))
-                for strategy, rtt, d, pad in configs:
-                    for q, result in zip(turn_rows(p, turns), generations(clients[(rtt, d, pad)], p, args.max_new_tokens,
-                                                                          strategy, turns)):
-                        runs.append(_record(label(strategy, d, pad), rtt, rep, q, result, d))
-    return runs, local_runs
+
+        def run_prompt(rep: int, p: dict) -> None:
+            for q, result in zip(turn_rows(p, turns), generations(local, p, args.max_new_tokens, "sequential", turns)):
+                local_runs.append(_record("local-only", 0.0, rep, q, result))
+                local_runs.append(transformers_record(whole, rep, q, result))
+            for strategy, rtt, d, pad in configs:
+                for q, result in zip(turn_rows(p, turns), generations(clients[(rtt, d, pad)], p, args.max_new_tokens,
+                                                                      strategy, turns)):
+                    runs.append(_record(label(strategy, d, pad), rtt, rep, q, result, d))
+
+        yield runs, local_runs, run_prompt
 
 
 def turn_rows(p: dict, turns: int) -> list[dict]:

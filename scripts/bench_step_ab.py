@@ -1,0 +1,91 @@
+"""One decode step of this tree against another tree's, `splitinfer bench step` run from each alternately.
+
+    python scripts/bench_step_ab.py --other-src DIR --out notes/bench/DIR --shards shards/formats/int8 \\
+        --rows 1,4,8 --contexts 64 --rounds 4
+
+For a kernel change: `--other-src` is another tree's `src` directory (a `git worktree` of an earlier commit,
+say). Each round runs `bench step` once from each tree, in turn, in its own process with its own build of the
+native kernels, so the machine's drift reaches both trees alike. Per side, context and rows: the median over
+the rounds of each tree's step (each already a median of `--repeats`) and of its products (the profiled
+breakdown), and other / this. Writes OUT/step_ab.json and OUT/step_ab.md; each round's own reports stay
+under OUT/rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import splitinfer
+from splitinfer.bench.provenance import source_commit
+from splitinfer.tables import table
+
+
+def bench_step(src: Path, kernels: Path, out: Path, args: argparse.Namespace) -> dict:
+    """One `bench step` run importing the tree at `src`, its kernels built under `kernels`; its report."""
+    env = {**os.environ, "PYTHONPATH": str(src), "TORCH_EXTENSIONS_DIR": str(kernels)}
+    command = [sys.executable, "-m", "splitinfer", "bench", "step", "--shards", args.shards, "--out", str(out),
+               "--rows", args.rows, "--contexts", args.contexts, "--repeats", str(args.repeats), "--e2e-prompts", "0"]
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads((out / "step.json").read_text())
+
+
+def medians(reports: list[dict]) -> dict[tuple, tuple[float, float, float]]:
+    """{(side, context, rows): (step ms, products ms, x weights + attention)}, medians over the reports."""
+    keyed: dict[tuple, list[tuple[float, float, float]]] = {}
+    for report in reports:
+        for r in report["rows"]:
+            keyed.setdefault((r["side"], r["context"], r["rows"]), []).append(
+                (r["splitinfer_ms"], r["breakdown_ms"]["products"], r["x_weights_attention"]))
+    return {k: tuple(round(statistics.median(col), 3) for col in zip(*v)) for k, v in keyed.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--other-src", required=True, type=Path, help="the other tree's src directory")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--shards", default="shards/formats/int8")
+    parser.add_argument("--rows", default="1,2,4,5,6,7,8,16")
+    parser.add_argument("--contexts", default="64")
+    parser.add_argument("--repeats", type=int, default=7, help="bench step's timed repetitions a run")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    trees = {"this tree": Path(splitinfer.__file__).parent.parent, "other tree": args.other_src.resolve()}
+    reports: dict[str, list[dict]] = {name: [] for name in trees}
+    with tempfile.TemporaryDirectory() as other_kernels:
+        kernels = {"this tree": Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser(),
+                   "other tree": Path(other_kernels)}
+        for round_ in range(args.rounds):
+            for name, src in trees.items():
+                out = args.out / "rounds" / f"{name.split()[0]}-{round_}"
+                reports[name].append(bench_step(src, kernels[name], out, args))
+    this, other = medians(reports["this tree"]), medians(reports["other tree"])
+    rows = [[side, context, q, *other[(side, context, q)][:2], *this[(side, context, q)][:2],
+             round(other[(side, context, q)][0] / this[(side, context, q)][0], 3), other[(side, context, q)][2],
+             this[(side, context, q)][2]] for side, context, q in this]
+    report = {"command": "python " + shlex.join(sys.argv), "splitinfer": splitinfer.__version__,
+              "this_tree": source_commit(trees["this tree"]), "other_tree": source_commit(trees["other tree"]),
+              "rounds": args.rounds, "repeats": args.repeats, "machine": reports["this tree"][0].get("machine"),
+              "bandwidth_gbps": [r["bandwidth_gbps"] for r in reports["this tree"]],
+              "columns": ["side", "context", "rows", "other step ms", "other products ms", "this step ms",
+                          "this products ms", "other / this", "other x", "this x"], "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_ab.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# One decode step: {report['this_tree']} against {report['other_tree']}", "", f"`{report['command']}`",
+             "", f"`splitinfer bench step` ({args.shards}, {args.repeats} repetitions a run) from each tree in turn, "
+             f"{args.rounds} rounds; medians over the rounds, ms (scripts/bench_step_ab.py). x: the step over its "
+             "weights' bytes over the bandwidth plus its attention, as bench step reports it.", "",
+             *table(report["columns"], rows, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"), ""]
+    (args.out / "step_ab.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
