@@ -10,7 +10,8 @@
 // Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); five and six
 // rows, one pass of six (`six`, 24 accumulators; 24 dot products a step where two passes of eight take 32, and
 // one read of the stream: notes/bench/step-int8-rows); seven and eight rows share each load of two tiles (`pair`), the group's other two tiles then
-// coming from the cache.
+// coming from the cache. Two passes of four rows over each group instead (the second from L2) were no faster in whole
+// steps, alternating with this kernel (notes/bench/w8a8-eight, scripts/bench_step_ab.py).
 // One pass (up to four rows) leaves the stream to the hardware prefetchers: asking for it 16 KB ahead with
 // prefetcht0 made one to four rows 1.17-1.29x slower (a cloud step's 104 products at one row 5.04 ms against
 // 4.23, notes/bench/w8a8-prefetch). Where several passes read a group, each asks for its share of the next
