@@ -28,9 +28,10 @@ from splitinfer.bench.provenance import source_commit
 from splitinfer.tables import table
 
 
-def bench_step(src: Path, kernels: Path, out: Path, args: argparse.Namespace) -> dict:
-    """One `bench step` run importing the tree at `src`, its kernels built under `kernels`; its report."""
-    env = {**os.environ, "PYTHONPATH": str(src), "TORCH_EXTENSIONS_DIR": str(kernels)}
+def bench_step(src: Path, kernels: Path | None, out: Path, args: argparse.Namespace) -> dict:
+    """One `bench step` run importing the tree at `src`, its kernels built under `kernels` (None: where this
+    process's environment builds them); its report."""
+    env = {**os.environ, "PYTHONPATH": str(src), **({"TORCH_EXTENSIONS_DIR": str(kernels)} if kernels else {})}
     command = [sys.executable, "-m", "splitinfer", "bench", "step", "--shards", args.shards, "--out", str(out),
                "--rows", args.rows, "--contexts", args.contexts, "--repeats", str(args.repeats), "--e2e-prompts", "0"]
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -60,8 +61,7 @@ def main() -> None:
     trees = {"this tree": Path(splitinfer.__file__).parent.parent, "other tree": args.other_src.resolve()}
     reports: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as other_kernels:
-        kernels = {"this tree": Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser(),
-                   "other tree": Path(other_kernels)}
+        kernels = {"this tree": None, "other tree": Path(other_kernels)}
         for round_ in range(args.rounds):
             for name, src in trees.items():
                 out = args.out / "rounds" / f"{name.split()[0]}-{round_}"
