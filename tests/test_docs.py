@@ -252,24 +252,3 @@ def test_every_link_resolves_and_the_configuration_reference_is_current():
         done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:]
-
-
-def test_the_readmes_how_fast_paragraph_quotes_its_stored_run():
-    """The README's prose above the generated table is written by hand: every figure in it must be the stored
-    README run's (notes/bench/readme/speculative.json), so a rerun that leaves it behind fails here."""
-    import json
-
-    text = " ".join((ROOT / "README.md").read_text().split("## How fast", 1)[1].split("<!--", 1)[0].split())
-    pattern = (r"`tree` ran at ([\d.]+) tok/s \(([\d.]+)\), ([\d.]+)x split sequential decoding \(([\d.]+) tok/s\); "
-               r"`tree-nohead` \(.*?\) ran at ([\d.]+) tok/s\. The whole model .*? ran at ([\d.]+) tok/s \(([\d.]+)\) "
-               r"and plain transformers float32 greedy decoding at ([\d.]+):")
-    found = re.search(pattern, text)
-    assert found, "the README's 'How fast' paragraph no longer reads as this test expects"
-    tree, tree_exact, ratio, sequential, nohead, local, local_exact, plain = map(float, found.groups())
-    summary = json.loads((ROOT / "notes/bench/readme/speculative.json").read_text())["summary"]
-    at80 = {r["strategy"]: r["tokens_per_s_whole_set"] for r in summary["rows"] if r["rtt_ms"] == 80}
-    local_only = summary["local_only"]
-    assert (tree_exact, sequential, local_exact) == (at80["tree"], at80["sequential"], local_only["tokens_per_s_whole_set"])
-    assert (tree, nohead, local) == (round(at80["tree"], 1), round(at80["tree-nohead"], 1), round(local_exact, 1))
-    assert ratio == round(at80["tree"] / at80["sequential"], 2)
-    assert plain == round(local_only["transformers"]["tokens_per_s_whole_set"], 1)
