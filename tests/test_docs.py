@@ -252,3 +252,10 @@ def test_every_link_resolves_and_the_configuration_reference_is_current():
         done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_every_user_page_is_a_guide_under_400_lines():
+    """The README and docs/ are what a user reads; history, raw tables and every run in full live in notes/."""
+    long = [f"{page}: {n} lines" for page in PAGES if (n := len((ROOT / page).read_text().splitlines())) >= 400]
+    assert not long, "pages of 400 lines or more; move the record to notes/ (or, for a generated page, split it):\n" + \
+        "\n".join(long)
