@@ -46,3 +46,55 @@ def test_parameters_defaults_and_refusals():
     assert completion_prompt({"prompt": ["one"]}) == "one" and completion_prompt({"prompt": [1, 2]}) == [1, 2]
     with pytest.raises(APIError):
         completion_prompt({"prompt": ["one", "two"]})
+
+
+def test_every_role_it_accepts_is_one_its_refusal_names():
+    from splitinfer.api.protocol import ROLES
+
+    for role in ROLES:
+        assert chat_messages({"messages": [{"role": role, "content": "a"}]})
+    with pytest.raises(APIError) as e:
+        chat_messages({"messages": [{"role": "robot", "content": "a"}]})
+    assert str(e.value) == "messages[0] needs a role of system, developer, user, assistant or tool."
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages[0]", "invalid_value")
+
+
+def test_user_is_the_one_parameter_accepted_and_ignored():
+    from splitinfer.api.protocol import IGNORED, check_parameters
+
+    assert IGNORED == ("user",)
+    for chat in (True, False):
+        check_parameters({"user": "someone"}, chat)
+        # accepted, and nothing it asks for changes what is generated
+        assert parse_params({"user": "someone", "seed": 3}, 9, "tree", chat) == parse_params({"seed": 3}, 9, "tree", chat)
+        assert parse_params({"user": None}, 9, "tree", chat) == parse_params({}, 9, "tree", chat)
+    with pytest.raises(APIError) as e:
+        parse_params({"user": 7}, 9, "tree")
+    assert (e.value.param, str(e.value)) == ("user", "'user' must be a string.")
+
+
+def api_doc_tables() -> dict[str, set[str]]:
+    """The parameter names in the first column of each table of docs/api.md, by the section it is under."""
+    import re
+    from pathlib import Path
+
+    out: dict[str, set[str]] = {}
+    section = ""
+    for line in (Path(__file__).parents[2] / "docs" / "api.md").read_text().splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        elif line.startswith("| `"):
+            out.setdefault(section, set()).update(re.findall(r"`(\w+)`", line.split(" | ")[0]))
+    return out
+
+
+def test_the_api_page_lists_what_the_code_does():
+    """docs/api.md's three tables are the protocol's lists: honoured, accepted and ignored, and accepted only at
+    the value that asks for nothing. A parameter added to the code and not to the page (or the reverse) fails."""
+    from splitinfer.api.protocol import IGNORED, NO_OP, PARAMETERS
+
+    tables = api_doc_tables()
+    honoured = (set(PARAMETERS[True]) | set(PARAMETERS[False])) - set(IGNORED)
+    assert tables["Honoured"] == honoured
+    assert tables["Accepted and ignored"] == set(IGNORED)
+    assert tables["Accepted only at the value that asks for nothing"] == set(NO_OP)

@@ -2,11 +2,13 @@
 and error bodies. Stop strings are matched where the text is made (local/text.py; StopMatcher is
 re-exported here for its importers).
 
-Every request parameter is either honoured or refused, never ignored: `PARAMETERS` names what each endpoint
-takes; a parameter OpenAI defines that this server does not implement is accepted only at its no-op value
-(`NO_OP`: null, or e.g. `presence_penalty: 0`, `n: 1`, `echo: false`) and otherwise refused with OpenAI's
-error body (400, code "unsupported_parameter"); a name OpenAI does not define is refused too (code
-"unknown_parameter"). docs/api.md lists them all.
+Every request parameter is honoured or refused, with one exception: `user` (OpenAI's end-user id) is
+accepted, type-checked and ignored (`IGNORED`), since this server keeps no per-user records and clients send
+it unasked. `PARAMETERS` names what each endpoint takes; a parameter OpenAI defines that this server does not
+implement is accepted only at its no-op value (`NO_OP`: null, or e.g. `presence_penalty: 0`, `n: 1`, `echo:
+false`) and otherwise refused with OpenAI's error body (400, code "unsupported_parameter"); a name OpenAI does
+not define is refused too (code "unknown_parameter"). docs/api.md lists them all (tests/api/test_protocol.py
+checks its tables against these).
 
 `logprobs`/`top_logprobs` are computed on the trusted side from the same logits rows that chose each token
 (decoding/loop.py), so they cost nothing on the wire and hold for every strategy.
@@ -29,11 +31,16 @@ MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs, as OpenAI's bou
 
 # What each endpoint honours (besides `model` and `messages` / `prompt`).
 COMMON = ("max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "logprobs",
-          "user", "top_k", "strategy")
+          "top_k", "strategy")
+# Accepted (a string, or null) and ignored: OpenAI's end-user id for its abuse monitoring. This server keeps no
+# per-user records, so there is nothing to do with it; refusing it would break clients that always send it.
+IGNORED = ("user",)
 PARAMETERS = {
-    True: ("model", "messages", *COMMON, "max_completion_tokens", "top_logprobs"),
-    False: ("model", "prompt", *COMMON),
+    True: ("model", "messages", *COMMON, "max_completion_tokens", "top_logprobs", *IGNORED),
+    False: ("model", "prompt", *COMMON, *IGNORED),
 }
+# The roles a chat message may have (`developer` is read as `system`).
+ROLES = ("system", "developer", "user", "assistant", "tool")
 # Parameters OpenAI defines that this server does not implement, with the values that ask for nothing (null is
 # always one). Any other value is refused, with why in UNSUPPORTED where there is more to say.
 NO_OP = {
@@ -197,7 +204,7 @@ def parse_params(body: dict, default_max_tokens: int, default_strategy: str, cha
     if any(key != "include_usage" for key in options) or not isinstance(options.get("include_usage", False), bool):
         raise APIError(400, "'stream_options' takes only include_usage (true or false).", param="stream_options",
                        code="unsupported_parameter")
-    user = body.get("user")
+    user = body.get("user")  # IGNORED: checked, then dropped
     if user is not None and not isinstance(user, str):
         raise _bad("user", "'user' must be a string.")
     logprobs, top_logprobs = _logprobs(body, chat)
@@ -230,8 +237,8 @@ def chat_messages(body: dict) -> list[dict]:
         raise _bad("messages", "'messages' must be a non-empty list of {role, content} objects.")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
-            raise _bad(f"messages[{i}]", f"messages[{i}] needs a role of system, user or assistant.")
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise _bad(f"messages[{i}]", f"messages[{i}] needs a role of {', '.join(ROLES[:-1])} or {ROLES[-1]}.")
         for key, value in m.items():  # name, tool_calls ...: refused unless empty (an SDK echoes nulls back)
             if key not in ("role", "content") and value not in (None, [], {}):
                 raise APIError(400, f"messages[{i}].{p_key(key)} is not supported here (text messages only); leave it "
