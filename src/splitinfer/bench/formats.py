@@ -31,19 +31,17 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .. import __version__
-from ..model import native
-from ..model.formats import Int8Linear, WeightFormats
+from .. import kernels
+from ..model.formats import WeightFormats
 from ..tables import table
 from .machine import bandwidth_gbps, cpu_flags, kernels_line
+from .side import Side, real_inputs
 
-if TYPE_CHECKING:
-    from .step import Side  # imported where used: step.py imports stored_bytes from here
 
 
 @dataclass(frozen=True)
@@ -75,26 +73,9 @@ def prepare_all(model: str | None, shards_dir: Path, specs: tuple[str, ...], log
     return dirs
 
 
-def stored_bytes(modules) -> int:
-    """Bytes a step streams for these modules' weights: parameters and persistent buffers, as stored (an int8
-    weight held only as its kernel's tiles counted as its stored [N, K] bytes)."""
-    seen, total = set(), 0
-    for module in modules:
-        for t in list(module.parameters()) + [b for _, b in module.named_buffers()]:
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        for m in module.modules():
-            if isinstance(m, Int8Linear) and m.qweight is None and id(m) not in seen:
-                seen.add(id(m))
-                total += m.out_features * m.in_features
-    return total
-
-
 def build_steps(dirs: dict[str, Path], config: FormatsBenchConfig) -> dict[tuple, Side]:
-    """{(spec, side, context): bench/step.py's Side, without its anchor} on real activations (`real_inputs`)."""
+    """{(spec, side, context): bench/side.py's Side, without its anchor} on real activations (`real_inputs`)."""
     from ..model.shards import load_cloud, load_local
-    from .step import Side, real_inputs
 
     steps = {}
     for spec, shards in dirs.items():
@@ -271,7 +252,7 @@ def run(model: str | None, shards_dir: Path, config: FormatsBenchConfig, log=pri
                if line.strip()]
     return {
         "command": "splitinfer " + shlex.join(sys.argv[1:]), "version": __version__, "config": asdict(config),
-        "machine": {"cpu_flags": cpu_flags(), "kernels": native.kernel_names(), "bandwidth_gbps": round(gbps, 2),
+        "machine": {"cpu_flags": cpu_flags(), "kernels": kernels.report(), "bandwidth_gbps": round(gbps, 2),
                     "threads": config.threads, "pinned_cpu": config.cpu},
         "steps": step_table, "generations": gen["summary"], "generation_runs": gen["runs"],
         "quality": quality(dirs, prompts, gen["replies"], heldout),
