@@ -1,6 +1,6 @@
 """One way to make a client: every entry point (the CLI commands, benchmarks, the privacy tools, scripts/) gets
-its SplitClient from `splitinfer.clients.open_client` (which calls `SplitClient.connect`, the Python API's remote
-constructor, for the remote kind), and a RemoteMiddle that runs steps from
+its SplitClient from `splitinfer.clients.open_client` (which calls `SplitClient.remote` on the local half it loaded
+and gated, for the remote kind; `SplitClient.connect` is the Python API's own), and a RemoteMiddle that runs steps from
 `RemoteMiddle.for_shard` (issue 50). Checked on the source, so a new entry point cannot quietly grow a sixth way."""
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ GONE = {"local_only_client", "open_local_only", "connect_client"}  # the old way
 
 
 def constructions(source: str, module: str) -> list[str]:
-    """'module:line what' for each direct SplitClient(...) or RemoteMiddle(...) call, SplitClient.connect
-    call, or use of a removed client maker in `source`."""
+    """'module:line what' for each direct SplitClient(...) or RemoteMiddle(...) call, SplitClient.connect or
+    SplitClient.remote call, or use of a removed client maker in `source`."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call):
             func = node.func
             if isinstance(func, ast.Name) and func.id in ("SplitClient", "RemoteMiddle"):
                 found.append(f"{module}:{node.lineno} {func.id}(...)")
-            if isinstance(func, ast.Attribute) and func.attr == "connect" and isinstance(func.value, ast.Name) \
-                    and func.value.id == "SplitClient":
-                found.append(f"{module}:{node.lineno} SplitClient.connect")
+            if isinstance(func, ast.Attribute) and func.attr in ("connect", "remote") \
+                    and isinstance(func.value, ast.Name) and func.value.id == "SplitClient":
+                found.append(f"{module}:{node.lineno} SplitClient.{func.attr}")
         if isinstance(node, ast.Name) and node.id in GONE:
             found.append(f"{module}:{node.lineno} {node.id}")
         if isinstance(node, ast.alias) and node.name in GONE:
@@ -47,10 +47,10 @@ def test_every_entry_point_makes_its_client_with_the_one_factory():
     found = []
     for module, source in _sources():
         hits = constructions(source, module)
-        if module == FACTORY:  # the factory builds in-process clients itself, remote ones by SplitClient.connect
-            hits = [h for h in hits if "SplitClient(...)" not in h and "SplitClient.connect" not in h]
-        if module == "local/client.py":  # SplitClient.connect, the remote constructor the factory calls
-            hits = [h for h in hits if "SplitClient.connect" not in h]
+        if module == FACTORY:  # the factory builds in-process clients itself, remote ones by SplitClient.remote
+            hits = [h for h in hits if "SplitClient(...)" not in h and "SplitClient.remote" not in h]
+        if module == "local/client.py":  # the remote constructors, the one the factory calls among them
+            hits = [h for h in hits if "SplitClient.connect" not in h and "SplitClient.remote" not in h]
         if module == "local/middle.py":
             hits = [h for h in hits if "RemoteMiddle(...)" not in h]
         found += hits
@@ -74,9 +74,11 @@ def test_the_checker_finds_each_way_round_the_factory():
         "c = RemoteMiddle(url, fp, (1, 2), 8)\n"
         "d = RemoteMiddle.for_shard(url, manifest, 8)\n"
         "e = open_client(shard, url)\n"
+        "f = SplitClient.remote(local, shard, url)\n"
     )
     assert constructions(source, "m") == [
         "m:? import local_only_client", "m:2 SplitClient(...)", "m:3 SplitClient.connect", "m:4 RemoteMiddle(...)",
+        "m:7 SplitClient.remote",
     ]
 
 

@@ -109,3 +109,29 @@ def test_an_option_described_by_its_field_s_comment():
     assert described(Toy, "rows") == (Opt("rows", help="a plain int"),)
     with pytest.raises(TypeError, match="ratio"):
         described(Toy, "rows", "ratio")  # no comment on its line: write the help
+
+
+def test_each_help_text_is_written_once():
+    """An option several commands take has its help written once, in options.py (SHARDS, DEVICE, HOST, THREADS,
+    ALLOW_PUBLIC_WEIGHTS), so the commands cannot drift apart (issue 63). Checked on the source of the command
+    modules; bench/ keeps its own options until its commands share one harness (issue 63, item 3)."""
+    import ast
+    from pathlib import Path
+
+    import splitinfer
+
+    package = Path(splitinfer.__file__).parent
+    written: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        module = path.relative_to(package).as_posix()
+        if module.startswith("bench/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                for keyword in node.keywords:
+                    if keyword.arg == "help" and isinstance(keyword.value, ast.Constant) \
+                            and isinstance(keyword.value.value, str):
+                        written.setdefault(keyword.value.value, []).append(f"{module}:{node.lineno}")
+    twice = {text: places for text, places in written.items() if len(places) > 1}
+    assert not twice, "write a shared option's help once, in options.py: " + "; ".join(
+        f"{text!r} at {', '.join(places)}" for text, places in twice.items())

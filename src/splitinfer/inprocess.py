@@ -12,6 +12,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from .cloud.sessions import CloudSession, SessionConfig, SessionTable
@@ -68,10 +69,14 @@ class InProcessMiddle:
         self.close()
 
 
-def load_halves(shards: str | Path, device: str = "cpu") -> tuple[LocalHalf, CloudHalf]:
-    """Both halves of a prepared OUT directory (OUT/local + OUT/cloud), checked to be from one `prepare`."""
+def load_halves(shards: str | Path, device: str = "cpu",
+                check: Callable[[LocalHalf], None] | None = None) -> tuple[LocalHalf, CloudHalf]:
+    """Both halves of a prepared OUT directory (OUT/local + OUT/cloud), checked to be from one `prepare`;
+    `check(local)` runs on the local half before the cloud half loads, so a refusal costs no cloud load."""
     shards = Path(shards)
     local = load_local(shards / "local", device=device)
+    if check is not None:
+        check(local)
     cloud = load_cloud(shards / "cloud", device=device)
     if cloud.fingerprint != local.fingerprint:
         raise ConfigError(f"{shards}/local and {shards}/cloud were not prepared together; re-run prepare.")

@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
-from .local.commands import ALLOW_PUBLIC_HELP
 from .netem.commands import WAN_RTT_MS
-from .options import Opt, Shared, add_options
+from .options import ALLOW_PUBLIC_WEIGHTS, SHARDS, Opt, Shared, add_options
 
 
 def _can_pin(cpu: int | None) -> bool:
@@ -223,18 +222,16 @@ DEMO_PROMPT = "Explain in three sentences why the round trip dominates split inf
 
 
 def cmd_demo(args) -> int:
-    from .clients import open_client
-    from .local.commands import public_weights_gate, stats_table
-
-    from .model.synthetic import refuse_synthetic
+    from .clients import load_checked_local, open_client
+    from .local.commands import stats_table
 
     shards = Path(args.shards)
-    refuse_synthetic(shards / "local", "demo")  # random weights generate noise
-    public_weights_gate(shards / "local", args.allow_public_weights)
+    # Loaded and checked (synthetic or refused public weights) before the server starts, once: the client takes it.
+    local = load_checked_local(shards / "local", allow_public_weights=args.allow_public_weights, command="demo")
     print(f"starting the cloud server on loopback with {shards / 'cloud'} (middle layers only) ...", flush=True)
     with cloud_server(shards / "cloud") as (url, _proc), wan_proxy(url, args.rtt_ms) as wan_url:
         print(f"cloud at {url}, reached through an emulated WAN at {wan_url} (+{args.rtt_ms:g} ms round trip)\n")
-        client = open_client(shards / "local", wan_url, allow_public_weights=args.allow_public_weights, checks=False)
+        client = open_client(shards / "local", wan_url, local=local, checks=False)
         print(f"prompt: {args.prompt}\n")
         result = client.generate(
             args.prompt, max_new_tokens=args.max_new_tokens, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush())
@@ -253,9 +250,9 @@ class DemoOptions:
 
 def register(subparsers) -> None:
     s = subparsers.add_parser("demo", help="serve + emulated WAN + generate, on loopback")
-    add_options(s, Shared, (Opt("shards"),))
+    add_options(s, Shared, (SHARDS,))
     s.add_argument("--rtt-ms", type=float, default=WAN_RTT_MS, help="added round trip of the emulated WAN")
     add_options(s, DemoOptions, (Opt("max_new_tokens"),))
     s.add_argument("--prompt", default=DEMO_PROMPT)
-    s.add_argument("--allow-public-weights", action="store_true", help=ALLOW_PUBLIC_HELP)
+    add_options(s, Shared, (ALLOW_PUBLIC_WEIGHTS,))
     s.set_defaults(func=cmd_demo)

@@ -62,12 +62,26 @@ class Mirror:
 
 @dataclasses.dataclass(frozen=True)
 class Shared:
-    """Defaults that several commands share, each written once; a command adds the ones it takes as `Opt`s."""
+    """Defaults that several commands share, each written once; a command adds the ones it takes, as the
+    `Opt`s below (SHARDS, DEVICE, ...) whose help is written there once."""
 
     shards: str = "shards/smollm2"  # a prepared OUT directory (`make prepare` writes this one)
     out: str = "bench-out"  # where a benchmark writes its JSON and Markdown
     device: str = "cpu"  # torch device of the layers this process runs: cpu, cuda, cuda:1 ...
     host: str = "127.0.0.1"  # the interface a listener binds: loopback unless told
+    threads: int | None = None  # torch intra-op threads; None: torch's choice
+    allow_public_weights: bool = False  # a client command accepts stock public local weights (docs/privacy.md)
+
+
+# The options several commands take, each one's help written here once: a command adds them with
+# `add_options(parser, Shared, (DEVICE, THREADS))`, or with its own config where the value is one of that
+# config's fields (serve's --host is ServerConfig.host). tests/test_cli.py holds every help literal to one place.
+SHARDS = Opt("shards", help="a prepared OUT directory (OUT/local + OUT/cloud)")
+DEVICE = Opt("device", help="torch device of the layers this process runs: cpu, cuda, cuda:1 ...")
+HOST = Opt("host", help="the interface to listen on (default: loopback)")
+THREADS = Opt("threads", help="torch intra-op threads (default: torch's choice)")
+ALLOW_PUBLIC_WEIGHTS = Opt("allow_public_weights", help="run even though the local layers are the stock public "
+                                                        "weights (the cloud can invert them)")
 
 
 def field_default(cls: type, name: str):

@@ -1,7 +1,8 @@
 """Checks run before the slow work, so the common mistakes end in one clear line instead of a traceback.
 
-- the cloud server is unreachable (a TCP connect, before minutes of model loading),
-- the local shard does not fit in free memory,
+- a --server URL of the wrong form (before anything loads), or the cloud server unreachable (a TCP connect,
+  before the first step),
+- the local shard does not fit in free memory (before it loads),
 - the server holds another shard or refuses our credentials (one handshake at start-up).
 
 Each raises an exception of errors.py whose sentence says what to do; nothing here prints.
@@ -19,10 +20,16 @@ from .errors import ConfigError, ModelError, TransportError
 MEMORY_HEADROOM = 1.2
 
 
-def check_reachable(url: str, timeout_s: float = 5.0) -> None:
+def check_url(url: str):
+    """The parsed --server URL; ConfigError unless it is ws:// or wss:// with a host."""
     parsed = urlparse(url)
     if parsed.scheme not in ("ws", "wss") or not parsed.hostname:
         raise ConfigError(f"--server must look like ws://HOST:PORT or wss://HOST:PORT; got {url!r}.")
+    return parsed
+
+
+def check_reachable(url: str, timeout_s: float = 5.0) -> None:
+    parsed = check_url(url)
     port = parsed.port or (443 if parsed.scheme == "wss" else 80)
     try:
         with socket.create_connection((parsed.hostname, port), timeout=timeout_s):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
-from .options import Opt, Shared, add_options, defer
+from .options import SHARDS, Opt, Shared, add_options, defer
 
 
 def build_recycling_table(shards: Path, prompts: int, max_new_tokens: int, k: int, seed: int):
@@ -145,7 +145,7 @@ class RecyclingOptions:
 
 
 def _options(s: argparse.ArgumentParser) -> None:
-    add_options(s, Shared, (Opt("shards", help="prepared OUT directory (OUT/local + OUT/cloud)"),))
+    add_options(s, Shared, (SHARDS,))
     s.add_argument("--out", required=True, help="folder for recycling.safetensors and recycling.json")
     add_options(s, RecyclingOptions, (
         Opt("prompts", help="offline prompts to generate from"),

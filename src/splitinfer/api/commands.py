@@ -14,7 +14,7 @@ from ..errors import ConfigError
 from ..tokens import read_token_file
 from ..clients import load_client
 from ..local.commands import add_client_options, add_sampling_options, sampling_from_args
-from ..options import Opt, Shared, add_options, defer
+from ..options import HOST, Opt, Shared, add_options, defer
 from .config import ApiOptions
 
 log = logging.getLogger("splitinfer.api")
@@ -24,7 +24,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def _api_options(s: argparse.ArgumentParser) -> None:
     add_client_options(s)
-    add_options(s, Shared, (Opt("host", help="interface to bind (default loopback)"),))
+    add_options(s, Shared, (HOST,))
     s.add_argument("--api-key-file", help="accepted API keys, one per line; requests must send one as the bearer token")
     add_options(s, ApiOptions, (Opt("port"),))
     s.add_argument("--model-name", help="model id the API answers to (default: the shard's model id)")

@@ -15,13 +15,13 @@ import logging
 
 from ..allocator import settle_long_running
 from ..errors import ConfigError
-from ..options import MIB, Opt, Shared, add_options, config_from_args, defer
+from ..options import DEVICE, HOST, MIB, THREADS, Opt, Shared, add_options, config_from_args, defer
 from ..wire.dtypes import DTYPE_NAMES
 
 log = logging.getLogger("splitinfer.cloud")
 
 SERVER_OPTIONS = (
-    Opt("host", help="interface to listen on"),
+    HOST,
     Opt("port"),
     Opt("tls_cert", help="PEM certificate chain; with --tls-key, serve wss://"),
     Opt("tls_key", help="PEM private key of --tls-cert"),
@@ -68,10 +68,10 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
     add_options(s, ServerConfig, SERVER_OPTIONS)
     add_options(s, SessionConfig, SESSION_OPTIONS)
     add_options(s, BatchConfig, BATCH_OPTIONS)
-    add_options(s, Shared, (Opt("device", help="cpu, cuda, cuda:1 ..."),))
+    add_options(s, Shared, (DEVICE,))
     s.add_argument("--devices", help="spread the layers over several GPUs by memory: cuda:0,cuda:1 or auto")
     s.add_argument("--dtype", choices=DTYPE_NAMES, help="compute dtype (default: the shard's; GPUs: float16/bfloat16)")
-    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    add_options(s, Shared, (THREADS,))
     s.add_argument("--token-file", help="accepted bearer tokens, one per line (or set SPLITINFER_SERVER_TOKENS)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics")
     add_options(s, Shared, (Opt("host", "--metrics-host", help="interface for --metrics-port (default loopback)"),))

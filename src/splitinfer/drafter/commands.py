@@ -6,9 +6,8 @@ No torch import at module level: the CLI parses arguments before anything heavy 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
-from ..options import Opt, add_options, config_from_args, defer
+from ..options import SHARDS, THREADS, Opt, Shared, add_options, config_from_args, defer
 
 TRAIN_OPTIONS = (
     Opt("device", help="where to generate and train: cpu, cuda or cuda:N"),
@@ -65,18 +64,11 @@ def cmd_train_drafter(args) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class DrafterOptions:
-    """`splitinfer drafter train`'s defaults beyond TrainConfig's."""
-
-    threads: int = 0  # torch threads; 0: torch's choice
-
-
 def register(sub) -> None:
     p = sub.add_parser("train", help="train the draft head for prepared shards (resumable)")
-    p.add_argument("--shards", required=True, help="a prepared OUT directory (OUT/local + OUT/cloud)")
+    p.add_argument("--shards", required=True, help=SHARDS.help)
     p.add_argument("--out", required=True, help="where the head, its manifest and checkpoints go")
-    add_options(p, DrafterOptions, (Opt("threads", help="torch threads (default: torch's choice)"),))
+    add_options(p, Shared, (THREADS,))
 
     def add(parser):
         from .train import TrainConfig

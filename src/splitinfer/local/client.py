@@ -163,10 +163,19 @@ class SplitClient:
         auth: ClientAuth = ClientAuth(),
         allow_public_weights: bool = False,
     ) -> "SplitClient":
-        """A client of cloud servers: the remote kind of `clients.open_client`, which calls this after its
-        start-up checks (entry points go through open_client; this is the Python API's own front door)."""
+        """A client of cloud servers, the Python API's own front door: loads the local half and refuses stock
+        public weights unless allowed (entry points go through `clients.open_client`, which also warns)."""
         local = load_local(local_shard, device=device)
         check_local_weights(local.manifest, allow_public_weights)
+        return cls.remote(local, local_shard, url, config, device, auth)
+
+    @classmethod
+    def remote(cls, local: LocalHalf, local_shard: str | Path, url: str | Sequence[str],
+               config: ClientConfig = ClientConfig(), device: str = "cpu",
+               auth: ClientAuth = ClientAuth()) -> "SplitClient":
+        """A client of cloud servers over `local`, the half of `local_shard` already loaded and through the
+        public-weights gate (`check_local_weights` on its manifest): `connect`'s last step, and the remote kind
+        of `clients.open_client`, which loads and gates once before calling this."""
         config = with_shard_wire_dtype(config, local.manifest)
         return cls(local, remote_middles(local, url, config, auth), config,
                    draft_head=load_draft_head(local, local_shard, config.drafter, device))

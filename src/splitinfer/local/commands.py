@@ -1,21 +1,21 @@
 """What every client command shares: its options, the split path's start-up checks, the stats table.
 
 `add_client_options` gives generate, chat and api the same way to name a model (a local shard and a
-server, or --local-only); `check_servers` and `public_weights_gate` are the split path's cheap checks that
-end in one clear line. Making the client (split, or local-only with a cloud piece in this process) is
-clients.py's job (`open_client`, the one factory), above local/ and cloud/. Options that mirror ClientConfig,
-SamplingConfig and LookaheadConfig are derived from them (options.py). Nothing heavy is imported at module level.
+server, or --local-only); `check_servers` is the split path's cheap check of its servers that ends in one
+clear line. Making the client (split, or local-only with a cloud piece in this process), and the public-weights
+gate on the manifest its load read, are clients.py's job (`open_client`, the one factory), above local/ and
+cloud/. Options that mirror ClientConfig, SamplingConfig and LookaheadConfig are derived from them (options.py);
+the options several commands share, with their help, come from options.py. Nothing heavy is imported at
+module level.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from ..configfile import Repeated
 from ..errors import TransportError
-from ..options import Opt, Shared, add_options, config_from_args
+from ..options import ALLOW_PUBLIC_WEIGHTS, DEVICE, THREADS, Opt, Shared, add_options, config_from_args
 from ..wire.dtypes import DTYPE_NAMES
 from .auth import add_client_auth_args
 
@@ -70,9 +70,6 @@ LOOKAHEAD_OPTIONS = (
 )
 
 
-ALLOW_PUBLIC_HELP = "run even though the local layers are the stock public weights (the cloud can invert them)"
-
-
 def add_client_options(s: argparse.ArgumentParser) -> None:
     """The options naming a model and how to reach it; needs torch-importing modules, so call it deferred."""
     from ..decoding.strategies import STRATEGIES
@@ -88,10 +85,9 @@ def add_client_options(s: argparse.ArgumentParser) -> None:
     add_options(s, ClientOptions, (Opt("strategy", choices=tuple(STRATEGIES),
                                        help="decoding strategy; all give the same greedy output (default: tree)"),))
     add_options(s, ClientConfig, CLIENT_OPTIONS)
-    add_options(s, Shared, (Opt("device", help="cpu, cuda, cuda:1 ..."),))
-    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    add_options(s, Shared, (DEVICE, THREADS))
     add_client_auth_args(s)
-    s.add_argument("--allow-public-weights", action="store_true", help=ALLOW_PUBLIC_HELP)
+    add_options(s, Shared, (ALLOW_PUBLIC_WEIGHTS,))
 
 
 def add_sampling_options(s: argparse.ArgumentParser) -> None:
@@ -105,15 +101,6 @@ def sampling_from_args(args: argparse.Namespace):
     from ..decoding.sampling import SamplingConfig
 
     return None if args.temperature == 0 else config_from_args(SamplingConfig, args, SAMPLING_OPTIONS)
-
-
-def public_weights_gate(local_dir: str | Path, allow: bool) -> None:
-    """Refuse stock public local weights unless allowed, and then warn (docs/privacy.md)."""
-    from ..model.manifest import read_manifest
-    from .client import PUBLIC_WEIGHTS_WARNING, check_local_weights
-
-    if check_local_weights(read_manifest(Path(local_dir), "local"), allow):
-        print(PUBLIC_WEIGHTS_WARNING, file=sys.stderr)
 
 
 def check_servers(servers: str | list[str], check_reachable) -> None:

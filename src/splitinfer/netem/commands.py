@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
-from ..options import Opt, Shared, add_options, config_from_args
+from ..options import HOST, Opt, Shared, add_options, config_from_args
 from .proxy import WanConfig, run_wan
 
 WAN_RTT_MS = 80.0  # the round trip the benchmarks and the demo emulate by default
@@ -39,7 +39,7 @@ def cmd_wan(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     s = subparsers.add_parser("wan", help="a user-space WAN emulator (TCP proxy adding delay, jitter, bandwidth limit)")
     s.add_argument("--listen", type=int, required=True, help="port to listen on")
-    add_options(s, Shared, (Opt("host", help="interface to listen on"),))
+    add_options(s, Shared, (HOST,))
     s.add_argument("--upstream", required=True, help="HOST:PORT of the server")
     add_options(s, WanConfig, WAN_OPTIONS)
     s.set_defaults(func=cmd_wan)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..model.commands import SplitOptions
-from ..options import Opt, Shared, add_options, config_from_args, defer
+from ..options import SHARDS, THREADS, Opt, Shared, add_options, config_from_args, defer
 
 # `--steps` keeps this command's own default (60), which is not PrivatizeConfig's.
 PRIVATIZE_OPTIONS = (
@@ -252,7 +252,7 @@ class BasisCheckOptions:
 
 def register(subparsers) -> None:
     s = subparsers.add_parser("audit", help="measure what the cloud can recover from the hidden states it sees")
-    add_options(s, Shared, (Opt("shards", help="a prepared OUT directory (OUT/local + OUT/cloud)"),))
+    add_options(s, Shared, (SHARDS,))
     s.add_argument("--out", required=True, help="directory for audit.json, audit.md and plots")
     s.add_argument("--quick", action="store_true", help="a smaller audit (about ten minutes on two CPU cores)")
     s.add_argument("--depths", help="input-side depths k, e.g. 1,2,4,6,8")
@@ -277,7 +277,7 @@ def register(subparsers) -> None:
                    "(0: none; default 0,33; generate's --pad-rows, --pad-steps, --pad-hold-ms, --pad-think-ms)")
     s.add_argument("--pad-prompt-rows", type=int, help="T6: every padded setting also pads prompt messages to this "
                    "many rows (ClientConfig.pad_prompt_rows; default: prompts padded as steps are)")
-    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    add_options(s, Shared, (THREADS,))
     s.set_defaults(func=cmd_audit)
 
     s = subparsers.add_parser("check", help="compare a `privatize --basis` copy with its public shards")
@@ -285,7 +285,7 @@ def register(subparsers) -> None:
     s.add_argument("--keyed", required=True, help="its `privatize --basis` copy")
     s.add_argument("--out", required=True, help="JSON file for the comparison")
     add_options(s, BasisCheckOptions, (Opt("tokens", help="new tokens per prompt"),))
-    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    add_options(s, Shared, (THREADS,))
     s.set_defaults(func=cmd_basis_check)
 
     s = subparsers.add_parser("table", help="write the threat-model table from audit.json files into docs")
@@ -306,7 +306,7 @@ def register(subparsers) -> None:
     s.add_argument("--allow-public-weights", action="store_true",
                    help="with --basis: accept once for the keyed shard that its host can undo the key and invert what "
                         "it sees (recorded in OUT/local/manifest.json; client commands then need no flag and still warn)")
-    s.add_argument("--threads", type=int, help="torch intra-op threads")
+    add_options(s, Shared, (THREADS,))
     defer(s, _privatize_options)
     s.set_defaults(func=cmd_privatize)
 
