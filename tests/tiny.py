@@ -14,7 +14,8 @@ from splitinfer.clients import open_client
 from splitinfer.model.prepare import prepare
 from splitinfer.model.source import SourceModel
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+THREADS = min(2, os.cpu_count() or 1)  # torch threads of every test (tests that change it put it back)
+torch.set_num_threads(THREADS)
 
 COMMON = dict(
     vocab_size=96,

@@ -43,7 +43,11 @@ def test_the_report(tmp_path, monkeypatch):
     args = argparse.Namespace(shards=str(shards), out=str(tmp_path / "out"), dtype="bfloat16", conversations=2,
                               max_tokens=128, strategies="tree-nohead", exact_dtypes="float32,bfloat16",
                               max_new_tokens=8, per_category=1, prompts=None)
-    report = dtypecheck.run(args, log=lambda _: None)
+    threads = torch.get_num_threads()
+    try:
+        report = dtypecheck.run(args, log=lambda _: None)
+    finally:
+        torch.set_num_threads(threads)  # run() pins one thread, as the benchmarks run; later tests keep their own
     assert json.loads((tmp_path / "out" / "dtype.json").read_text())["perplexity"] == report["perplexity"]
     rows = report["perplexity"]
     assert [(r["local"], r["cloud"]) for r in rows] == [("float32", "float32"), ("bfloat16", "float32"),
