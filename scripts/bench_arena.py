@@ -23,7 +23,8 @@ import torch
 
 from splitinfer.bench.step import build_sides
 from splitinfer.launch import pin_self
-from splitinfer.model import arena, native
+from splitinfer import kernels
+from splitinfer.model import arena
 
 
 def huge_page_mb() -> float:
@@ -71,8 +72,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,5,6,8")
     parser.add_argument("--rounds", type=int, default=100)
     args = parser.parse_args()
-    if not native.available():
-        raise SystemExit("model/native.py's kernels do not run on this machine: the weights are not packed for them.")
+    if not kernels.ensure():
+        raise SystemExit("splitinfer's kernels do not run on this machine: the weights are not packed for them.")
     pin_self(0, 1)
     rows = [int(r) for r in args.rows.split(",")]
     scattered = load(args.shards, max(rows), gathered=False)

@@ -31,14 +31,14 @@ import json, sys
 from pathlib import Path
 import numpy as np
 import torch
-from splitinfer.model import native
+from splitinfer import kernels
 from splitinfer.model.shards import load_cloud, load_local
 
 def rss_mb():
     fields = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
     return {k: int(fields[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile")}
 
-native.available()  # the kernels built and loaded before the first reading
+kernels.ensure()  # the kernels built and loaded before the first reading
 directory, half = Path(sys.argv[1]), sys.argv[2]
 before = rss_mb()
 loaded = (load_cloud if half == "cloud" else load_local)(directory / half, verify=False)

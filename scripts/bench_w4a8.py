@@ -1,4 +1,4 @@
-"""The int4 product alone: model/w4a8.py's kernel against PyTorch's `_weight_int4pack_mm_for_cpu`, one thread.
+"""The int4 product alone: kernels/w4a8.py's kernel against PyTorch's `_weight_int4pack_mm_for_cpu`, one thread.
 
     python scripts/bench_w4a8.py --out notes/bench/w4a8-kernel
 
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-from splitinfer.model import formats, native, w4a8
+from splitinfer import kernels
+from splitinfer.kernels import w4a8
+from splitinfer.model import formats, linears
 
 SHAPES = ((3072, 576), (576, 1536), (960, 576))
 ROWS = (1, 2, 4, 5, 8, 16, 32)
@@ -38,14 +40,9 @@ def median_us(call, repeats: int = 200) -> float:
 def measure(n: int, k: int) -> list[dict]:
     state = formats.quantize(torch.randn(n, k) * 0.05, "int4")
     packed = w4a8.pack(state["qweight"], state["scale"], state["min"])
-    pytorch = formats.Int4Linear(k, n)
+    pytorch = linears.TorchInt4Linear(k, n)  # PyTorch's kernel, chosen by class
     pytorch.load_state_dict(state)
-    native_available = w4a8.available
-    w4a8.available = lambda: False  # this module's Int4Linear takes PyTorch's kernel
-    try:
-        pytorch.finish()
-    finally:
-        w4a8.available = native_available
+    pytorch.finish()
     out = []
     for rows in ROWS:
         x = torch.randn(rows, k)
@@ -61,8 +58,8 @@ def run(name: str, measure, shapes, header: list[str], cells) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
-    if not native.available():
-        raise SystemExit("model/native.py's kernels do not run on this machine: nothing to compare.")
+    if not kernels.ensure():
+        raise SystemExit(f"splitinfer's kernels do not run on this machine ({kernels.status()['reason']}): nothing to compare.")
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The int8 product alone: model/w8a8.py's kernel against FBGEMM's (what Int8Linear used before) and the float32
+"""The int8 product alone: kernels/w8a8.py's kernel against FBGEMM's (what Int8Linear used before) and the float32
 product of the same weight (F.linear), one thread.
 
     python scripts/bench_w8a8.py --out notes/bench/w8a8-kernel
@@ -14,21 +14,16 @@ from __future__ import annotations
 import torch
 from bench_w4a8 import median_us, run
 
-from splitinfer.model import formats, w8a8
+from splitinfer.model import formats, linears
 
 SHAPES = ((49152, 576), (8192, 576))
 ROWS = (1, 2, 4, 8, 16)
 
 
-def linear(state: dict, n: int, k: int, ours: bool) -> formats.Int8Linear:
-    module = formats.Int8Linear(k, n)
+def linear(state: dict, n: int, k: int, ours: bool) -> linears.Int8Linear:
+    module = (linears.W8A8Linear if ours else linears.FbgemmLinear)(k, n)  # the kernel, chosen by class
     module.load_state_dict(state)
-    available = w8a8.available
-    w8a8.available = available if ours else (lambda: False)  # this module's Int8Linear takes FBGEMM
-    try:
-        module.finish()
-    finally:
-        w8a8.available = available
+    module.finish()
     return module
 
 

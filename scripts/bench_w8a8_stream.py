@@ -1,4 +1,4 @@
-"""The int8 product streamed from memory: model/w8a8.py's kernel with the hardware prefetchers alone (its
+"""The int8 product streamed from memory: kernels/w8a8.py's kernel with the hardware prefetchers alone (its
 default) against asking for the weight 16 KB ahead with prefetcht0 (what it did before), one thread.
 
     python scripts/bench_w8a8_stream.py --out notes/bench/w8a8-prefetch
@@ -18,7 +18,7 @@ import time
 import torch
 from bench_w4a8 import run
 
-from splitinfer.model import w8a8
+from splitinfer.kernels import w8a8
 
 LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M's fused products, [N, K]
 WEIGHTS = (("LM head 49152x576", ((49152, 576),)), ("cloud step, 26 layers", LAYER * 26))

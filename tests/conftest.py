@@ -16,8 +16,13 @@ import pytest
 # by default) is not needed for their few small graphs, and a test run should hold no processes it did not start.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+from splitinfer import kernels  # noqa: E402
 from splitinfer.model.prepare import prepare  # noqa: E402
 from splitinfer.model.source import load_source
+
+# The CPU kernels built or loaded once, before any test constructs a module (as loading a shard does): tests
+# that build modules without a shard get the kernels a user's loaded shard would.
+kernels.ensure()
 
 
 @pytest.fixture(scope="session")

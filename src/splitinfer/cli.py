@@ -37,6 +37,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "splitinfer.launch",  # demo
     "splitinfer.api.commands",  # api, chat
     "splitinfer.configfile",  # config
+    "splitinfer.kernels.commands",  # kernels
 )
 # Groups of commands (`splitinfer GROUP COMMAND`): name -> (help, the modules that register into it).
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -69,6 +70,7 @@ EXAMPLES: dict[str, str] = {
     "api": "splitinfer api --shard shards/smollm2/local --server ws://127.0.0.1:8765 --allow-public-weights",
     "chat": "splitinfer chat --shard shards/smollm2/local --server ws://127.0.0.1:8765 --allow-public-weights",
     "config": "splitinfer config show --command serve",
+    "kernels": "splitinfer kernels --json",
     "bench": "splitinfer bench spec --shards shards/smollm2 --out bench-out --rtt-ms 0,80",
     "bench sweep": "splitinfer bench sweep --shards shards/smollm2 --out bench-out --quick",
     "bench spec": "splitinfer bench spec --shards shards/smollm2 --out bench-out --rtt-ms 0,80 --max-new-tokens 64",

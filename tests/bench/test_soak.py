@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from splitinfer.bench.soak import METRICS, SoakOptions, fits, run_soak, trend, write_report
+from splitinfer.bench.soak import SoakOptions, run_soak, write_report
+from splitinfer.bench.soak_gauges import METRICS, fits, trend
 
 
 def test_a_flat_noisy_series_does_not_trend_and_a_steady_climb_does():
@@ -80,7 +81,7 @@ def test_a_server_that_dies_is_skipped_by_the_sampler_and_fails_the_soak(tmp_pat
     import sys
     import time
 
-    from splitinfer.bench.soak import Sampler, proc_stats
+    from splitinfer.bench.soak_gauges import Sampler, proc_stats
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.monotonic() + 20

@@ -8,12 +8,13 @@ import gc
 import pytest
 import torch
 
-from splitinfer.model import arena, native
+from splitinfer import kernels
+from splitinfer.model import arena, linears
 from splitinfer.model.native_layer import NativeLayer
 
 from model.test_native_layer import PARENTS, cloud_stack, run_blocks
 
-needs_native = pytest.mark.skipif(not native.available(), reason="model/native.py's kernels do not run on this CPU")
+needs_native = pytest.mark.skipif(not kernels.available(), reason="splitinfer's kernels do not run on this CPU")
 
 
 def test_gathered_tensors_keep_their_values_and_identity_in_one_aligned_block():
@@ -78,7 +79,6 @@ def test_a_kernel_without_huge_pages_still_gets_one_block(monkeypatch):
 
 @needs_native
 def test_loaded_halves_hold_one_copy_of_an_int8_weight_and_hand_freed_memory_back(tmp_path, monkeypatch):
-    from splitinfer.model import formats
     from splitinfer.model.shards import load_cloud, load_local
     from splitinfer.model.source import SourceModel
     from splitinfer.model.prepare import prepare
@@ -93,7 +93,7 @@ def test_loaded_halves_hold_one_copy_of_an_int8_weight_and_hand_freed_memory_bac
     cloud, local = load_cloud(out / "cloud"), load_local(out / "local")
     assert len(trims) == 2  # once a half
     products = [m for top in (cloud.stack, local.head, local.tail, local.lm_head) for m in top.modules()
-                if isinstance(m, formats.Int8Linear)]
+                if isinstance(m, linears.Int8Linear)]
     assert products and all(m.qweight is None and m._w8a8 is not None for m in products)
     from safetensors.torch import load_file
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from splitinfer.model import attention, native
+from splitinfer import kernels
+from splitinfer.model import attention
 from splitinfer.model.shards import load_cloud, load_local
 from tiny import prepare_tiny
 
@@ -49,11 +50,11 @@ def _tree_mask(parents: list[int], cached: int, window: int | None) -> torch.Ten
 
 
 def _pytorch_rows(monkeypatch) -> None:
-    """Exact-rows attention through PyTorch's SDPA a row, as where model/native.py's kernels do not run."""
-    monkeypatch.setattr(attention.native, "available", lambda: False)
+    """Exact-rows attention through PyTorch's SDPA a row, as where kernels/rows_attention.cpp does not run."""
+    monkeypatch.setattr(attention, "_native_fits", lambda *args: False)
 
 
-needs_native = pytest.mark.skipif(not native.available(), reason="model/native.py's kernels do not run on this CPU")
+needs_native = pytest.mark.skipif(not kernels.available(), reason="splitinfer's kernels do not run on this CPU")
 
 
 @pytest.mark.parametrize("kernel", ["native", "pytorch"])
@@ -64,20 +65,21 @@ def test_exact_rows_attention_gives_each_row_the_bits_of_the_row_alone(cached, w
     at a time): the same bits; and the values of transformers' sdpa over the masked block."""
     if kernel == "pytorch":
         _pytorch_rows(monkeypatch)
-    elif not native.available():
-        pytest.skip("model/native.py's kernels do not run on this CPU")
+    elif not kernels.available():
+        pytest.skip("splitinfer's kernels do not run on this CPU")
     gen = torch.Generator().manual_seed(cached)
     parents = [-1, 0, 0, 1, 2, 2, 4, 0, 7, 3, 9, 9]
     rows, keys = len(parents), cached + len(parents)
     query = torch.randn(1, 6, rows, 16, generator=gen)
     key, value = (torch.randn(1, 2, keys, 16, generator=gen) for _ in range(2))
     mask = _tree_mask(parents, cached, window)
-    tree, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
+    native = kernel == "native"
+    tree, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {}, native)
     for row in range(rows):
         seen = torch.nonzero(mask[0, 0, row] == 0)[:, 0]
         alone_mask = torch.zeros(1, 1, 1, len(seen))
         alone, _ = attention.exact_rows_sdpa(query[:, :, row : row + 1], key[:, :, seen].contiguous(),
-                                             value[:, :, seen].contiguous(), alone_mask, 0.25, {})
+                                             value[:, :, seen].contiguous(), alone_mask, 0.25, {}, native)
         assert torch.equal(tree[0, row], alone[0, 0]), row
     theirs, _ = sdpa_attention_forward(Attn(3), query, key, value, mask, scaling=0.25)
     torch.testing.assert_close(tree, theirs, rtol=1e-5, atol=1e-5)
@@ -124,7 +126,7 @@ def test_exact_rows_attention_has_the_bits_of_gathering_and_leaves_the_cache_as_
     for _ in range(3):
         query, buffers, key, value, mask = _random_block(gen, batch, cached, window)
         before = buffers.clone()
-        ours, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
+        ours, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {}, True)
         assert torch.equal(buffers, before)  # every key and value back in place, also past the views' end
         assert torch.equal(ours, _gathering_exact_rows(query, key, value, mask, 0.25))
 
@@ -142,7 +144,7 @@ def test_exact_rows_attention_writes_in_place_only_where_allowed(mode, monkeypat
     with torch.inference_mode(mode == "inference"):
         if mode == "grad":
             key.requires_grad_(), value.requires_grad_()
-        ours, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
+        ours, _ = attention.exact_rows_sdpa(query, key, value, mask, 0.25, {}, True)
     assert torch.equal(buffers, before) and torch.equal(ours, reference)
 
 
@@ -160,7 +162,7 @@ def test_exact_rows_attention_puts_the_cache_back_when_a_row_raises(monkeypatch)
 
     monkeypatch.setattr(attention, "_row", failing)
     with pytest.raises(RuntimeError, match="row 9 fails"):
-        attention.exact_rows_sdpa(query, key, value, mask, 0.25, {})
+        attention.exact_rows_sdpa(query, key, value, mask, 0.25, {}, True)
     assert torch.equal(buffers, before)
 
 

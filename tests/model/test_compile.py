@@ -12,9 +12,8 @@ What reached these tests from the rest of the suite (issue 63: `make test` once 
   (cache length + held rows + block rows == the buffer's capacity) reads the whole buffer, a contiguous
   slice, and the warm-up's graphs are guarded against that (`capacity != length + held + rows`), so it
   compiles a third graph. Seen alone too, under load (two busy cores: one run in three), so it is timing,
-  not order. `isolated` below pins the thread count and dynamo's state for each test;
-  test_a_block_that_ends_at_its_buffers_end_compiles_nothing_new holds the gap until LayerStack.run_layers
-  reserves a spare row.
+  not order. `isolated` below pins the thread count and dynamo's state for each test; LayerStack.run_layers
+  now reserves one spare row, and test_a_block_that_ends_at_its_buffers_end_compiles_nothing_new holds it.
 """
 
 import numpy as np
@@ -24,7 +23,6 @@ from torch._dynamo.utils import counters
 
 from splitinfer.clients import open_client
 from splitinfer.errors import ModelError
-from splitinfer.kv import KVCache
 from splitinfer.model.shards import load_cloud, load_local
 from tiny import THREADS, hf_greedy, min_margin, prepare_tiny
 
@@ -44,11 +42,7 @@ def isolated():
     torch.set_num_threads(threads)
 
 
-def test_compiled_cloud_decodes_hf_greedy_with_no_compile_after_warm_up(tmp_path, monkeypatch):
-    reserve = KVCache.reserve
-    # One spare row, as LayerStack.run_layers should reserve (the strict xfail below): the tree's block sizes
-    # follow the machine's step times, so without it a block may end at its buffer's end and compile again.
-    monkeypatch.setattr(KVCache, "reserve", lambda cache, rows, like: reserve(cache, rows + 1, like))
+def test_compiled_cloud_decodes_hf_greedy_with_no_compile_after_warm_up(tmp_path):
     model, shards = prepare_tiny(tmp_path, "llama", 1, 1, seed=3)
     local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
     torch._dynamo.reset()
@@ -83,8 +77,6 @@ def test_compile_passes_refuses_a_row_count_below_one(tmp_path):
         load_cloud(shards / "cloud").stack.compile_passes(0)
 
 
-@pytest.mark.xfail(strict=True, reason="LayerStack.run_layers reserves exactly the block's end: a block ending at its "
-                   "buffer's end compiles a third graph (reserve one spare row there; issue 63)")
 def test_a_block_that_ends_at_its_buffers_end_compiles_nothing_new(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     stack = load_cloud(shards / "cloud").stack

@@ -10,8 +10,10 @@ import torch
 from splitinfer.errors import ConfigError, ModelError
 from splitinfer.clients import open_client
 from splitinfer.masks import chain_allowed, tree_allowed, tree_depths
-from splitinfer.model import formats
-from splitinfer.model.formats import Int4Linear, Int8Linear, WeightFormats
+from splitinfer import kernels
+from splitinfer.model import formats, linears
+from splitinfer.model.formats import WeightFormats
+from splitinfer.model.linears import Int4Linear, Int8Linear
 from splitinfer.model.manifest import read_manifest
 from splitinfer.model.prepare import prepare
 from splitinfer.model.shards import load_cloud, load_local
@@ -52,15 +54,15 @@ KERNELS = ["int8", "int8-fbgemm", "int4", "int4-pytorch"]
 def _kernel(fmt: str, monkeypatch) -> str:
     """The stored format of a test's `fmt`; '-pytorch' / '-fbgemm' make it take the library's kernel."""
     if fmt.endswith("-pytorch"):
-        monkeypatch.setattr(formats.w4a8, "available", lambda: False)
+        monkeypatch.setattr(kernels.build._STATE, "chosen", kernels.KernelSet(w4a8=False))
     if fmt.endswith("-fbgemm"):
-        monkeypatch.setattr(formats.w8a8, "available", lambda: False)
+        monkeypatch.setattr(kernels.build._STATE, "chosen", kernels.KernelSet(w8a8=False))
     return fmt.removesuffix("-pytorch").removesuffix("-fbgemm")
 
 
 def _linear(fmt: str, out_features: int, in_features: int) -> torch.nn.Module:
     state = formats.quantize(torch.randn(out_features, in_features), fmt)
-    module = (Int8Linear if fmt == "int8" else Int4Linear)(in_features, out_features)
+    module = linears.quant_module(fmt, in_features, out_features, bias=False)  # the kernel chosen here
     module.load_state_dict(state)
     module.finish()
     return module
@@ -87,16 +89,18 @@ def test_every_row_of_a_product_has_the_bits_it_has_alone(fmt, shape, threads, m
 
 def test_int8_takes_fbgemm_with_the_sums_of_int_mm(monkeypatch):
     """FBGEMM's packed product (scales 1) and torch._int_mm hand the epilogue the same float(acc): the
-    kernel can differ between machines without changing a bit (model/w8a8.py's too: tests/model/test_w8a8.py)."""
+    kernel can differ between machines without changing a bit (kernels/w8a8.py's too: tests/kernels/test_w8a8.py)."""
     torch.manual_seed(2)
-    module = _linear(_kernel("int8-fbgemm", monkeypatch), 192, 576)
-    if module._packed is None:
+    if not linears.fbgemm_works():
         pytest.skip("this torch has no FBGEMM int8 product")
+    module = _linear(_kernel("int8-fbgemm", monkeypatch), 192, 576)
+    assert isinstance(module, linears.FbgemmLinear)
+    library = linears.IntMMLinear(576, 192)
+    library.load_state_dict(module.stored_state())
+    library.finish()
     x = torch.randn(9, 576) * 3
     with torch.inference_mode():
-        packed = module(x)
-        module._packed = None
-        assert torch.equal(module(x), packed)
+        assert torch.equal(module(x), library(x))
 
 
 def _prepare(tmp_path, family: str, weights: str):
@@ -173,7 +177,7 @@ def test_integer_modules_refuse_a_device_without_their_kernels():
     # Shards never get there (formats.for_device dequantizes first: tests/model/test_formats_device.py).
     module = torch.nn.Sequential(Int8Linear(64, 32))
     with pytest.raises(ModelError, match="CPU kernels"):
-        formats.finish(module, "meta")
+        linears.finish(module, "meta")
 
 
 def test_int8_is_calibrated_and_the_transformers_reference_reads_every_format(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 from tiny import assert_local_only_matches_hf, tiny_model
 
 from splitinfer.model import formats
-from splitinfer.model.formats import QuantLinear, WeightFormats
+from splitinfer.model.formats import WeightFormats
+from splitinfer.model.linears import QuantLinear
 from splitinfer.model.prepare import prepare
 from splitinfer.model.shards import load_cloud, load_local, load_whole_hf
 from splitinfer.model.source import SourceModel

@@ -11,18 +11,19 @@ import statistics
 import time
 import torch
 
-from ..model import arena, native
+from .. import kernels
+from ..model import arena
 
 PEAK_SIZE = 1024  # n of the n x n x n product that measures the peak: compute-bound, and in cache blocks
 
 
 def cpu_flags() -> list[str]:
     """The CPU features the products' speed depends on (the same torch differs between CPUs of one kind)."""
-    return sorted(native.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+    return sorted(kernels.build.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
 
 
 def kernels_line(report: dict) -> str:
-    """A report's 'kernels' entry (model/native.py's kernel_names) as one phrase; PyTorch's before it existed."""
+    """A report's 'kernels' entry (kernels.report()) as one phrase; PyTorch's before it existed."""
     return ", ".join(f"{part}: {name}" for part, name in report.get("kernels", {}).items()) or "PyTorch's"
 
 
@@ -55,9 +56,9 @@ def product_gflops(dtype: torch.dtype = torch.float32, repeats: int = 5) -> floa
 
 
 def int8_dot_gops(repeats: int = 5) -> float | None:
-    """One thread's int8 dot-product peak (model/w8a8.cpp's int8_dot_peak: the instruction the int4 and int8
+    """One thread's int8 dot-product peak (kernels/probe.cpp's int8_dot_peak: the instruction the int4 and int8
     kernels multiply with), GOP/s, median of `repeats` runs of ~0.1 s; None where those kernels do not run."""
-    if not native.available():
+    if not kernels.available():
         return None
     torch.ops.splitinfer.int8_dot_peak(1_000_000)  # warm-up
     return statistics.median(torch.ops.splitinfer.int8_dot_peak(30_000_000) for _ in range(repeats))

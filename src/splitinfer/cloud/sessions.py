@@ -235,7 +235,8 @@ class SessionTable:
     def _reserve(self, session: CloudSession, rows: int, pending: int = 0) -> None:
         """Count `session` at `rows` KV rows (`pending` of them in blocks in flight, not counting the new
         block), evicting idle sessions (least recently used first) if needed."""
-        need_bytes = session.cache.projected_nbytes(rows, session.kv_bytes_per_token or self.kv_bytes_per_token)
+        buffer_rows = rows + self.half.stack.spare_rows  # a compiled stack keeps one row spare (LayerStack)
+        need_bytes = session.cache.projected_nbytes(buffer_rows, session.kv_bytes_per_token or self.kv_bytes_per_token)
         budget_bytes, budget_rows = self.config.max_kv_bytes, self.config.max_cached_tokens
         with self._lock:
             while True:

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from ..model import native
+from .. import kernels
 from .calibration import prior_continue_prob
 from .draft import TokenTrie
 
@@ -192,11 +192,13 @@ class TokenRecycling:
     def __init__(self, k: int = 8):
         self.k = k
         self._next: dict[int, tuple[list[int], list[float]]] = {}
+        self._row_top = kernels.runs("row_top") and k <= 64  # kernels/row_top.cpp, chosen once
+
 
     def observe(self, tokens: list[int], logits: torch.Tensor) -> None:
         """tokens: the block's input tokens; logits: [q, vocab], row r predicts what follows tokens[r].
-        model/row_top.cpp where it runs (k up to 64): one read of a row for its top k, one for the softmax's sum."""
-        if native.available() and logits.dtype == torch.float32 and logits.device.type == "cpu" and self.k <= 64:
+        kernels/row_top.cpp where it runs (k up to 64): one read of a row for its top k, one for the softmax's sum."""
+        if self._row_top and logits.dtype == torch.float32 and logits.device.type == "cpu":
             ids, ps = torch.ops.splitinfer.row_top(logits.contiguous(), self.k)
         else:
             top = torch.softmax(logits.float(), dim=-1).topk(self.k, dim=-1)

@@ -23,7 +23,7 @@ import os
 import torch
 from torch import nn
 
-from . import formats
+from . import linears
 
 ALIGN = 2 << 20  # a transparent huge page
 ENV = "SPLITINFER_ARENA"  # 0: leave every weight where it was allocated
@@ -33,7 +33,7 @@ ORDER = ("fused_qkv", "q_proj", "k_proj", "v_proj", "o_proj", "fused_gate_up", "
 def packed_weights(module: nn.Module) -> list[torch.Tensor]:
     """The packed weights of `module`'s integer products (model/w8a8.py's and model/w4a8.py's layouts), in the
     order a decoder layer runs them (ORDER; other products after, in module order)."""
-    products = [(name.rsplit(".", 1)[-1], m) for name, m in module.named_modules() if isinstance(m, formats.QuantLinear)]
+    products = [(name.rsplit(".", 1)[-1], m) for name, m in module.named_modules() if isinstance(m, linears.QuantLinear)]
     products.sort(key=lambda item: ORDER.index(item[0]) if item[0] in ORDER else len(ORDER))
     found = []
     for _, product in products:

@@ -24,8 +24,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from . import native
-
 NAME = "splitinfer_sdpa"
 
 
@@ -41,7 +39,7 @@ def grouped_sdpa(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if getattr(module, "exact_rows", False):
-        return exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs)
+        return exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs, getattr(module, "native_rows", False))
     batch, heads, rows, dim = query.shape
     groups = heads // key.shape[1]
     plain = (groups == 1 or rows == 1 or attention_mask is None or attention_mask.shape[1] != 1
@@ -55,7 +53,7 @@ def grouped_sdpa(
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None  # [B, q, H, d]
 
 
-def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None]:
+def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs, native: bool = False) -> tuple[torch.Tensor, None]:
     """Attention whose rows do not depend on the block around them: each query row attends alone, without a
     mask, to exactly the keys it sees.
 
@@ -65,8 +63,8 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
     the keys its mask row leaves visible, in order: one run of them, then (a tree row off the block's first
     chain) a few ancestors scattered after it. A row decoded alone on a cache holding its ancestors sees
     the same keys in the same order, so both calls have the same shapes and values, and a deterministic
-    kernel gives them the same bits; nothing in the call depends on the other rows. (Until issue 48 this
-    attended in float64 and rounded back; at 2,048 cached rows the conversion doubled a one-row cloud step.)
+    kernel gives them the same bits; nothing in the call depends on the other rows. (Attending in float64 and
+    rounding back would do it too, but at 2,048 cached rows the conversion doubled a one-row cloud step.)
 
     The scattered keys are not gathered with the run before them (a copy of the whole cached prefix per
     row and layer: 6 of the 73 ms of an int8 tree step in one profile): they are written into the slots
@@ -75,8 +73,9 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
     rows attend in an order where no row's run holds another row's writes (`row_plans`). Keys that cannot
     be written in place (autograd, an inference tensor outside inference mode, expanded) are cloned first.
 
-    Where model/native.py's kernels run (float32 on a CPU with AVX512-VNNI), `native_rows_sdpa` does the same
-    in one call a batch row, each row reading its keys in place: no writes, no copies, other rounding.
+    `native` (the layer was built with kernels/rows_attention.cpp: model/layers.py) and float32 on a CPU:
+    `native_rows_sdpa` does the same in one call a batch row, each row reading its keys in place: no writes,
+    no copies, other rounding.
 
     Layers with row-invariant products (int8/int4 weights) attend this way; tests/model/test_formats.py
     checks whole steps bit for bit, trees against chains, and tests/model/test_attention.py this function
@@ -85,7 +84,7 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
     """
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("exact-rows attention does not take soft-capping or sink tokens")
-    if _native_fits(query, key, value):
+    if native and _native_fits(query, key, value):
         return native_rows_sdpa(query, key, value, attention_mask, scaling), None
     batch, heads, rows, dim = query.shape  # [B, H, q, d]; key, value [B, KVH, K, d]
     plans = row_plans(attention_mask, batch, rows, key.shape[2])
@@ -101,11 +100,11 @@ def exact_rows_sdpa(query, key, value, attention_mask, scaling, kwargs) -> tuple
 
 
 def _native_fits(query, key, value) -> bool:
-    """Whether model/native.py's rows_attention takes this call: float32 on a CPU that runs it."""
+    """Whether rows_attention.cpp takes this call: float32 on the CPU, head sizes it holds, no gradient."""
     dim = query.shape[-1]
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     return (not grads and query.dtype == key.dtype == value.dtype == torch.float32 and query.device.type == "cpu"
-            and dim % 16 == 0 and dim <= 256 and key.stride(-1) == 1 and value.stride(-1) == 1 and native.available())
+            and dim % 16 == 0 and dim <= 256 and key.stride(-1) == 1 and value.stride(-1) == 1)
 
 
 def native_rows_sdpa(query, key, value, attention_mask, scaling) -> torch.Tensor:

@@ -74,6 +74,9 @@ def install_shipped_drafter(local_dir: Path, shipped: Path | None = None) -> str
 
 
 def cmd_prepare(args) -> int:
+    from .. import kernels
+
+    kernels.ensure()  # built here, once per machine, rather than at the first client's start
     if args.synthetic:
         return cmd_prepare_synthetic(args)
     from ..extras import GGUF, is_gguf_source, require_extra

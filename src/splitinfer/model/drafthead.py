@@ -4,7 +4,7 @@ One step of the head maps a pair (feature f_t, token x_{t+1}) to a predicted fea
 over [f_t, embed(x_{t+1})] and one Llama-style decoder layer (RMSNorm, attention with RoPE over its own
 KV cache, MLP). `logits` reads a prediction out through the model's own final norm and LM head, restricted
 to `draft_vocab` (token ids ranked by frequency), so a drafted token costs a small matmul (in the LM
-head's own format where that is int8 or int4: its stored rows, model/formats.py `select_rows`). Features are
+head's own format where that is int8 or int4: its stored rows, model/linears.py `select_rows`). Features are
 the model's final hidden states before its final norm (what the local tail layers produce).
 
 The embedding, final norm and LM head are the model's, passed in, frozen and never saved; the head's own
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import ConfigError, ModelError
-from . import formats
+from . import linears
 from .keyed_norm import FACTOR, KeyedRMSNorm
 from .rows import use_row_kernels
 from .manifest import PUBLIC_BASIS, basis_identity
@@ -146,7 +146,7 @@ class DraftHead(nn.Module):
         self.register_buffer("draft_weight", lm_head.weight.detach()[draft_vocab].float().clone(), persistent=False)
         # An int8/int4 LM head's rows in its own format: drafting reads out through them (not a submodule:
         # nothing of it is saved with the head); training, which needs gradients, through `draft_weight`.
-        object.__setattr__(self, "_readout", formats.select_rows(lm_head, draft_vocab))
+        object.__setattr__(self, "_readout", linears.select_rows(lm_head, draft_vocab))
         self.softcap = final_logit_softcapping
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)

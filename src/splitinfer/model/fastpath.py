@@ -9,18 +9,17 @@ in one pass, and attends through `exact_rows_sdpa`; the MLP takes the gate and u
 output. Every value is computed by the same operations in the same order as transformers' path, so the
 bits are the same (tests/model/test_fused.py holds it).
 
-A layer whose attention is not splitinfer's (bench step's transformers anchor copies the layers and points
-them back at transformers' sdpa) keeps transformers' forward. This module knows nothing of shards.
+Each replacement holds the original module's children, so the state dict is unchanged, and keeps the
+original (`transformers`) for bench step's transformers anchor, which runs transformers' own forward over
+the same products. This module knows nothing of shards.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from .attention import NAME, exact_rows_sdpa
+from .attention import exact_rows_sdpa
 
 PLAIN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 
@@ -30,13 +29,36 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class FusedAttention(nn.Module):
-    """Mixed in before a plain transformers attention class whose q/k/v are fused (`fused_qkv`)."""
+class Adopted(nn.Module):
+    """A module that stands in for a transformers module: it holds the same children (so the same state dict)
+    and reads any other attribute from it; `transformers` is the module itself, which still runs its own
+    forward over those children (bench step's transformers anchor)."""
+
+    def __init__(self, original: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "transformers", original)  # not a submodule: its children are ours
+        self._modules.update(original.named_children())
+        for name, value in vars(original).items():  # its plain attributes (config, head_dim, ...) read directly
+            if not name.startswith("_") and name != "training":
+                object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "transformers"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if not isinstance(value, (nn.Module, torch.Tensor)):  # plain attributes (layer_idx) stay in step
+            setattr(self.transformers, name, value)
+
+
+class FusedAttention(Adopted):
+    """A plain transformers attention (`PLAIN_ATTENTION`) whose q/k/v are fused (`fused_qkv`) and whose rows
+    attend exactly (`exact_rows_sdpa`)."""
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
-        if self.config._attn_implementation != NAME or not getattr(self, "exact_rows", False):
-            return super().forward(hidden_states, position_embeddings=position_embeddings,
-                                   attention_mask=attention_mask, **kwargs)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         batch, rows = hidden_states.shape[:2]
         heads, kv_heads = self.config.num_attention_heads, self.config.num_key_value_heads
@@ -48,12 +70,12 @@ class FusedAttention(nn.Module):
         value = qkv[:, :, heads + kv_heads :].transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        out, _ = exact_rows_sdpa(query, key, value, attention_mask, self.scaling, {})  # [B, q, H, d]
+        out, _ = exact_rows_sdpa(query, key, value, attention_mask, self.scaling, {}, self.native_rows)  # [B, q, H, d]
         return self.o_proj(out.view(batch, rows, -1)), None
 
 
-class FusedMLP(nn.Module):
-    """Mixed in before a transformers gated MLP (down(act(gate(x)) * up(x))) whose gate/up are fused."""
+class FusedMLP(Adopted):
+    """A transformers gated MLP (down(act(gate(x)) * up(x))) whose gate/up are fused (`fused_gate_up`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         both = self.fused_gate_up(x)
@@ -61,20 +83,17 @@ class FusedMLP(nn.Module):
         return self.down_proj(self.act_fn(both[..., :half]) * both[..., half:])
 
 
-@functools.cache
-def _mixed(mixin: type, cls: type) -> type:
-    return type("Fused" + cls.__name__, (mixin, cls), {})
-
-
-def install(layer: nn.Module) -> int:
-    """Give a loaded decoder layer's fused attention and MLP their direct forwards; returns how many."""
+def fast_forwards(layer: nn.Module) -> int:
+    """Give a loaded decoder layer whose products are fused and whose rows attend exactly the direct forwards:
+    its attention and MLP replaced by FusedAttention and FusedMLP; returns how many."""
     done = 0
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is not None and hasattr(attn, "fused_qkv") and type(attn).__name__ in PLAIN_ATTENTION:
-        attn.__class__ = _mixed(FusedAttention, type(attn))
+    if (attn is not None and hasattr(attn, "fused_qkv") and type(attn).__name__ in PLAIN_ATTENTION
+            and getattr(attn, "exact_rows", False)):
+        layer.self_attn = FusedAttention(attn)
         done += 1
     if mlp is not None and hasattr(mlp, "fused_gate_up") and hasattr(mlp, "act_fn") and hasattr(mlp, "down_proj"):
         if mlp.fused_gate_up.out_features == 2 * mlp.down_proj.in_features:
-            mlp.__class__ = _mixed(FusedMLP, type(mlp))
+            layer.mlp = FusedMLP(mlp)
             done += 1
     return done

@@ -24,7 +24,7 @@ A llama-family RMS norm is eight tensor calls in transformers' Python; `fuse_nor
 `torch.nn.functional.rms_norm`, one call doing the same operations in the same order, where a probe at
 load gives the same bits (else it leaves the norm as it is). On CPU that call is itself a composite of seven
 (~30 us at one row); in a layer with integer products, whose bits are its format's and never compared with
-transformers', the norm is model/native.py's one-pass kernel instead where it runs.
+transformers', the norm is kernels/rms_norm.cpp's one pass a row instead where it runs.
 
 The stored state is untouched: shards, manifests and `load_whole_hf` (the float reference) see q/k/v as
 they were stored. This module knows nothing of shards or steps.
@@ -32,14 +32,14 @@ they were stored. This module knows nothing of shards or steps.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
-from .formats import Int4Linear, Int8Linear, QuantLinear
+from .. import kernels
+from . import linears
+from .linears import Int4Linear, Int8Linear, QuantLinear
+from .rows import replace_children
 
 # {submodule of a decoder layer: (fused attribute, sibling linears in the order the layer calls them)}
 GROUPS = {"self_attn": ("fused_qkv", ("q_proj", "k_proj", "v_proj")), "mlp": ("fused_gate_up", ("gate_proj", "up_proj"))}
@@ -104,7 +104,7 @@ def _concatenated(modules: list[QuantLinear]) -> QuantLinear | None:
     """One module holding `modules`' rows in order, or None where they cannot share an input."""
     first = modules[0]
     kinds = {type(m) for m in modules}
-    if len(kinds) != 1 or kinds.pop() not in (Int8Linear, Int4Linear):
+    if len(kinds) != 1 or not issubclass(kinds.pop(), (Int8Linear, Int4Linear)):
         return None
     if len({m.in_features for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
         return None
@@ -116,12 +116,13 @@ def _concatenated(modules: list[QuantLinear]) -> QuantLinear | None:
             return None  # smoothed one by one (a shard from before group calibration)
         names = ["qweight", "scale", "bias"]
     out_features = sum(m.out_features for m in modules)
+    kernel = linears.kernel_class("int8" if isinstance(first, Int8Linear) else "int4", first.in_features, out_features)
     if isinstance(first, Int8Linear):
-        fused = Int8Linear(first.in_features, out_features, bias=first.bias is not None, smooth=first.smooth is not None)
+        fused = kernel(first.in_features, out_features, bias=first.bias is not None, smooth=first.smooth is not None)
         if first.smooth is not None:
             fused.smooth = first.smooth
     else:
-        fused = Int4Linear(first.in_features, out_features, bias=first.bias is not None)
+        fused = kernel(first.in_features, out_features, bias=first.bias is not None)
     states = [m.stored_state() for m in modules]  # an int8 weight already packed: unpacked from its tiles
     for name in names:
         if name in states[0]:
@@ -151,43 +152,48 @@ def fuse_layer(layer: nn.Module) -> int:
     return fused_groups
 
 
-class RMSNormCall(nn.Module):
+class _OneCallNorm(nn.Module):
+    """An RMS norm holding a transformers norm's own weight (so its state dict) and epsilon."""
+
+    def __init__(self, weight: nn.Parameter, eps: float):
+        super().__init__()
+        self.weight, self.variance_epsilon = weight, eps
+        self._shape = (weight.shape[-1],)
+
+
+class RMSNormCall(_OneCallNorm):
     """A transformers RMS norm as one `F.rms_norm` call: y = x * rsqrt(mean(x^2) + eps) * weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self._shape, self._weight, self._eps)
+        return F.rms_norm(x, self._shape, self.weight, self.variance_epsilon)
 
 
-class NativeRMSNorm(nn.Module):
-    """The same norm through model/native.py's one-pass kernel (its own rounding: integer layers only)."""
+class NativeRMSNorm(_OneCallNorm):
+    """The same norm through kernels/rms_norm.cpp, one pass a row (its own rounding: integer layers only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
-            return F.rms_norm(x, self._shape, self._weight, self._eps)  # (the kernel has no gradient: training)
-        return torch.ops.splitinfer.rms_norm(x, self._weight, self._eps)
+        if torch.is_grad_enabled() and x.requires_grad:  # the kernel has no gradient (training a draft head)
+            return F.rms_norm(x, self._shape, self.weight, self.variance_epsilon)
+        return torch.ops.splitinfer.rms_norm(x, self.weight, self.variance_epsilon)
 
 
-@functools.cache
-def _norm_call_class(cls: type, call: type = RMSNormCall) -> type:
-    return type("Fused" + cls.__name__, (call, cls), {})
+def norm_module(norm: nn.Module, own_bits: bool = False) -> nn.Module | None:
+    """The one-call module for a transformers RMS norm (float32, on its device), or None to keep `norm`:
+    `NativeRMSNorm` where `own_bits` (a layer whose products are integer, so its bits are its format's, not
+    transformers') and the kernel runs here, else `RMSNormCall` where a probe gives transformers' bits."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if (not type(norm).__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor)
+            or weight.dtype != torch.float32 or eps is None):
+        return None
+    if own_bits and weight.shape[-1] % 16 == 0 and weight.device.type == "cpu" and kernels.runs("rms_norm"):
+        return NativeRMSNorm(weight, eps)
+    return RMSNormCall(weight, eps) if _same_bits(norm, weight, eps) else None
 
 
 def fuse_norms(layer: nn.Module, own_bits: bool = False) -> int:
-    """Swap the RMS norms of a loaded float32 decoder layer for `RMSNormCall` where a probe of a few rows
-    gives transformers' bits; returns the norms swapped. `own_bits` (a layer whose products are integer, so
-    its bits are its format's, not transformers'): `NativeRMSNorm` instead, where model/native.py runs."""
-    swapped = 0
-    for norm in [m for m in layer.modules() if type(m).__name__.endswith("RMSNorm")]:
-        weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
-        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or eps is None:
-            continue
-        native_fits = own_bits and weight.shape[-1] % 16 == 0 and weight.device.type == "cpu" and native.available()
-        call = NativeRMSNorm if native_fits else RMSNormCall if _same_bits(norm, weight, eps) else None
-        if call is not None:
-            norm._shape, norm._weight, norm._eps = (weight.shape[-1],), weight, eps
-            norm.__class__ = _norm_call_class(type(norm), call)
-            swapped += 1
-    return swapped
+    """Replace the RMS norms inside a loaded decoder layer by their one-call modules (`norm_module`); returns
+    how many."""
+    return replace_children(layer, lambda child: norm_module(child, own_bits))
 
 
 def _same_bits(norm: nn.Module, weight: torch.Tensor, eps: float) -> bool:

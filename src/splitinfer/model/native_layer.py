@@ -1,47 +1,56 @@
-"""A whole int4 or int8 decoder layer in one call of model/native.py's decoder_layer kernel.
+"""A whole int4 or int8 decoder layer in one call of kernels/decoder_layer.cpp.
 
-With the products on their own kernel (model/w4a8.py), a one-row cloud step of SmolLM2 spent half its time
-around them: ~150 us a layer of Python and small tensor calls (the slices of the fused product, rotary, the
-cache write, residual adds; notes/bench/step-int4-rows as of commit 723520d). A layer whose four products
-are int4 on that kernel or int8 on model/w8a8.py's (each input smoothed and quantized per row in the call, as
-Int8Linear does), of a family whose attention is transformers' plain one (model/fastpath.py's), whose norms are
-the native RMS norm and whose MLP is SiLU-gated, runs here as one C++ call (decoder_layer.cpp): the same
-kernels, the same operations in the same order as model/fastpath.py's forwards, so the same bits
-(tests/model/test_native_layer.py compares them), and rows that do not depend on each other.
+With the products on their own kernels, a one-row step spends much of its time around them: Python and
+small tensor calls a layer (the slices of the fused product, rotary, the cache write, residual adds). A layer
+whose four products are int4 on kernels/w4a8.py or int8 on kernels/w8a8.py (each input smoothed and quantized
+per row in the call, as W8A8Linear does), of a family whose attention is transformers' plain one
+(model/fastpath.py's), whose norms are the native RMS norm and whose MLP is SiLU-gated, is built here as a
+NativeLayer: one C++ call, the same kernels, the same operations in the same order as model/fastpath.py's
+forwards, so the same bits (tests/model/test_native_layer.py compares them), and rows that do not depend on
+each other.
 
-The layer keeps transformers' forward for everything else: a batch of sessions, another cache class, a
-compiled pass, autograd, attention pointed back at transformers' (bench step's anchor), or a CPU where the
-kernels do not run. This module knows nothing of shards or steps.
+A block the call does not take runs the layer's modules (`transformers`, the layer it was built from): a batch
+of sessions, another cache class, a compiled pass, autograd. This module knows nothing of shards or steps.
 """
 
 from __future__ import annotations
-
-import functools
-import inspect
 
 import numpy as np
 import torch
 from torch import nn
 
+from .. import kernels
 from ..kv import KVCache
-from . import native
-from .attention import NAME, visible_keys
-from .fastpath import FusedAttention, FusedMLP
-from .formats import Int4Linear, Int8Linear
+from .attention import visible_keys
+from .fastpath import Adopted, FusedAttention, FusedMLP
+from .linears import W4A8Linear, W8A8Linear
 from .fused import NativeRMSNorm
 
 SILU = ("silu", "swish")
 NONE = torch.empty(0)  # an operand a product does not have
 
 
-class NativeLayer(nn.Module):
-    """Mixed in before a decoder layer class whose attention and MLP are model/fastpath.py's."""
+class NativeLayer(Adopted):
+    """A decoder layer whose attention and MLP are model/fastpath.py's, as one native call (`native_call`)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__(layer)
+        attn, mlp = layer.self_attn, layer.mlp
+        products = (attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj)
+        weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for product in products:
+            weights += _operands(product)
+        config = attn.config
+        self._weights = weights
+        self._shape = (config.num_attention_heads, config.num_key_value_heads,
+                       float(layer.input_layernorm.variance_epsilon), float(attn.scaling))  # decoder_layer's last arguments
+        self._like = torch.empty((1, config.num_key_value_heads, 0, attn.head_dim))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if not (attention_mask is not None and self.runs_native(hidden_states, cache)):
-            return super().forward(hidden_states, attention_mask=attention_mask,
-                                   position_embeddings=position_embeddings, **kwargs)
+            return self.transformers(hidden_states, attention_mask=attention_mask,
+                                     position_embeddings=position_embeddings, **kwargs)
         cos, sin = (t[0].contiguous() for t in position_embeddings)
         return self.native_call(self.self_attn.layer_idx, hidden_states[0].contiguous(), attention_mask, cos, sin,
                                 cache)[None]
@@ -49,12 +58,8 @@ class NativeLayer(nn.Module):
     def runs_native(self, hidden: torch.Tensor, cache) -> bool:
         """Whether a block [B, q, d] on `cache` takes the native call (else transformers' forward)."""
         return (type(cache) is KVCache and hidden.shape[0] == 1 and hidden.dtype == torch.float32
-                and hidden.device.type == "cpu" and self._attends_here()
-                and not (torch.is_grad_enabled() and hidden.requires_grad) and not torch.compiler.is_compiling())
-
-    def _attends_here(self) -> bool:
-        attn = self.self_attn
-        return getattr(attn, "exact_rows", False) and attn.config._attn_implementation == NAME
+                and hidden.device.type == "cpu" and not (torch.is_grad_enabled() and hidden.requires_grad)
+                and not torch.compiler.is_compiling())
 
     def native_call(self, layer_idx: int, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     cache: KVCache) -> torch.Tensor:
@@ -124,16 +129,10 @@ class StackCall:
         self.sin = torch.cat([sin[0] for _, sin in parts]).contiguous()
 
 
-def _native_product(module: nn.Module) -> bool:
-    if isinstance(module, Int8Linear):
-        return getattr(module, "_w8a8", None) is not None
-    return isinstance(module, Int4Linear) and getattr(module, "_w4a8", None) is not None
-
-
 def _operands(product: nn.Module) -> list[torch.Tensor]:
     """decoder_layer's five operands of a product: packed, bias, then int8's column sums, scales, smoothing."""
     bias = NONE if product._bias is None else product._bias
-    if isinstance(product, Int4Linear):
+    if isinstance(product, W4A8Linear):
         return [product._w4a8, bias, NONE, NONE, NONE]
     packed, sums = product._w8a8
     smooth = NONE if product.smooth is None else product.smooth.float().contiguous()
@@ -141,40 +140,13 @@ def _operands(product: nn.Module) -> list[torch.Tensor]:
 
 
 def fits(layer: nn.Module) -> bool:
-    """Whether `layer` (loaded, fused and given model/fastpath.py's forwards) can run as one native call."""
+    """Whether `layer` (loaded, fused and given model/fastpath.py's forwards) can run as one native call here."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-    if not (isinstance(attn, FusedAttention) and isinstance(mlp, FusedMLP) and native.available()):
+    if not (isinstance(attn, FusedAttention) and isinstance(mlp, FusedMLP) and kernels.runs("decoder_layer")):
         return False
     products = (attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj)
-    return (all(_native_product(p) for p in products) and all(isinstance(n, NativeRMSNorm) for n in norms)
-            and norms[0]._eps == norms[1]._eps and getattr(attn.config, "hidden_act", None) in SILU
-            and attn.head_dim % 16 == 0 and attn.head_dim <= 256)
-
-
-@functools.cache
-def _mixed(cls: type) -> type:
-    def forward(self, *args, **kwargs):
-        return NativeLayer.forward(self, *args, **kwargs)
-
-    # The stack names the cache argument as the layer's signature does (model/stack.py's cache_keyword).
-    forward.__signature__ = inspect.signature(cls.forward)
-    return type("Native" + cls.__name__, (NativeLayer, cls), {"forward": forward})
-
-
-def install(layer: nn.Module) -> bool:
-    """Run `layer` as one native call where it `fits`; returns whether it does."""
-    if not fits(layer):
-        return False
-    attn, mlp = layer.self_attn, layer.mlp
-    products = (attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj)
-    weights = [layer.input_layernorm._weight, layer.post_attention_layernorm._weight]
-    for product in products:
-        weights += _operands(product)
-    config = attn.config
-    layer._weights = weights
-    layer._shape = (config.num_attention_heads, config.num_key_value_heads, float(layer.input_layernorm._eps),
-                    float(attn.scaling))  # decoder_layer's last arguments
-    layer._like = torch.empty((1, attn.config.num_key_value_heads, 0, attn.head_dim))
-    layer.__class__ = _mixed(type(layer))
-    return True
+    return (all(isinstance(p, (W8A8Linear, W4A8Linear)) for p in products)
+            and all(isinstance(n, NativeRMSNorm) for n in norms)
+            and norms[0].variance_epsilon == norms[1].variance_epsilon
+            and getattr(attn.config, "hidden_act", None) in SILU and attn.head_dim % 16 == 0 and attn.head_dim <= 256)

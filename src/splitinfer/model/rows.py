@@ -74,7 +74,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class RowsLinear(nn.Linear):
-    """nn.Linear whose CPU forward runs oneDNN on a packed copy of `weight`; same parameters and state dict."""
+    """nn.Linear whose CPU forward runs oneDNN on a packed copy of `weight` from four rows (below, F.linear: MKL's
+    matrix-vector product, what plain transformers runs); same parameters and state dict."""
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "RowsLinear":
+        """A RowsLinear holding `linear`'s own parameters (not copies)."""
+        made = cls.__new__(cls)
+        nn.Module.__init__(made)
+        made.in_features, made.out_features = linear.in_features, linear.out_features
+        made.weight, made.bias = linear.weight, linear.bias
+        return made
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple | None = None  # (storage pointer, version, dtype, shape) the copy was made from
@@ -105,9 +115,23 @@ def _version(t: torch.Tensor) -> int:
 
 
 def use_row_kernels(module: nn.Module) -> nn.Module:
-    """Switch every plain nn.Linear inside `module` (itself included) to RowsLinear, in place."""
-    for sub in module.modules():
-        if type(sub) is nn.Linear:
-            sub.__class__ = RowsLinear
+    """`module` with every plain nn.Linear inside it replaced by a RowsLinear on the same parameters; returns
+    `module`, or its replacement where it is itself a plain nn.Linear."""
+    if type(module) is nn.Linear:
+        return RowsLinear.of(module)
+    replace_children(module, lambda child: RowsLinear.of(child) if type(child) is nn.Linear else None)
     return module
+
+
+def replace_children(module: nn.Module, make) -> int:
+    """Every submodule below `module` for which `make(child)` returns a module is replaced by it, in its
+    parent's place (a module held in several places is replaced in each); returns how many."""
+    done = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            made = make(child)
+            if made is not None:
+                setattr(parent, name, made)
+                done += 1
+    return done
 

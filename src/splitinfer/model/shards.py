@@ -23,13 +23,15 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig
 
+from .. import kernels
 from ..errors import ModelError
 from ..kv import KVCache
-from . import arena, formats
-from .fused import fuse_norms
+from . import arena, formats, linears
+from .fused import norm_module
 from .keyed_norm import install as install_keyed_norms
 from .manifest import DTYPES, WEIGHTS, read_manifest, sha256_file, split_of
-from .stack import LayerStack, build_stack, config_from_dict, materialize, skeleton
+from .layers import build_stack, kernel_table
+from .stack import LayerStack, config_from_dict, materialize, skeleton
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +141,11 @@ class LocalHalf:
 
 
 def _open(directory: Path, role: str, dtype: str | None, verify: bool):
-    """Manifest, split, config, weights, compute dtype and the meta-device skeleton of one shard."""
+    """Manifest, split, config, weights, compute dtype and the meta-device skeleton of one shard. Builds or
+    loads the CPU kernels once the manifest is read (a missing shard fails first) and before any module is
+    built (kernels.ensure: a log line says which), so no step ever builds them."""
     manifest = read_manifest(directory, role)
+    kernels.ensure()
     config, weights = _load_checked(directory, manifest, verify)
     if dtype is not None and dtype not in DTYPES:
         raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
@@ -165,6 +170,7 @@ def load_cloud(directory: str | Path, device: str = "cpu", dtype: str | None = N
     stack = build_stack(config, model, split.cloud_start, split.cloud_end, weights, device, torch_dtype)
     del weights, model  # what the stack does not hold is freed now, and handed back to the OS
     arena.return_freed()
+    log.info("cloud shard %s on %s runs: %s", directory, device, describe(stack))
     return CloudHalf(manifest=manifest, config=config, stack=stack)
 
 
@@ -181,7 +187,7 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
     lm_head = _lm_head(config, model, weights, part("lm_head."), device, torch_dtype)
     # One call, not six small ones: an integer LM head's input takes the native norm's bits, as its layers' norms
     # do; a float head's keeps transformers' bits (F.rms_norm where it gives them).
-    fuse_norms(norm, own_bits=isinstance(lm_head, formats.QuantLinear))
+    norm = norm_module(norm, own_bits=isinstance(lm_head, linears.QuantLinear)) or norm
     head = build_stack(config, model, 0, split.head_range[1], weights, device, torch_dtype)
     tail = build_stack(config, model, split.cloud_end, split.num_layers, weights, device, torch_dtype)
     tokenizer = None
@@ -189,7 +195,13 @@ def load_local(directory: str | Path, device: str = "cpu", dtype: str | None = N
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     del weights, model  # what the half does not hold is freed now, and handed back to the OS
     arena.return_freed()
+    log.info("local shard %s on %s runs: %s", directory, device, describe(head, tail, norm, lm_head))
     return LocalHalf(manifest, config, embed, head, tail, norm, lm_head, tokenizer)
+
+
+def describe(*modules: nn.Module) -> str:
+    """What loading chose to run (model/layers.py's kernel_table) as one line."""
+    return ", ".join(f"{count} {name}" for name, count in kernel_table(*modules).items())
 
 
 def _lm_head(config, model, weights: dict, stored: dict, device: str, dtype: torch.dtype) -> nn.Module:
@@ -198,7 +210,7 @@ def _lm_head(config, model, weights: dict, stored: dict, device: str, dtype: tor
     fmt = formats.stored_format(stored, "")
     if fmt is not None:
         with torch.device("meta"):
-            head = formats.quant_module(fmt, config.hidden_size, config.vocab_size, False, smooth="smooth" in stored)
+            head = linears.quant_module(fmt, config.hidden_size, config.vocab_size, False, smooth="smooth" in stored)
         head = materialize(head, stored, device, dtype)
         arena.gather(arena.packed_weights(head))  # one stream in huge pages (model/arena.py)
         return head

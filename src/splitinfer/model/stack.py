@@ -18,9 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from ..errors import ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
-from . import arena, fastpath, formats, native_layer
+from . import formats, linears, native_layer
 from .attention import install as install_attention
-from .fused import fuse_layer, fuse_norms
 from .rows import use_row_kernels
 
 # Families whose layers take (hidden, position_embeddings, attention_mask, cache) and whose model has
@@ -58,9 +57,12 @@ def skeleton(config: PretrainedConfig) -> nn.Module:
 
 
 def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> nn.Module:
-    """Allocate `module` on `device` and load exactly `weights` into it (strict: no missing, no extra)."""
+    """`module` (meta) allocated on `device` with exactly `weights` loaded (strict: no missing, no extra), each
+    linear constructed as the module that multiplies by its stored format on this machine: an integer one
+    (linears.kernel_class), a CastLinear for a bfloat16 weight in a float32 model, else a RowsLinear. Returns
+    the module, or its replacement where it is itself such a linear."""
     weights = formats.for_device(weights, device)  # off the CPU, int8/int4 as the float weights they stand for
-    formats.install(module, weights)  # int8/int4 linears: the modules that multiply by them
+    module = linears.construct_quantized(module, weights)
     module = module.to_empty(device=device).to(dtype)
     expected = set(module.state_dict())
     if set(weights) != expected:
@@ -70,13 +72,27 @@ def materialize(module: nn.Module, weights: dict[str, torch.Tensor], device: str
     kept = _kept_dtypes(module, weights, dtype)
     state = {k: v.to(device) if k in kept else v.to(device=device, dtype=dtype) for k, v in weights.items()}
     module.load_state_dict(state, strict=True, assign=True)  # assign: kept tensors keep their dtype
-    for name in kept:
-        owner = module.get_submodule(name.rpartition(".")[0])
-        if type(owner) is nn.Linear:
-            owner.__class__ = formats.CastLinear
+    cast = {key.rpartition(".")[0] for key in kept if type(_owner(module, key)) is nn.Linear}
+    module = replace_named(module, cast, linears.CastLinear.of)
     _restore_buffers(module)
-    formats.finish(module, device)
+    linears.finish(module, device)
     return use_row_kernels(module.eval().requires_grad_(False))
+
+
+def _owner(module: nn.Module, key: str) -> nn.Module:
+    name = key.rpartition(".")[0]
+    return module.get_submodule(name) if name else module
+
+
+def replace_named(module: nn.Module, names: set[str], make) -> nn.Module:
+    """`module` with its submodules named in `names` replaced by `make(submodule)` ('' names `module` itself:
+    its replacement is returned)."""
+    if "" in names:
+        return make(module)
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, make(module.get_submodule(name)))
+    return module
 
 
 def _kept_dtypes(module: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -86,7 +102,7 @@ def _kept_dtypes(module: nn.Module, weights: dict[str, torch.Tensor], dtype: tor
     for key, value in weights.items():
         owner_name = key.rpartition(".")[0]
         owner = module.get_submodule(owner_name) if owner_name else module
-        if isinstance(owner, formats.QuantLinear):
+        if isinstance(owner, linears.QuantLinear):
             kept[key] = value.dtype
         elif (type(owner) is nn.Linear and key.endswith("weight") and value.dtype == torch.bfloat16
               and dtype == torch.float32):
@@ -123,7 +139,9 @@ def layer_window(config: PretrainedConfig, index: int) -> int | None:
 def cache_keyword(module: nn.Module) -> str:
     """The name of `module.forward`'s cache argument (a decoder layer's, or a whole HF model's)."""
     # transformers names it `cache` from 5.24 and `past_key_values` in 5.0-5.23. A wrong name lands in
-    # **kwargs, and the layer silently attends without the cache.
+    # **kwargs, and the layer silently attends without the cache. A layer built around transformers' (a
+    # NativeLayer) takes what that one takes.
+    module = getattr(module, "transformers", module)
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
@@ -244,9 +262,16 @@ class LayerStack(nn.Module):
         with self.grad_mode():
             if not self._takes_compiled(hidden, cache):
                 return self._pass(hidden, position_ids, masks, cache)
-            # Buffers grown here, outside the compiled pass: inside, a growth is another graph to compile.
-            cache.reserve(cache.length + cache.held_rows + hidden.shape[1], self._empty_keys)
+            # Buffers grown here, outside the compiled pass: inside, a growth is another graph to compile. One
+            # spare row: a block ending exactly at the buffer's end reads all of it, a contiguous slice, which
+            # the warm-up's graphs are guarded against (capacity != length + held + rows) and so compiles again.
+            cache.reserve(cache.length + cache.held_rows + hidden.shape[1] + self.spare_rows, self._empty_keys)
             return self._compiled(*dynamic_rows(hidden, position_ids, masks), cache)
+
+    @property
+    def spare_rows(self) -> int:
+        """Rows a compiled pass keeps free past a block's end (run_layers); a KV budget counts them too."""
+        return 1 if self._compiled is not None else 0
 
     def _takes_compiled(self, hidden: torch.Tensor, cache) -> bool:
         return (self._compiled is not None and type(cache) is KVCache and hidden.shape[0] == 1
@@ -297,31 +322,3 @@ def dynamic_rows(hidden: torch.Tensor, position_ids: torch.Tensor, masks: dict) 
         torch._dynamo.maybe_mark_dynamic(mask, 2)
         torch._dynamo.maybe_mark_dynamic(mask, 3)
     return hidden, position_ids, masks
-
-
-def build_stack(
-    config: PretrainedConfig,
-    model: nn.Module,
-    start: int,
-    end: int,
-    weights: dict[str, torch.Tensor],
-    device: str,
-    dtype: torch.dtype,
-) -> LayerStack:
-    """Materialise layers [start, end) of the meta `model` from `weights` keyed `model.layers.{i}.*`."""
-    layers = []
-    for i in range(start, end):
-        prefix = f"model.layers.{i}."
-        layer_weights = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
-        layer = materialize(model.model.layers[i], layer_weights, device, dtype)
-        fuse_layer(layer)  # q/k/v and gate/up as one product each, where stored in an integer format
-        integer = any(isinstance(m, formats.QuantLinear) for m in layer.modules())
-        fuse_norms(layer, own_bits=integer)  # one call each: transformers' bits, or (integer) the native kernel
-        fastpath.install(layer)  # fused layers: attention and MLP without transformers' glue
-        native_layer.install(layer)  # int4 layers of plain families: the whole layer as one native call
-        # Row-invariant products (int8/int4) need row-invariant attention to keep speculation exact.
-        layer.self_attn.exact_rows = integer
-        layers.append(layer)
-    arena.gather([w for layer in layers for w in arena.packed_weights(layer)])  # before a native stack points into them
-    rotary = type(model.model.rotary_emb)(config=config).to(device)
-    return LayerStack(config, layers, start, rotary).eval()

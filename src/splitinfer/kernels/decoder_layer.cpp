@@ -2,9 +2,9 @@
 //   splitinfer::decoder_layer(hidden, cos, sin, key_cache, value_cache, start, index, offsets, weights, heads,
 //                             kv_heads, eps, scale) -> hidden after the layer
 //
-// A step through 26 layers of integer products spends more time in Python and in small tensor calls (views,
-// rotary, residual adds, the cache write; ~150 us a layer at one row, notes/bench/step-int4-rows at 723520d) than in its
-// products. Here the layer is the kernels of the other files run back to back on raw buffers:
+// Why one call: at one row a layer's integer products take less time than the Python and small tensor calls
+// around them (views, rotary, residual adds, the cache write). Here the layer is the kernels of the other
+// files run back to back on raw buffers:
 //   a = norm1(x); qkv = a W_qkv (+ b); rotate q and k; write k, v at slots start.. of the cache;
 //   attention of each row over its visible slots index[offsets[i] : offsets[i + 1]] (rows_attention.cpp);
 //   x1 = x + attn W_o (+ b); g = norm2(x1) W_gate_up (+ b); x2 = x1 + (silu(gate) * up) W_down (+ b).
@@ -13,15 +13,13 @@
 // paths give the same bits (tests/model/test_native_layer.py) and rows stay independent of each other.
 //   hidden [Q, D]; cos, sin [Q, head_dim]; key_cache, value_cache [KVH, S, head_dim] (written in place);
 //   weights: norm1, norm2 [D], then (packed, bias, column sums, scales, smoothing) for qkv, o, gate_up and down:
-//   int4 (model/w4a8.py's uint8 packing) with three empty tensors, or int8 (model/w8a8.py's int8 packing, int32
+//   int4 (kernels/w4a8.py's uint8 packing) with three empty tensors, or int8 (kernels/w8a8.py's int8 packing, int32
 //   column sums, float32 scales, SmoothQuant's factors or empty); an empty bias for none. Each product may be either.
 //
 // A lone block takes every layer of a stack in one call: NativeStack, a class built once a stack with all its
 // layers' weights (model/native_layer.py's StackCall), checks them when the stack loads, builds each row's visible
 // keys from the block's structure and the cache length (masks.py's rule), reads rotary rows from a table, and runs
-// the layers back to back in buffers kept between calls. After a step's weights have streamed through the caches,
-// the Python around 26 per-layer calls ran cold: ~0.9 ms of a one-row cloud step of SmolLM2 (notes/benchmarks.md,
-// stop 60).
+// the layers back to back in buffers kept between calls.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
@@ -33,13 +31,13 @@
 #include <limits>
 #include <vector>
 
-#include "native.h"
+#include "layout.h"
 
 namespace {
 
-constexpr int64_t QK = 32, COLS = 16, TILE_BYTES = 320;  // model/w4a8.py's packing
+constexpr int64_t QK = splitinfer::W4A8_GROUP, COLS = splitinfer::W4A8_COLS, TILE_BYTES = splitinfer::W4A8_TILE_BYTES;
 constexpr int64_t PRODUCT_WEIGHTS = 5;  // packed, bias, column sums, scales, smoothing
-constexpr int64_t INT8_TILES = 4, INT8_GROUP_BYTES = 64 * INT8_TILES;  // model/w8a8.py's packing
+constexpr int64_t INT8_TILES = splitinfer::W8A8_TILES, INT8_GROUP_BYTES = splitinfer::W8A8_GROUP_BYTES;
 
 // One product of the layer, int4 (w4a8) or int8 (w8a8: column sums, row scales and SmoothQuant's factors).
 struct Product {
@@ -64,7 +62,7 @@ Product product(const at::Tensor* weights, int64_t k, const char* name) {
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous(), "decoder_layer: ", name, " must be a packed weight");
   if (packed.scalar_type() == at::kByte) {
     TORCH_CHECK(packed.size(1) * QK == k && packed.size(2) == TILE_BYTES,
-                "decoder_layer: ", name, " must be model/w4a8.py's packing of a weight of ", k, " inputs, got ",
+                "decoder_layer: ", name, " must be kernels/w4a8.py's packing of a weight of ", k, " inputs, got ",
                 packed.sizes());
     const int64_t n = packed.size(0) * COLS;
     return {false, packed.data_ptr<uint8_t>(), k, n, optional_floats(weights[1], n, "bias", name), nullptr, nullptr,
@@ -73,9 +71,9 @@ Product product(const at::Tensor* weights, int64_t k, const char* name) {
   const at::Tensor& sums = weights[2];
   const int64_t n = sums.numel();
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.size(1) * 4 == k && packed.size(2) == INT8_GROUP_BYTES &&
-                  n % COLS == 0 && packed.size(0) == (n / COLS + INT8_TILES - 1) / INT8_TILES &&
+                  n % splitinfer::W8A8_COLS == 0 && packed.size(0) == (n / splitinfer::W8A8_COLS + INT8_TILES - 1) / INT8_TILES &&
                   sums.scalar_type() == at::kInt && sums.is_contiguous(),
-              "decoder_layer: ", name, " must be model/w4a8.py's or model/w8a8.py's packing (with column sums) of a "
+              "decoder_layer: ", name, " must be kernels/w4a8.py's or kernels/w8a8.py's packing (with column sums) of a "
               "weight of ", k, " inputs, got ", packed.sizes(), " ", packed.scalar_type());
   const float* scale = optional_floats(weights[3], n, "scales", name);
   TORCH_CHECK(scale != nullptr, "decoder_layer: the int8 product ", name, " needs its scales");

@@ -5,7 +5,7 @@
 // scale the weight's row scales. vpdpbusd multiplies unsigned by signed bytes, so the inputs are shifted
 // to xq + 128 and 128 * sum_k W[n, k] taken back off: the int32 sum is exact. The epilogue is
 // float(sum) * scale[n], what torch._int_mm and FBGEMM's product give (the caller multiplies by the row's
-// own scale), so the three kernels give the same bits and every row its own (tests/model/test_w8a8.py).
+// own scale), so the three kernels give the same bits and every row its own (tests/kernels/test_w8a8.py).
 //
 // Four rows share each load of four 16-column tiles (16 accumulators; fewer rows are padded to four); five and six
 // rows, one pass of six (`six`, 24 accumulators; 24 dot products a step where two passes of eight take 32, and
@@ -20,7 +20,7 @@
 // the tiles still being read).
 // Figures against FBGEMM on one core: notes/bench/w8a8-kernel (scripts/bench_w8a8.py).
 //
-// The packed weight (model/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
+// The packed weight (kernels/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
 // columns (N / 64 rounded up; zero tiles after the real ones), one stream a group; for four inputs and a
 // tile, the 4 bytes of column c are inputs 4j..4j+3, the signed operand of one vpdpbusd.
 #include <ATen/ATen.h>
@@ -30,19 +30,18 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-#include "native.h"
+#include "layout.h"
 
 namespace {
 
-constexpr int64_t COLS = 16;  // output columns a tile
+constexpr int64_t COLS = splitinfer::W8A8_COLS;
 constexpr int ROWS = 4;       // rows sharing a pass over a group of tiles
-constexpr int TILES = 4;      // tiles a group
+constexpr int TILES = splitinfer::W8A8_TILES;
 constexpr int SIX = 6;        // rows of one pass over a group's four tiles, for five and six rows
 constexpr int WIDE = splitinfer::W8A8_ROWS;  // rows sharing a pass over two tiles of a group, from five rows
 
@@ -249,7 +248,7 @@ at::Tensor w8a8_mm(const at::Tensor& xq, const at::Tensor& packed, const at::Ten
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kFloat && xq.device().is_cpu(),
               "w8a8_mm: xq must be a 2-D float32 CPU tensor of integers in -127..127");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.size(2) == 64 * TILES,
-              "w8a8_mm: packed must be the contiguous int8 [G, K/4, 256] that model/w8a8.py packs");
+              "w8a8_mm: packed must be the contiguous int8 [G, K/4, 256] that kernels/w8a8.py packs");
   const int64_t M = xq.size(0), K = xq.size(1), T = packed.size(0) * TILES, N = sums.numel(), real_tiles = N / COLS;
   TORCH_CHECK(packed.size(1) * 4 == K, "w8a8_mm: xq [", M, ", ", K, "] does not match packed ", packed.sizes());
   TORCH_CHECK(N % COLS == 0 && T == (real_tiles + TILES - 1) / TILES * TILES && sums.scalar_type() == at::kInt &&
@@ -305,32 +304,6 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-// This core's rate of int8 dot products, GOP/s (a multiply and an add per byte pair): twelve independent
-// chains of vpdpbusd, `iterations` times, on values the compiler cannot see through. What `bench step` sets an
-// integer product's compute bound with, measured where the step runs rather than taken from a datasheet.
-double int8_dot_peak(int64_t iterations) {
-  __m512i c0 = _mm512_set1_epi32(1), c1 = _mm512_set1_epi32(2), c2 = _mm512_set1_epi32(3), c3 = _mm512_set1_epi32(4);
-  __m512i c4 = _mm512_set1_epi32(5), c5 = _mm512_set1_epi32(6), c6 = _mm512_set1_epi32(7), c7 = _mm512_set1_epi32(8);
-  __m512i c8 = _mm512_set1_epi32(9), c9 = _mm512_set1_epi32(10);
-  __m512i c10 = _mm512_set1_epi32(11), c11 = _mm512_set1_epi32(12);
-  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(5);
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < iterations; ++i) {
-    asm volatile("" : "+v"(a), "+v"(b));  // new operands every pass, as far as the compiler knows
-    c0 = _mm512_dpbusd_epi32(c0, a, b), c1 = _mm512_dpbusd_epi32(c1, a, b), c2 = _mm512_dpbusd_epi32(c2, a, b);
-    c3 = _mm512_dpbusd_epi32(c3, a, b), c4 = _mm512_dpbusd_epi32(c4, a, b), c5 = _mm512_dpbusd_epi32(c5, a, b);
-    c6 = _mm512_dpbusd_epi32(c6, a, b), c7 = _mm512_dpbusd_epi32(c7, a, b), c8 = _mm512_dpbusd_epi32(c8, a, b);
-    c9 = _mm512_dpbusd_epi32(c9, a, b), c10 = _mm512_dpbusd_epi32(c10, a, b), c11 = _mm512_dpbusd_epi32(c11, a, b);
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
-                                 _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(c6, c7)));
-  sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_add_epi32(c8, c9), _mm512_add_epi32(c10, c11)));
-  volatile int32_t sink = _mm512_reduce_add_epi32(sum);  // the chains are used, so computed
-  (void)sink;
-  return static_cast<double>(iterations) * 12 * 64 * 2 / seconds / 1e9;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitinfer, m) {
@@ -338,7 +311,6 @@ TORCH_LIBRARY_FRAGMENT(splitinfer, m) {
         "-> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor column_sums, Tensor scale, Tensor? smooth=None, Tensor? bias=None) "
         "-> Tensor");
-  m.def("int8_dot_peak(int iterations) -> float");
 }
 
 TORCH_LIBRARY_IMPL(splitinfer, CPU, m) {
@@ -346,5 +318,3 @@ TORCH_LIBRARY_IMPL(splitinfer, CPU, m) {
   m.impl("w8a8_linear", &w8a8_linear);
 }
 
-// No tensor argument to dispatch on: the peak is registered for every backend.
-TORCH_LIBRARY_IMPL(splitinfer, CompositeExplicitAutograd, m) { m.impl("int8_dot_peak", &int8_dot_peak); }

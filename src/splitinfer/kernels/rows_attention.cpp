@@ -21,29 +21,12 @@
 #include <limits>
 #include <vector>
 
-#include "native.h"
+#include "layout.h"
 
 namespace {
 
 constexpr int64_t LANES = 16;
 constexpr int64_t MAX_DIM = 256;  // head dimensions up to this stay in registers' worth of stack
-
-// exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), x = n ln2 + r (Cody-Waite), p of degree 7.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // The sums of four vectors' lanes, as the first four lanes of the result (a fixed order of additions).
 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -63,7 +46,7 @@ inline float softmax_in_place(float* scores, int64_t count, float top) {
   for (int64_t t = 0; t < count; t += LANES) {
     const __mmask16 m = count - t >= LANES ? __mmask16(0xFFFF) : __mmask16((1u << (count - t)) - 1);
     const __m512 s = _mm512_maskz_loadu_ps(m, scores + t);
-    const __m512 p = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
+    const __m512 p = _mm512_maskz_mov_ps(m, splitinfer::exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
     _mm512_mask_storeu_ps(scores + t, m, p);
     total = _mm512_add_ps(total, p);
   }

@@ -1,6 +1,6 @@
 """The int8 format's own CPU kernel: int8 weights times activations quantized to int8 per row.
 
-w8a8.cpp (built by model/native.py) shares each load of the weight among four rows (eight from five rows) on
+w8a8.cpp (built by kernels/build.py) shares each load of the weight among four rows (eight from five rows) on
 AVX512-VNNI; one to four rows leave the weight stream to the hardware prefetchers (asking for it 16 KB ahead
 measured 1.17-1.29x slower streamed from memory: notes/bench/w8a8-prefetch, `python scripts/bench_w8a8_stream.py
 --out notes/bench/w8a8-prefetch`). Against FBGEMM's product, which Int8Linear used alone
@@ -8,28 +8,24 @@ before, it measured 1.1-1.5x faster on SmolLM2's int8 LM head at 1-16 rows (0.74
 and 1.2x from four rows on a draft head's readout, 0.9x at one and two
 (notes/bench/w8a8-kernel, `python scripts/bench_w8a8.py --out notes/bench/w8a8-kernel`). Its integer sums are
 exact and its epilogue is FBGEMM's and torch._int_mm's (float(sum) * the weight row's scale, then the input
-row's scale), so all three give the same bits (tests/model/test_w8a8.py) and each row its own.
+row's scale), so all three give the same bits (tests/kernels/test_w8a8.py) and each row its own.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .native import available  # noqa: F401  (formats.py asks here; tests turn it off here)
-
-COLS = 16  # output columns a packed tile
+from .build import layout
 
 
 def supports_shape(n: int, k: int) -> bool:
-    return n % COLS == 0 and k % 4 == 0
-
-
-GROUP = 4  # tiles sharing a pass (the packed tiles are padded to a multiple of it)
+    return n % layout()["w8a8_cols"] == 0 and k % 4 == 0
 
 
 def pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """qweight int8 [N, K] -> (the kernel's groups int8 [G, K/4, 4 * 64], G = N/64 rounded up, zero columns after
-    the real ones; the column sums int32 [N])."""
+    """qweight int8 [N, K] -> (the kernel's groups int8 [G, K/4, TILES * COLS * 4], G = N / (TILES * COLS) rounded
+    up, zero columns after the real ones; the column sums int32 [N]). TILES, COLS: layout.h's, read back."""
+    COLS, GROUP = layout()["w8a8_cols"], layout()["w8a8_tiles"]
     n, k = qweight.shape
     groups = -(-n // (COLS * GROUP))
     padded = torch.zeros(groups * GROUP * COLS, k, dtype=torch.int8)
@@ -41,6 +37,7 @@ def pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """`pack`'s groups -> the int8 weight [n, K] they hold: pack's inverse, for readers outside the step."""
+    COLS, GROUP = layout()["w8a8_cols"], layout()["w8a8_tiles"]
     groups, steps, _ = packed.shape
     weight = packed.reshape(groups, steps, GROUP, COLS, 4).permute(0, 2, 3, 1, 4)  # [G, tile, column, K/4, 4]
     return weight.reshape(groups * GROUP * COLS, steps * 4)[:n].contiguous()
@@ -49,8 +46,8 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
 def matmul(xq: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor,
            row_scale: torch.Tensor | None = None, prefetch: int = 0) -> torch.Tensor:
     """xq [M, K] float32 integers in -127..127 times the packed weight -> [M, N] float32: float(sum) * scale[n]
-    (* row_scale[m] where given). prefetch > 0: up to four rows ask for the weight that many bytes ahead
-    (scripts/bench_w8a8_stream.py measures it against the hardware prefetchers alone, the default)."""
+    (* row_scale[m] where given). prefetch > 0: up to four rows ask for the weight that many bytes ahead (measured
+    slower than the hardware prefetchers alone, the default: w8a8.cpp)."""
     return torch.ops.splitinfer.w8a8_mm(xq, packed, sums, scale, row_scale, prefetch)
 
 
@@ -58,5 +55,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: tor
            smooth: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Int8Linear's forward in one call: x [M, K] float32 (times `smooth`) quantized per row as formats.py's
     quantize_rows, times the packed weight, the row scales applied, plus `bias` -> [M, N] float32, the bits of
-    quantize_rows then `matmul` then the addition (tests/model/test_w8a8.py)."""
+    quantize_rows then `matmul` then the addition (tests/kernels/test_w8a8.py)."""
     return torch.ops.splitinfer.w8a8_linear(x, packed, sums, scale, smooth, bias)

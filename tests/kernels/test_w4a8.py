@@ -1,4 +1,4 @@
-"""model/w4a8.py: the int4 kernel on int8 activations computes its stated math, row by row the same bits
+"""kernels/w4a8.py: the int4 kernel on int8 activations computes its stated math, row by row the same bits
 whatever else is in the call, and is built wherever the CPU has its instructions."""
 
 from __future__ import annotations
@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitinfer.model import formats, w4a8
+from splitinfer import kernels
 
-needs_kernel = pytest.mark.skipif(not w4a8.available(), reason="this CPU has no AVX512-VNNI (or the kernel could not be built)")
+from splitinfer.kernels import w4a8
+from splitinfer.model import formats, linears
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="this CPU has no AVX512-VNNI (or the kernel could not be built)")
 
 
 def _state(n: int, k: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,7 +59,7 @@ def test_every_row_has_the_bits_it_has_alone_at_1_to_64_rows(threads):
 def test_int4_linear_takes_the_kernel_and_keeps_its_bias_and_dtype():
     state = _state(64, 96)
     state["bias"] = torch.randn(64)
-    module = formats.Int4Linear(96, 64, bias=True)
+    module = linears.W4A8Linear(96, 64, bias=True)
     module.load_state_dict(state)
     module.finish()
     assert module._w4a8 is not None
@@ -81,11 +84,12 @@ def test_a_mismatched_operand_is_refused_with_the_shapes():
 def test_widths_the_kernel_cannot_tile_take_pytorchs_kernel(monkeypatch):
     """An output width that is not a multiple of 16 (or the kernel turned off) keeps PyTorch's int4 kernel."""
     assert not w4a8.supports_shape(40, 64) and w4a8.supports_shape(48, 64)
-    monkeypatch.setattr(formats.w4a8, "available", lambda: False)
-    module = formats.Int4Linear(64, 48)
+    assert linears.kernel_class("int4", 64, 40) is linears.TorchInt4Linear
+    with kernels.choosing(kernels.KernelSet(w4a8=False)):
+        assert linears.kernel_class("int4", 64, 48) is linears.TorchInt4Linear
+    module = linears.TorchInt4Linear(64, 48)
     module.load_state_dict(_state(48, 64))
     module.finish()
-    assert module._w4a8 is None
     assert module(torch.randn(3, 64)).shape == (3, 48)
 
 

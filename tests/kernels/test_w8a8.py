@@ -1,14 +1,17 @@
-"""model/w8a8.py: the int8 kernel gives torch._int_mm's and FBGEMM's bits, and each row its own."""
+"""kernels/w8a8.py: the int8 kernel gives torch._int_mm's and FBGEMM's bits, and each row its own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splitinfer.model import formats, w8a8
-from splitinfer.model.formats import Int8Linear, fbgemm_pack, int8_product, int_mm_product
+from splitinfer import kernels
 
-needs_kernel = pytest.mark.skipif(not w8a8.available(), reason="this CPU has no AVX512-VNNI (or the kernel could not be built)")
+from splitinfer.kernels import w8a8
+from splitinfer.model import formats, linears
+from splitinfer.model.linears import fbgemm_pack, int8_product, int_mm_product
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="this CPU has no AVX512-VNNI (or the kernel could not be built)")
 
 
 def integers(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -58,30 +61,27 @@ def test_every_row_has_the_bits_it_has_alone(threads):
 
 
 @needs_kernel
-def test_int8_linears_take_the_kernel_where_their_shape_tiles(monkeypatch):
-    state = formats.quantize_int8(torch.randn(40, 64))  # 40 output columns: not whole tiles
-    odd = Int8Linear(64, 40)
-    odd.load_state_dict(state)
-    odd.finish()
-    assert odd._w8a8 is None
-    even = Int8Linear(64, 48)
+def test_int8_linears_take_the_kernel_where_their_shape_tiles():
+    assert linears.kernel_class("int8", 64, 40) is linears.FbgemmLinear  # 40 output columns: not whole tiles
+    assert linears.kernel_class("int8", 64, 48) is linears.W8A8Linear
+    even = linears.W8A8Linear(64, 48)
     stored = formats.quantize_int8(torch.randn(48, 64))
     even.load_state_dict(stored)
     even.finish()
-    assert even._w8a8 is not None and even._packed is None
     # the tiles are the one copy: the [N, K] buffer is released, and what the shard stores reads back whole
-    assert even.qweight is None and odd.qweight is not None
+    assert even.qweight is None
     assert torch.equal(even.stored_state()["qweight"], stored["qweight"])
     assert torch.equal(even.weight, formats.dequantize(stored))
     even.finish()  # finishing again changes nothing
     assert even.qweight is None and torch.equal(even.int8_weight(), stored["qweight"])
     x = torch.randn(5, 64)
-    monkeypatch.setattr(w8a8, "available", lambda: False)
-    library = Int8Linear(64, 48)
-    library.load_state_dict(even.stored_state())
-    library.finish()
-    assert library._w8a8 is None and library.qweight is not None
-    assert torch.equal(even(x), library(x))
+    with kernels.choosing(kernels.KernelSet(w8a8=False)):
+        assert linears.kernel_class("int8", 64, 48) is linears.FbgemmLinear
+    for library_class in (linears.FbgemmLinear, linears.IntMMLinear):  # the same bits on every kernel
+        library = library_class(64, 48)
+        library.load_state_dict(even.stored_state())
+        library.finish()
+        assert library.qweight is not None and torch.equal(even(x), library(x)), library_class
 
 
 @pytest.mark.parametrize("n, k", [(64, 4), (48, 64), (576, 576), (200, 36)])
@@ -118,7 +118,7 @@ def test_the_one_call_linear_gives_quantize_product_and_bias_composed(rows, extr
     x[0, 5] = 0.0
     smooth = torch.rand(576) + 0.5 if "smooth" in extras else None
     bias = torch.randn(192) if "bias" in extras else None
-    xq, sx = formats.quantize_rows(x * smooth if smooth is not None else x.clone())
+    xq, sx = linears.quantize_rows(x * smooth if smooth is not None else x.clone())
     composed = w8a8.matmul(xq, *packed, scale, sx.reshape(-1))
     composed = composed + bias if bias is not None else composed
     assert torch.equal(w8a8.linear(x, *packed, scale, smooth, bias), composed)

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "native.h"
+#include "layout.h"
 
 namespace splitinfer {
 

@@ -23,30 +23,18 @@
 #include <limits>
 #include <tuple>
 
+#include "layout.h"
+
 namespace {
 
 constexpr int64_t LANES = 16;
 constexpr int64_t MAX_K = 64;
 
-// exp(x) for x <= 0, 2^n * e^r with n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2] (ln 2 split in a
-// high part exact in float and a low part), e^r by its Taylor series to r^7 (truncation below 1e-8
-// relative). Lanes below -87.5 (including -inf and NaN) give 0: against the maximum's exp(0) = 1 they are
-// below float's resolution of the sum anyway.
+// exp(x) for x <= 0 (layout.h's polynomial); lanes below -87.5 (including -inf and NaN) give 0: against the
+// maximum's exp(0) = 1 they are below float's resolution of the sum anyway.
 inline __m512 exp_le0(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.5f), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln 2's leading 15 bits: n * them is exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.4286068202862268e-06f), r);    // and the rest
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_scalef_ps(live, p, n);
+  return _mm512_maskz_mov_ps(live, splitinfer::exp_nonpositive(x));
 }
 
 // A sorted list of the k largest (value, index) pairs seen, values descending, equal values by index.

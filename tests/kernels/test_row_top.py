@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitinfer.decoding import sources
 from splitinfer.decoding.sources import TokenRecycling
-from splitinfer.model import native
+from splitinfer import kernels
 
-needs_native = pytest.mark.skipif(not native.available(), reason="model/native.py's kernels do not run on this CPU")
+needs_native = pytest.mark.skipif(not kernels.available(), reason="splitinfer's kernels do not run on this CPU")
 
 
 SUBNORMAL = 1.2e-38  # below float's smallest normal number probabilities have fewer bits than rtol asks
@@ -124,8 +123,8 @@ def test_token_recycling_keeps_the_same_table_with_the_kernel(monkeypatch):
     tokens = list(range(100, 111))
     native_table = TokenRecycling(k=8)
     native_table.observe(tokens, logits)
-    monkeypatch.setattr(sources.native, "available", lambda: False)
-    torch_table = TokenRecycling(k=8)
+    with kernels.choosing(kernels.KernelSet(row_top=False)):
+        torch_table = TokenRecycling(k=8)
     torch_table.observe(tokens, logits)
     assert native_table._next.keys() == torch_table._next.keys()
     for token in tokens:

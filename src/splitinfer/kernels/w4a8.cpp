@@ -5,9 +5,9 @@
 //   sum_i w_i x_i  ~  d * dx * sum_i q_i qx_i  +  m * sx
 // The integer sum is exact (vpdpbusd: unsigned nibbles times signed int8, summed in int32); the float epilogue
 // runs per block in a fixed order. A row's instructions do not depend on which other rows share the call,
-// so every row gets the same bits whether it is alone or one of 64 (tests/model/test_w4a8.py checks it).
+// so every row gets the same bits whether it is alone or one of 64 (tests/kernels/test_w4a8.py checks it).
 //
-// The packed weight (model/w4a8.py packs it) is [N / 16, K / 32, 320] bytes: for 16 output columns and one
+// The packed weight (kernels/w4a8.py packs it) is [N / 16, K / 32, 320] bytes: for 16 output columns and one
 // block, four 64-byte vectors of nibbles, then the 16 scales and 16 minima as float16 (GGUF keeps them so).
 // Vector j holds, in the 4 bytes of column c, inputs 4j..4j+3 in the low nibbles and 16+4j..16+4j+3 in the
 // high ones, so one AND (one shift and AND) gives the unsigned operand of vpdpbusd for four inputs of
@@ -23,14 +23,14 @@
 #include <cstring>
 #include <vector>
 
-#include "native.h"
+#include "layout.h"
 
 namespace {
 
-constexpr int64_t QK = 32;                    // inputs a block
-constexpr int64_t COLS = 16;                  // output columns a tile: one vector of float32
+constexpr int64_t QK = splitinfer::W4A8_GROUP;
+constexpr int64_t COLS = splitinfer::W4A8_COLS;
 constexpr int64_t NIBBLE_BYTES = COLS * QK / 2;
-constexpr int64_t TILE_BYTES = NIBBLE_BYTES + 2 * COLS * 2;  // nibbles, 16 float16 scales, 16 float16 minima
+constexpr int64_t TILE_BYTES = splitinfer::W4A8_TILE_BYTES;
 constexpr int MAX_ROWS = 8;                   // rows sharing one pass over a tile's weights
 
 // x [M, K] -> int8 blocks: dx = max|x| / 127, qx = round-half-even(x * 127 / max|x|), sx = dx * sum(qx).
@@ -132,7 +132,7 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "w4a8_mm: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "w4a8_mm: packed must be the contiguous uint8 [N/16, K/32, 320] that model/w4a8.py packs");
+              "w4a8_mm: packed must be the contiguous uint8 [N/16, K/32, 320] that kernels/w4a8.py packs");
   const int64_t M = x.size(0), K = x.size(1), B = K / QK, T = n / COLS;
   TORCH_CHECK(K % QK == 0 && n % COLS == 0 && packed.size(0) == T && packed.size(1) == B &&
                   packed.size(2) == TILE_BYTES,
@@ -145,6 +145,6 @@ at::Tensor w4a8_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
 
 }  // namespace
 
-TORCH_LIBRARY(splitinfer, m) { m.def("w4a8_mm(Tensor x, Tensor packed, int n) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(splitinfer, m) { m.def("w4a8_mm(Tensor x, Tensor packed, int n) -> Tensor"); }
 
 TORCH_LIBRARY_IMPL(splitinfer, CPU, m) { m.impl("w4a8_mm", &w4a8_mm); }

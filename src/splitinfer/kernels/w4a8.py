@@ -5,14 +5,14 @@ the core's float peak (91 GFLOP/s of 100 at 4 and 8 rows: notes/bench/step-int4-
 72c53aa), so a verification step of a tree costs 2-4x a one-row step; this kernel runs 3.7-5.3x faster
 (notes/bench/w4a8-kernel, scripts/bench_w4a8.py). No maintained PyTorch or torchao CPU kernel multiplies 4-bit
 weights by integer activations on x86 (`_dyn_quant_matmul_4bit` falls back to float there), so this one is
-ours: w4a8.cpp (built by model/native.py), the recipe llama.cpp uses for a Q4_1 GGUF (Q8_1 activations,
+ours: w4a8.cpp (built by kernels/build.py), the recipe llama.cpp uses for a Q4_1 GGUF (Q8_1 activations,
 integer dot products on AVX512-VNNI). See w4a8.cpp for the math.
 
 Each row's activations are quantized on their own, in blocks of 32 (scale = max |x| / 127), and each
 block's integer sum is exact, so a row's bits do not depend on the other rows of the call: the kernel is
-row-invariant by construction, and tests/model/test_w4a8.py checks it bitwise at 1-64 rows.
+row-invariant by construction, and tests/kernels/test_w4a8.py checks it bitwise at 1-64 rows.
 
-Where model/native.py's kernels do not run, int4 uses PyTorch's kernel (other rounding, also row-invariant:
+Where kernels/build.py's kernels do not run, int4 uses PyTorch's kernel (other rounding, also row-invariant:
 tests/model/test_formats.py).
 """
 
@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from .native import available  # noqa: F401  (formats.py asks here; tests turn it off here)
+from .build import layout
 
-GROUP = 32  # inputs a block (GGUF's Q4_1 and Q8_1)
-COLS = 16  # output columns a packed tile
-TILE_BYTES = COLS * GROUP // 2 + 2 * COLS * 2  # 256 bytes of nibbles, 16 float16 scales, 16 float16 minima
+GROUP = 32  # inputs a block: GGUF's Q4_1 and Q8_1, the stored int4 format's (model/formats.py); layout.h's too
 
 
 def pack(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The stored int4 state (qweight uint8 [N, K/2], even inputs in the low nibbles; scale and min [N, K/32])
     -> the kernel's tiles, uint8 [N/16, K/32, 320]. Scales and minima become float16, which a GGUF's are."""
+    COLS = layout()["w4a8_cols"]
+    assert layout()["w4a8_group"] == GROUP and layout()["w4a8_tile_bytes"] == COLS * GROUP // 2 + 4 * COLS
     n = qweight.shape[0]
     q = torch.stack((qweight & 0xF, qweight >> 4), dim=2).reshape(n, -1)  # [N, K], values 0..15
     k = q.shape[1]
@@ -43,11 +43,11 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> t
 
 
 def supports_shape(n: int, k: int) -> bool:
-    return n % COLS == 0 and k % GROUP == 0
+    return n % layout()["w4a8_cols"] == 0 and k % GROUP == 0
 
 
 def matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] float32 times the packed weight -> [M, n] float32 (`available()` must be True)."""
+    """x [M, K] float32 times the packed weight -> [M, n] float32 (the library loaded)."""
     return torch.ops.splitinfer.w4a8_mm(x, packed, n)
 
 
