@@ -244,6 +244,10 @@ FIGURES += (
 )
 
 BENCH = "docs/benchmarks.md"
+# `prepare --weights auto` on the files users download: (the table's row label, its run under notes/bench/weights-auto)
+AUTO_ROWS = (("SmolLM2-135M (Q4_1), splitinfer's", "smollm2"),
+             ("SmolLM2-135M (Q4_1), none: FBGEMM's int8 product", "smollm2-no-kernels"),
+             ("Gemma 3 270M (Q4_K_M), splitinfer's", "gemma3"))
 FORMAT_ROWS = (("float32", "float32"), ("bfloat16", "bfloat16"), ("**int8 (the default for this GGUF)**", "int8"),
                ("int4", "int4"), ("int4,lm_head=int8 (the blocks as shipped)", "int4,lm_head=int8"),
                ("int4,cloud=int8,lm_head=int8", "int4,cloud=int8,lm_head=int8"))
@@ -284,6 +288,12 @@ FIGURES += (
            ((("generations", "int8", "tok_s"), ""), (("generations", "int8", "speedup_vs_transformers_f32"), ""),
             (("generations", "int8", "x_llamacpp"), ""), (("quality", "int8", "perplexity_vs_float32"), "+.2%"),
             (("quality", "int8", "identical_replies"), "s"), (("tree_equals_sequential", "int8"), "s"))),
+    *(Figure(BENCH, f"| {label} | {{}} | {{}} | {{}} | {{}} | {{}} | {{}} |", f"bench/weights-auto/{run}/formats.json",
+             ((("generations", "float32", "tok_s"), ""), (("generations", "int8", "tok_s"), ""),
+              (Q(("generations", "int8", "tok_s"), ("generations", "float32", "tok_s")), ".2f"),
+              (("quality", "int8", "perplexity_vs_float32"), "+.2%"), (("quality", "int8", "identical_replies"), "s"),
+              (("tree_equals_sequential", "int8"), "s")))
+      for label, run in AUTO_ROWS),
     Figure(BENCH, "Plain transformers float32 ran at {} tok/s and llama.cpp (its Python binding, one thread, the "
            "same GGUF) at {} in the same run", FORMATS,
            ((("generations", "transformers", "tok_s"), ""), (("generations", "llama.cpp", "tok_s"), ""))),

@@ -8,7 +8,8 @@ Commands that use the model:
     wan          a user-space WAN emulator
     config       the effective configuration
 Groups, as in vLLM (`splitinfer bench --help` lists a group's commands):
-    bench        sweep, spec, step, plain-split, dtype, batch, acceptance, load, soak, probe, plan
+    bench        sweep, spec, step, plain-split, dtype, batch, acceptance, load, soak, probe, plan, and the
+                 developer benchmarks (kernels, kernel-ab, arena, compile, memory, step-ab, wan, scale, detok, ...)
     privacy      audit, privatize, check, table
     drafter      train, recycling
 
@@ -42,8 +43,11 @@ COMMAND_MODULES: tuple[str, ...] = (
 # Groups of commands (`splitinfer GROUP COMMAND`): name -> (help, the modules that register into it).
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "bench": ("benchmarks and sizing: sweep, spec, step, plain-split, dtype, batch, acceptance, load, soak, probe, "
-              "plan", (
-        "splitinfer.bench.commands",  # sweep, probe, plan, spec, step
+              "plan; developer benchmarks: formats, kernels, kernel-ab, arena, compile, memory, step-ab, trusted-half, wan, scale, "
+              "detok, drafting, project", (
+        "splitinfer.bench.commands",  # sweep, probe, plan, spec
+        "splitinfer.bench.step_commands",  # step, formats, kernels, kernel-ab, arena, compile, memory, step-ab, trusted-half
+        "splitinfer.bench.system_commands",  # wan, scale, detok, drafting, project
         "splitinfer.bench.batching",  # batch
         "splitinfer.bench.acceptance",  # acceptance
         "splitinfer.bench.loadtest",  # load
@@ -76,7 +80,19 @@ EXAMPLES: dict[str, str] = {
     "bench spec": "splitinfer bench spec --shards shards/smollm2 --out bench-out --rtt-ms 0,80 --max-new-tokens 64",
     "bench step": "splitinfer bench step --shards shards/smollm2 --out bench-out/step --e2e-prompts 3 --max-ratio 1.2",
     "bench formats": "splitinfer bench formats --out bench-out/formats --prompts 5 --tokens 64",
+    "bench kernels": "splitinfer bench kernels --kernel w8a8 --out bench-out/w8a8-kernel",
+    "bench arena": "splitinfer bench arena --shards shards/formats/int8 --out bench-out/arena",
+    "bench compile": "splitinfer bench compile --shards shards/smollm2 --out bench-out/compile --generations 1",
+    "bench memory": "splitinfer bench memory --shards shards/formats/int8,shards/formats/float32 --out bench-out/memory",
+    "bench step-ab": "splitinfer bench step-ab --other-src ../before/src --out bench-out/step-ab --rows 1,4,8",
+    "bench trusted-half": "splitinfer bench trusted-half --out bench-out/trusted-7b --formats float32,bfloat16",
+    "bench wan": "splitinfer bench wan --out bench-out/wan --rtt-ms 80",
+    "bench scale": "splitinfer bench scale --shards shards/smollm2 --tp 3 --sessions 4 --out bench-out/scale --name tp3",
+    "bench detok": "splitinfer bench detok --shards shards/smollm2 --out bench-out/detok",
+    "bench drafting": "splitinfer bench drafting --replies notes/bench/drafting/replay.json --out bench-out/drafting",
+    "bench project": "splitinfer bench project notes/bench/mtbench-spec/speculative.json --out bench-out/projection",
     "bench plain-split": "splitinfer bench plain-split --shards shards/smollm2 --out bench-out/plain --rtt-ms 0,80",
+    "bench kernel-ab": "splitinfer bench kernel-ab --shards shards/smollm2 --out bench-out/kernel-ab",
     "bench dtype": "splitinfer bench dtype --shards shards/smollm2 --out bench-out/bf16 --dtype bfloat16",
     "bench batch": "splitinfer bench batch --shards shards/smollm2 --out bench-out/batch --sizes 1,4,16",
     "bench acceptance": "splitinfer bench acceptance --shards shards/smollm2 --out bench-out/acceptance",

@@ -1,18 +1,16 @@
-"""scripts/paper_projection.py (gpu_projection.py --paper): the paper's configuration projected from measured
+"""bench/paper_projection.py (`bench project --paper`): the paper's configuration projected from measured
 parts. Interpolation is exact on measured points and linear between; every row says what each input is; the
 paper's own step costs give back its own sequential figure (8.1 tok/s projected at 80 ms)."""
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from splitinfer.bench import paper_projection as pp
 
-import paper_projection as pp  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_interpolation():
@@ -48,4 +46,4 @@ def test_rows_are_labelled_and_the_papers_figure_comes_back(tmp_path, measured):
     if measured:  # the faster thread count, at the tree's mean rows (6) a step
         tree = next(r for r in result["rows"] if r["strategy"] == "tree" and r["trusted"].startswith("this CPU"))
         assert tree["trusted"] == "this CPU, bfloat16, 1 thread(s)" and tree["local_ms"] == pytest.approx(106.0)
-    assert "paper: lookahead" in pp.paper_markdown(result)
+    assert any("paper: lookahead" in line for line in pp.paper_body(result))

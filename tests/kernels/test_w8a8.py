@@ -60,6 +60,14 @@ def test_every_row_has_the_bits_it_has_alone(threads):
         assert torch.equal(block, alone[:m]), m
 
 
+def test_fbgemm_is_probed_on_the_cpu_even_when_first_asked_on_the_meta_device():
+    """Loading builds a shard's skeleton on the meta device and chooses each module's kernel there: a probe run
+    there failed, and the cached answer sent every later int8 layer to torch._int_mm instead of FBGEMM."""
+    on_cpu = linears.fbgemm_works.__wrapped__()
+    with torch.device("meta"):
+        assert linears.fbgemm_works.__wrapped__() == on_cpu
+
+
 @needs_kernel
 def test_int8_linears_take_the_kernel_where_their_shape_tiles():
     assert linears.kernel_class("int8", 64, 40) is linears.FbgemmLinear  # 40 output columns: not whole tiles

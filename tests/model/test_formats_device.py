@@ -1,7 +1,7 @@
 """A quantized shard off the CPU: the int8/int4 products are CPU kernels, so another device (a GPU cloud) loads
 the float weights the shard stands for (formats.for_device). Checked on the CPU with the kernels declared absent:
-no integer module is built, and split greedy decoding equals transformers on the dequantized model. And
-`prepare --weights auto`: which sources keep their 4-bit blocks."""
+no integer module is built, and split greedy decoding equals transformers on the dequantized model.
+(`prepare --weights auto`'s choice, a GPU cloud's included: tests/model/test_autoformat.py.)"""
 
 from __future__ import annotations
 
@@ -28,14 +28,3 @@ def test_a_device_without_integer_kernels_computes_with_the_weights_they_stand_f
         assert not any(isinstance(m, QuantLinear) for m in module.modules())
     assert_local_only_matches_hf(load_whole_hf(shards), shards, [3, 5, 7, 11], 8)
 
-
-def test_auto_quantizes_a_4bit_gguf_to_int8_and_keeps_a_float_model_in_floats():
-    from splitinfer.model.prepare import SHIPPED_4BIT, shipped_formats
-
-    model = tiny_model("llama", 0)
-    linears = [k for k in model.state_dict() if k.startswith("model.layers.") and k.endswith("proj.weight")]
-    blocks = {k: None for k in linears}  # only which weights have blocks matters here
-    assert shipped_formats(SourceModel("m", model.config, model, None, blocks=blocks)) == SHIPPED_4BIT
-    assert set(SHIPPED_4BIT.as_dict().values()) == {"int8"}
-    assert shipped_formats(SourceModel("m", model.config, model, None, blocks=dict(list(blocks.items())[1:]))) is None
-    assert shipped_formats(SourceModel("m", model.config, model, None)) is None

@@ -33,18 +33,15 @@ from ..options import Opt, Shared, add_options, described
 from ..tables import left_table
 from ..telemetry import median
 from ..wire.dtypes import DTYPE_NAMES
-from .parsers import add_shards_and_out
+from .harness import median_ms, rounds
+from .parsers import add_shards_and_out, floats
 
 
 def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be comma-separated integers, e.g. 1,4,16; got {text!r}.") from exc
-    if not values or any(v < 1 for v in values):
-        raise ConfigError(f"{name} needs at least one value, all >= 1; got {text!r}.")
+    values = [int(x) for x in floats(text, name)]
+    if not all(values) or values != [float(x) for x in text.split(",") if x.strip()]:
+        raise ConfigError(f"{name} must be comma-separated integers, all >= 1, e.g. 1,4,16; got {text!r}.")
     return values
-
 
 
 class _Sessions:
@@ -80,16 +77,20 @@ class _Sessions:
         self.keep[i] = tuple(range(q))
         return step
 
-    def batched(self, indices, sizes) -> float:
-        items = [(self.sessions[i], self.step(i, q), 0.0) for i, q in zip(indices, sizes)]
-        t0 = time.perf_counter()
-        outcomes = self.table.run_steps(items)
-        elapsed = (time.perf_counter() - t0) * 1e3
+    def batched(self, indices, sizes) -> None:
+        outcomes = self.table.run_steps([(self.sessions[i], self.step(i, q), 0.0) for i, q in zip(indices, sizes)])
         assert all(not isinstance(o, Exception) for o in outcomes), outcomes
-        return elapsed
 
-    def one_at_a_time(self, indices, sizes) -> float:
-        return sum(self.batched([i], [q]) for i, q in zip(indices, sizes))
+    def one_at_a_time(self, indices, sizes) -> None:
+        for i, q in zip(indices, sizes):
+            self.batched([i], [q])
+
+
+def _compared(batched, alone, repeats: int) -> dict:
+    """Median ms of the same steps batched and one at a time, interleaved round by round after a warm-up
+    round (bench/harness.py), so drift on a shared machine hits both alike; each call makes its steps too."""
+    times = rounds({"batched": batched, "alone": alone}, repeats)
+    return {"batched_ms": median_ms(times["batched"]), "one_at_a_time_ms": median_ms(times["alone"])}
 
 
 def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
@@ -99,13 +100,9 @@ def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
     rows = []
     for b in sizes:
         idx = list(range(b))
-        sessions.batched(idx, [1] * b), sessions.one_at_a_time(idx, [1] * b)  # warm-up
-        batched, alone = [], []
-        for _ in range(repeats):  # interleaved, so drift on a shared machine hits both alike
-            batched.append(sessions.batched(idx, [1] * b))
-            alone.append(sessions.one_at_a_time(idx, [1] * b))
         rows.append({"kind": "decode", "batch": b, "block_rows": [1] * b,
-                     "batched_ms": median(batched, 3), "one_at_a_time_ms": median(alone, 3)})
+                     **_compared(lambda: sessions.batched(idx, [1] * b), lambda: sessions.one_at_a_time(idx, [1] * b),
+                                 repeats)})
     config = BatchConfig()
     for mix in ([1, 4, 8, 16], [1, 1, 1, 1, 8, 8, 8, 8], [1] * 12 + [32] * 4):
         if len(mix) > max(sizes):
@@ -114,15 +111,11 @@ def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
         groups = plan_groups(mix, config)
 
         def grouped():
-            return sum(sessions.batched([idx[i] for i in g], [mix[i] for i in g]) for g in groups)
+            for g in groups:
+                sessions.batched([idx[i] for i in g], [mix[i] for i in g])
 
-        grouped(), sessions.one_at_a_time(idx, mix)
-        batched, alone = [], []
-        for _ in range(repeats):
-            batched.append(grouped())
-            alone.append(sessions.one_at_a_time(idx, mix))
         rows.append({"kind": "mixed", "batch": len(mix), "block_rows": mix, "passes": len(groups),
-                     "batched_ms": median(batched, 3), "one_at_a_time_ms": median(alone, 3)})
+                     **_compared(grouped, lambda: sessions.one_at_a_time(idx, mix), repeats)})
     one = next(r["batched_ms"] for r in rows if r["kind"] == "decode" and r["batch"] == 1)
     for r in rows:
         r["batched_vs_one_step"] = round(r["batched_ms"] / one, 3)
@@ -136,23 +129,16 @@ def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
     scheduler = Scheduler(lone.table, BatchConfig())
     executor = ThreadPoolExecutor(max_workers=1)
     session = lone.sessions[0]
-    times: dict[str, list[float]] = {"direct": [], "scheduler": [], "executor": []}
     try:
-        for _ in range(max(20, repeats * 4)):
-            for path in times:
-                step = lone.step(0, 1)
-                t0 = time.perf_counter()
-                if path == "direct":
-                    lone.table.run_step(session, step, 0.0)
-                elif path == "scheduler":
-                    scheduler.submit(session, step, 0.0).result(timeout=60)
-                else:
-                    executor.submit(lone.table.run_step, session, step, 0.0).result(timeout=60)
-                times[path].append((time.perf_counter() - t0) * 1e3)
+        times = rounds({
+            "direct": lambda: lone.table.run_step(session, lone.step(0, 1), 0.0),
+            "scheduler": lambda: scheduler.submit(session, lone.step(0, 1), 0.0).result(timeout=60),
+            "executor": lambda: executor.submit(lone.table.run_step, session, lone.step(0, 1), 0.0).result(timeout=60),
+        }, max(20, repeats * 4))
     finally:
         scheduler.close()
         executor.shutdown()
-    medians = {path: median(values, 3) for path, values in times.items()}
+    medians = {path: median_ms(values) for path, values in times.items()}
     return {"rows": rows, "lone_session": {
         "direct_ms": medians["direct"], "via_scheduler_ms": medians["scheduler"],
         "via_executor_ms": medians["executor"],

@@ -1,5 +1,5 @@
-"""CLI of the `splitinfer bench` group: sweep, spec, step, probe and plan (batch, acceptance and load
-register from their own modules).
+"""CLI of the `splitinfer bench` group: sweep, spec, probe and plan (step_commands.py and system_commands.py
+register the developer benchmarks; batch, acceptance, load and the rest register from their own modules).
 
     splitinfer bench sweep --shards shards/smollm2 --out notes/bench     # the full sweep (~22 min quiet)
     splitinfer bench sweep --quick --out /tmp/bench                     # a smaller sweep (minutes)
@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..model.commands import SplitOptions
 from ..options import MIB, Opt, Shared, add_options, config_from_args, defer
 from ..wire.dtypes import DTYPE_NAMES
-from .parsers import add_shards_and_out
+from .parsers import add_shards_and_out, floats, listed
 from .plan import DEFAULT_MESSAGE_BYTES, Rates
 
 RATE_OPTIONS = (
@@ -83,22 +83,12 @@ class PlanOptions:
     dtype: str = "float16"  # weights and KV: a model sized for serving, unlike the float32 shards `prepare` makes
 
 
-def _floats(text: str, name: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be comma-separated numbers, e.g. 0,20,40; got {text!r}.") from exc
-    if not values or any(v < 0 for v in values):
-        raise ConfigError(f"{name} needs at least one value, none negative; got {text!r}.")
-    return values
-
-
 def _sweep_config(args):
     from .runtime import MODES, QUICK, SweepConfig
 
     config = QUICK if args.quick else SweepConfig()
     if args.rtt_ms:
-        config = replace(config, rtts_ms=_floats(args.rtt_ms, "--rtt-ms"))
+        config = replace(config, rtts_ms=floats(args.rtt_ms, "--rtt-ms"))
     if args.modes:
         modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
         unknown = [m for m in modes if m not in MODES]
@@ -154,7 +144,7 @@ def cmd_bench(args) -> int:
     raw = run_sweep(shards, prompts, config, log=log_stderr)
     prefill = None
     if not args.no_prefill:
-        sizes = tuple(int(x) for x in _floats(args.prefill_tokens, "--prefill-tokens"))
+        sizes = tuple(int(x) for x in floats(args.prefill_tokens, "--prefill-tokens"))
         with cloud_server(shards / "cloud", cpu=1, threads=1) as (url, _):
             prefill = run_prefill(shards, url, sizes, args.prefill_rtt_ms, args.prefill_mbit, args.prefill_real_max,
                                   log=log_stderr)
@@ -170,7 +160,7 @@ def cmd_bench(args) -> int:
         "prompts": [p["id"] for p in prompts],
         "elapsed_s": round(time.monotonic() - started, 1),
         "summary": summarize(raw, 2.0 if args.gpu_price is None else args.gpu_price,
-                             list(_floats(args.project_rtt_ms, "--project-rtt-ms"))),
+                             list(floats(args.project_rtt_ms, "--project-rtt-ms"))),
         "prefill": prefill,
         "probe_rtt_ms": raw["probe_rtt_ms"],
         "runs": raw["runs"],
@@ -224,72 +214,19 @@ def cmd_bench_spec(args) -> int:
     return 0
 
 
-def cmd_bench_step(args) -> int:
-    from .step import StepBenchConfig, run_step_bench
-
-    config = StepBenchConfig(
-        rows=tuple(int(x) for x in _floats(args.rows, "--rows")),
-        contexts=tuple(int(x) for x in _floats(args.contexts, "--contexts")),
-        sides=_sides(args.sides),
-        **{f: getattr(args, f) for f in ("threads", "cpu", "dtype", "repeats", "max_ratio", "guard_rows", "e2e_prompts",
-                                         "e2e_tokens", "e2e_max_ratio")},
-    )
-    report = run_step_bench(Path(args.shards), Path(args.out), config, log=lambda line: print(line, file=sys.stderr))
-    if not report["guard"]["passed"]:
-        print("bench step guard failed: " + "; ".join(report["guard"]["failures"]), file=sys.stderr)
-        return 1
-    return 0
-
-
-def cmd_bench_formats(args) -> int:
-    from .formats import FormatsBenchConfig, run_formats_bench
-
-    config = FormatsBenchConfig(
-        formats=tuple(f for f in args.formats.split(";") if f),
-        rows=tuple(int(x) for x in _floats(args.rows, "--rows")),
-        contexts=tuple(int(x) for x in _floats(args.contexts, "--contexts")),
-        **{f: getattr(args, f) for f in ("prompts", "tokens", "repeats", "cpu", "threads", "shards_dir")},
-    )
-    if "float32" not in config.formats:
-        raise ConfigError("bench formats compares against float32: include it in --formats.")
-    report = run_formats_bench(args.model, Path(args.out), Path(config.shards_dir), config,
-                               log=lambda line: print(line, file=sys.stderr))
-    print((Path(args.out) / "formats.md").read_text())
-    return 0 if report else 1
-
-
-def _formats_options(s) -> None:
-    from .formats import FormatsBenchConfig
-
-    d = FormatsBenchConfig()
-    s.add_argument("--model", help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    s.add_argument("--out", required=True, help="directory for formats.json and formats.md")
-    s.add_argument("--formats", default=";".join(d.formats),
-                   help="semicolon-separated `prepare --weights` specs (float32 is the reference and must be one)")
-    s.add_argument("--rows", default=_listed(d.rows), help="comma-separated block row counts")
-    s.add_argument("--contexts", default=_listed(d.contexts), help="comma-separated cached rows before the block")
-    add_options(s, FormatsBenchConfig, (
-        Opt("prompts", help="benchmark prompts to generate from"), Opt("tokens", help="new tokens a generation"),
-        Opt("repeats", help="timed rounds after a warm-up round"), Opt("cpu", help="core to pin to (-1: none)"),
-        Opt("threads", help="torch threads"),
-        Opt("shards_dir", help="where each format's shards are prepared (one directory per format; `bench spec "
-                               "--shards` takes them)"),
-    ))
-
-
 def _bench_options(s) -> None:
     from .runtime import MODES, QUICK, SweepConfig
 
     full = SweepConfig()
     add_shards_and_out(s, "bench.json, bench.md and the plots")
-    s.add_argument("--quick", action="store_true", help=f"RTT {_listed(QUICK.rtts_ms)}, {QUICK.max_new_tokens} tokens, "
+    s.add_argument("--quick", action="store_true", help=f"RTT {listed(QUICK.rtts_ms)}, {QUICK.max_new_tokens} tokens, "
                    f"{QUICK.repeats} repetition(s) (a few minutes)")
     s.add_argument("--report-only", action="store_true", help="rebuild bench.md and the plots from OUT/bench.json")
     s.add_argument("--docs", help="also write the report into this Markdown file between its two bench markers "
                    "(notes/benchmarks.md)")
     s.add_argument("--prompts", help="JSONL prompt file, or mt-bench for MT-Bench's first turns (`make chat-data`; default: "
                    "the packaged benchmark prompts)")
-    s.add_argument("--rtt-ms", help=f"comma-separated added round trips (default {_listed(full.rtts_ms)})")
+    s.add_argument("--rtt-ms", help=f"comma-separated added round trips (default {listed(full.rtts_ms)})")
     s.add_argument("--modes", help=f"comma-separated: {','.join(MODES)}")
     s.add_argument("--max-new-tokens", type=int,
                    help=f"tokens per generation (default {full.max_new_tokens}; --quick {QUICK.max_new_tokens})")
@@ -305,39 +242,6 @@ def _bench_options(s) -> None:
         Opt("prefill_rtt_ms", help="added round trip for prefill"),
         Opt("prefill_real_max", help="largest prompt also prefilled for real"),
     ))
-
-
-def _sides(text: str) -> tuple[str, ...]:
-    sides = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not sides or any(x not in ("cloud", "local") for x in sides):
-        raise ConfigError(f"--sides takes cloud, local or cloud,local; got {text!r}.")
-    return sides
-
-
-def _step_options(s) -> None:
-    from .step import StepBenchConfig
-
-    d = StepBenchConfig()
-    add_shards_and_out(s, "step.json, step.md and step.png")
-    s.add_argument("--rows", default=_listed(d.rows), help="comma-separated block row counts")
-    s.add_argument("--contexts", default=_listed(d.contexts), help="comma-separated cached rows before the block")
-    s.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype, help="compute dtype (default: the shards')")
-    s.add_argument("--sides", default=",".join(d.sides), help="the sides timed (cloud, local or both); only their "
-                   "shards are loaded")
-    add_options(s, StepBenchConfig, (
-        Opt("threads", help="torch threads"), Opt("cpu", help="core to pin to (-1: none)"),
-        Opt("repeats", help="timed repetitions after a warm-up round"),
-        Opt("max_ratio", help="guard: exit 1 when a step of <= --guard-rows rows costs more than this times "
-            "transformers' (0: off)"),
-        Opt("guard_rows", help="largest block the guard checks"),
-        Opt("e2e_prompts", help="also time whole generations (local-only vs transformers greedy) on this many prompts"),
-        Opt("e2e_tokens", help="tokens per generation"),
-        Opt("e2e_max_ratio", help="guard on the generations' ms per token (0: off)"),
-    ))
-
-
-def _listed(values) -> str:
-    return ",".join(f"{v:g}" for v in values)
 
 
 def register(sub) -> None:
@@ -410,13 +314,3 @@ def register(sub) -> None:
     ))
     s.add_argument("--readme", help="also put the results table between the `bench spec` markers of this file (README.md)")
     s.set_defaults(func=cmd_bench_spec)
-
-    s = sub.add_parser("step", help="one decode step's compute by block rows, against plain transformers "
-                       "and the memory-bandwidth bound; a release guard on the ratio")
-    defer(s, _step_options)
-    s.set_defaults(func=cmd_bench_step)
-
-    s = sub.add_parser("formats", help="every weight format side by side: steps against the bytes bound, local-only "
-                       "tok/s against transformers float32, perplexity and agreement with float32")
-    defer(s, _formats_options)
-    s.set_defaults(func=cmd_bench_formats)

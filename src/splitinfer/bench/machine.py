@@ -8,18 +8,14 @@ on the thread and core the step runs on, never taken from a datasheet.
 from __future__ import annotations
 
 import statistics
-import time
+
 import torch
 
 from .. import kernels
 from ..model import arena
+from .harness import cpu_flags, timed  # noqa: F401  (cpu_flags: step.py and formats.py read it here)
 
 PEAK_SIZE = 1024  # n of the n x n x n product that measures the peak: compute-bound, and in cache blocks
-
-
-def cpu_flags() -> list[str]:
-    """The CPU features the products' speed depends on (the same torch differs between CPUs of one kind)."""
-    return sorted(kernels.build.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
 
 
 def kernels_line(report: dict) -> str:
@@ -28,13 +24,7 @@ def kernels_line(report: dict) -> str:
 
 
 def _median_s(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed(run, repeats))  # one warm-up call first
 
 
 def bandwidth_gbps(repeats: int = 5) -> float:

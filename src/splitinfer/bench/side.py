@@ -51,11 +51,11 @@ def hf_layers(config, stacks: list[LayerStack], with_head: nn.Module | None, wit
     model.model.layers = nn.ModuleList([_plain(layer, i, model.config) for i, layer in enumerate(layers)])
     model.model.rotary_emb = stacks[0].rotary
     # An integer-format head (model/formats.py) has no float weight to hand to F.linear: it stays as it is.
-    plain = _plain_linear(with_head) if isinstance(with_head, nn.Linear) else with_head
+    plain = plain_linear(with_head) if isinstance(with_head, nn.Linear) else with_head
     return with_ends(model, None, with_norm, plain).eval()
 
 
-def _plain_linear(linear: nn.Linear) -> nn.Linear:
+def plain_linear(linear: nn.Linear) -> nn.Linear:
     """The same weights as a plain nn.Linear (F.linear: what transformers runs), no packed copy."""
     plain = nn.Linear.__new__(nn.Linear)
     plain.__dict__ = {k: v for k, v in linear.__dict__.items() if k not in ("_packed", "_packed_of")}
@@ -69,7 +69,7 @@ def _plain(layer: nn.Module, index: int, config) -> nn.Module:
     layer._modules = dict(layer._modules)
     for name, child in list(layer._modules.items()):
         if isinstance(child, nn.Linear):
-            layer._modules[name] = _plain_linear(child)
+            layer._modules[name] = plain_linear(child)
         elif len(child._modules):
             layer._modules[name] = _plain(child, index, config)
     if hasattr(layer, "config"):

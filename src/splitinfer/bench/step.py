@@ -30,6 +30,7 @@ The guard runs inside the benchmark, never as a timed test.
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import random
@@ -48,6 +49,7 @@ from .. import kernels
 from ..model.layers import kernel_table
 from ..tables import table
 from .anchors import e2e
+from .harness import rounds
 from .side import Side, build_sides
 from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, int8_dot_gops, kernels_line, product_gflops
 
@@ -79,20 +81,12 @@ class StepBenchConfig:
 
 
 def time_configs(sides: list[Side], rows: tuple[int, ...], repeats: int) -> dict[tuple, list[float]]:
-    """{(side index, q, 'ours'|'anchor'): [ms, ...]}, every configuration once per round, shuffled."""
-    configs = [(i, q, impl) for i in range(len(sides)) for q in rows for impl in ("ours", "anchor")]
+    """{(side index, q, 'ours'|'anchor'): [ms, ...]}, every configuration once per round, shuffled; the first
+    round warms up (packs weights, allocates buffers) and is dropped."""
     inputs = {(i, q): s.block(q) for i, s in enumerate(sides) for q in rows}
-    times: dict[tuple, list[float]] = {c: [] for c in configs}
-    rng = random.Random(0)
-    for round_ in range(repeats + 1):  # round 0 warms up (packs weights, allocates buffers) and is dropped
-        rng.shuffle(configs)
-        for i, q, impl in configs:
-            run = getattr(sides[i], impl)
-            t0 = time.perf_counter()
-            run(q, inputs[(i, q)])
-            if round_:
-                times[(i, q, impl)].append((time.perf_counter() - t0) * 1e3)
-    return times
+    calls = {(i, q, impl): functools.partial(getattr(sides[i], impl), q, inputs[(i, q)])
+             for i in range(len(sides)) for q in rows for impl in ("ours", "anchor")}
+    return {key: [t * 1e3 for t in times] for key, times in rounds(calls, repeats, shuffle=random.Random(0)).items()}
 
 
 def breakdown(side: Side, q: int) -> dict[str, float]:

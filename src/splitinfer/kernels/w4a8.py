@@ -3,7 +3,7 @@
 PyTorch's `_weight_int4pack_mm_for_cpu` multiplies in float (bfloat16 inputs): from four rows it runs at
 the core's float peak (91 GFLOP/s of 100 at 4 and 8 rows: notes/bench/step-int4-rows as of commit
 72c53aa), so a verification step of a tree costs 2-4x a one-row step; this kernel runs 3.7-5.3x faster
-(notes/bench/w4a8-kernel, scripts/bench_w4a8.py). No maintained PyTorch or torchao CPU kernel multiplies 4-bit
+(notes/bench/w4a8-kernel, `splitinfer bench kernels --kernel w4a8`). No maintained PyTorch or torchao CPU kernel multiplies 4-bit
 weights by integer activations on x86 (`_dyn_quant_matmul_4bit` falls back to float there), so this one is
 ours: w4a8.cpp (built by kernels/build.py), the recipe llama.cpp uses for a Q4_1 GGUF (Q8_1 activations,
 integer dot products on AVX512-VNNI). See w4a8.cpp for the math.

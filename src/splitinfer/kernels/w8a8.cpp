@@ -11,14 +11,14 @@
 // rows, one pass of six (`six`, 24 accumulators; 24 dot products a step where two passes of eight take 32, and
 // one read of the stream: notes/bench/step-int8-rows); seven and eight rows share each load of two tiles (`pair`), the group's other two tiles then
 // coming from the cache. Two passes of four rows over each group instead (the second from L2) were no faster in whole
-// steps, alternating with this kernel (notes/bench/w8a8-eight, scripts/bench_step_ab.py).
+// steps, alternating with this kernel (notes/bench/w8a8-eight, `splitinfer bench step-ab`).
 // One pass (up to four rows) leaves the stream to the hardware prefetchers: asking for it 16 KB ahead with
 // prefetcht0 made one to four rows 1.17-1.29x slower (a cloud step's 104 products at one row 5.04 ms against
 // 4.23, notes/bench/w8a8-prefetch). Where several passes read a group, each asks for its share of the next
 // group into L2 (`Ahead`): when only the first pass went to memory, memory idled while the others computed
 // (the cloud's int8 products at eight rows took ~1.2x longer; into L1 instead, ~1.4x: the next group evicted
 // the tiles still being read).
-// Figures against FBGEMM on one core: notes/bench/w8a8-kernel (scripts/bench_w8a8.py).
+// Figures against FBGEMM on one core: notes/bench/w8a8-kernel (`splitinfer bench kernels --kernel w8a8`).
 //
 // The packed weight (kernels/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
 // columns (N / 64 rounded up; zero tiles after the real ones), one stream a group; for four inputs and a

@@ -2,11 +2,11 @@
 
 w8a8.cpp (built by kernels/build.py) shares each load of the weight among four rows (eight from five rows) on
 AVX512-VNNI; one to four rows leave the weight stream to the hardware prefetchers (asking for it 16 KB ahead
-measured 1.17-1.29x slower streamed from memory: notes/bench/w8a8-prefetch, `python scripts/bench_w8a8_stream.py
---out notes/bench/w8a8-prefetch`). Against FBGEMM's product, which Int8Linear used alone
+measured 1.17-1.29x slower streamed from memory: notes/bench/w8a8-prefetch, `splitinfer bench kernels
+--kernel w8a8-stream --out notes/bench/w8a8-prefetch`). Against FBGEMM's product, which Int8Linear used alone
 before, it measured 1.1-1.5x faster on SmolLM2's int8 LM head at 1-16 rows (0.74 ms at one row, 1.21 at eight)
 and 1.2x from four rows on a draft head's readout, 0.9x at one and two
-(notes/bench/w8a8-kernel, `python scripts/bench_w8a8.py --out notes/bench/w8a8-kernel`). Its integer sums are
+(notes/bench/w8a8-kernel, `splitinfer bench kernels --kernel w8a8 --out notes/bench/w8a8-kernel`). Its integer sums are
 exact and its epilogue is FBGEMM's and torch._int_mm's (float(sum) * the weight row's scale, then the input
 row's scale), so all three give the same bits (tests/kernels/test_w8a8.py) and each row its own.
 """

@@ -6,11 +6,11 @@ prefetchers restart at every product, and every 4 KB page is a TLB miss. Moved i
 2 MB aligned and advised for transparent huge pages (Linux's MADV_HUGEPAGE, where the kernel offers them),
 the layers' products follow one another as one stream. Measured on SmolLM2's int8 shards, one core, both
 copies of the model in one process and timed alternately: the cloud's step 1.11-1.18x faster at one to eight
-rows, the local side's 1.18-1.24x, every output identical (notes/bench/arena, scripts/bench_arena.py).
+rows, the local side's 1.18-1.24x, every output identical (notes/bench/arena, `splitinfer bench arena`).
 
 Every tensor keeps its identity (`Tensor.set_`), so the modules and native calls that hold it read the new
 memory; the old allocation is freed as each tensor moves. Where the OS has no anonymous mappings, the tensors
-are not on the CPU, or SPLITINFER_ARENA=0 (for A/B runs: scripts/bench_arena.py), nothing moves.
+are not on the CPU, or SPLITINFER_ARENA=0 (for A/B runs: `splitinfer bench arena`), nothing moves.
 """
 
 from __future__ import annotations

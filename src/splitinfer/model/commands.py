@@ -23,9 +23,10 @@ class SplitOptions:
     tail_layers: int = 2  # m: decoder layers kept local after the cloud
     dtype: str = "float32"  # the compute dtype of prepared shards (activations, norms, the embedding)
     # Each part's weight format (model/formats.py): one format, or PART=FORMAT entries (local, cloud, lm_head);
-    # "auto": by the source (a 4-bit GGUF: every part int8, model/prepare.py's SHIPPED_4BIT; else `dtype`);
-    # "" every weight in `dtype`.
+    # "auto": by the source, this CPU's int8 product and `cloud_device` (model/autoformat.py: int8 on a CPU
+    # with splitinfer's or FBGEMM's int8 product); "" every weight in `dtype`.
     weights: str = "auto"
+    cloud_device: str = "cpu"  # where the cloud half will run, for `weights` auto: "cpu", or "cuda" (layers bfloat16)
 
 
 @dataclass(frozen=True)
@@ -84,21 +85,24 @@ def cmd_prepare(args) -> int:
     if is_gguf_source(args.model):
         require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
     from ..progress import progress
-    from .prepare import prepare, shipped_formats
+    from .autoformat import auto_formats
+    from .prepare import prepare
     from .source import load_source
 
     from .formats import WeightFormats
 
     split_range = parse_split_range(args.split_range) if args.split_range else None  # fail before loading
     weights = WeightFormats.parse(args.weights) if args.weights not in ("", "auto") else None
+    reason = None
     with progress(total=2, desc="prepare: loading the model", unit="step") as bar:
         source = load_source(args.model)
         if args.weights == "auto":
-            weights = shipped_formats(source)
+            choice = auto_formats(source, args.dtype, args.cloud_device)
+            weights, reason = choice.weights, "--weights auto: " + choice.reason
         bar.set_description("prepare: writing the shards")
         bar.update(1)
         out = prepare(source, args.out, args.head_layers, args.tail_layers, args.dtype, split_range=split_range,
-                      weights=weights)
+                      weights=weights, reason=reason)
         bar.update(1)
     manifest = json.loads((out / "cloud" / "manifest.json").read_text())
     split = manifest["split"]
@@ -109,6 +113,8 @@ def cmd_prepare(args) -> int:
         f"[{split['cloud_layers'][1]}, {split['num_layers']}), cloud layers [{split['cloud_layers'][0]}, "
         f"{split['cloud_layers'][1]}){randomised}, {manifest['dtype']}, weights {weights.spec() if weights else manifest['dtype']}\n  {out / 'local'}\n  {out / 'cloud'}"
     )
+    if reason:
+        print(reason)
     print(install_shipped_drafter(out / "local"))
     if args.allow_public_weights:
         from ..public_weights import RECORDED, acknowledge
@@ -152,9 +158,14 @@ def register(subparsers) -> None:
         Opt("dtype", choices=DTYPE_NAMES, help="compute dtype of the shards (activations, norms, embedding)"),
         Opt("weights", help="weight format of the decoder layers and LM head: float32, bfloat16, int8 or int4, "
                             "or PART=FORMAT entries for local, cloud, lm_head (e.g. int4,lm_head=int8); "
-                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; auto: a 4-bit GGUF in int8 (measured fastest "
-                            "for the split on a CPU, perplexity within one percent of float32's), other models "
-                            "and --synthetic every weight in --dtype; '' or float32: every weight in --dtype"),
+                            "int4 keeps a Q4_0/Q4_1 GGUF's own blocks; auto: int8 for every part where this CPU runs "
+                            "splitinfer's or FBGEMM's int8 product (exact, and measured faster than float32 on both), "
+                            "from any GGUF (its blocks dequantized and quantized again) or float checkpoint, else "
+                            "--dtype; --cloud-device cuda makes the cloud's layers bfloat16; --synthetic: every "
+                            "weight in --dtype; '' or float32: every weight in --dtype (the reference)"),
+        Opt("cloud_device", choices=("cpu", "cuda"),
+            help="where the cloud half will run, for --weights auto: cpu (int8, as the local half), or cuda (its "
+                 "layers bfloat16: a GPU multiplies floats and would dequantize int8 at load)"),
     ))
     s.add_argument("--allow-public-weights", action="store_true",
                    help="accept, once for this shard, that its local layers are the stock public weights (the cloud "

@@ -7,7 +7,8 @@ weight is d * q + m, Q4_0's being d * (q - 8)), so an int4 shard keeps exactly t
 scales. Each tensor's row order is matched against the float tensor transformers produced (it reorders
 the query and key rows of llama-family models): a tensor whose dequantized blocks do not equal that
 tensor bit for bit is left out, and prepare quantizes it from the float instead. Other block types
-(Q8_0, K-quants) are not read here.
+(Q5_0, Q8_0, the K-quants) are only named (`tensor_types`, what `prepare --weights auto` chooses by): no
+kernel here multiplies by them as stored, so prepare takes their values from transformers' floats.
 """
 
 from __future__ import annotations
@@ -50,25 +51,37 @@ def _row_orders(rows: int, config) -> list[torch.Tensor]:
     return orders
 
 
-def read_blocks(path: str | Path, state: dict[str, torch.Tensor], config) -> dict[str, tuple]:
-    """{HF key: (q, d, m)} for every Q4_0/Q4_1 tensor of the GGUF at `path` whose blocks match `state`
-    (the float tensors transformers loaded from the same file) bit for bit, in HF row order."""
+def _stored(path: str | Path, state: dict[str, torch.Tensor], config):
+    """(HF key, float tensor, the GGUF's tensor) for every 2-D weight of `state` the GGUF at `path` stores."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch_name)
     if arch is None:
-        return {}
+        return
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     by_name = {t.name: t for t in reader.tensors}
-    blocks = {}
     for key, tensor in state.items():
         if not key.endswith(".weight") or tensor.dim() != 2:
             continue
         gguf_name = names.get_name(key[: -len(".weight")])
         stored = by_name.get(f"{gguf_name}.weight") if gguf_name else None
-        if stored is None or stored.tensor_type.name not in ("Q4_0", "Q4_1"):
+        if stored is not None:
+            yield key, tensor, stored
+
+
+def tensor_types(path: str | Path, state: dict[str, torch.Tensor], config) -> dict[str, str]:
+    """{HF key: GGML type name ('Q4_K', 'Q8_0', 'F16', ...)} of every 2-D weight of `state` in the GGUF at `path`."""
+    return {key: stored.tensor_type.name for key, _, stored in _stored(path, state, config)}
+
+
+def read_blocks(path: str | Path, state: dict[str, torch.Tensor], config) -> dict[str, tuple]:
+    """{HF key: (q, d, m)} for every Q4_0/Q4_1 tensor of the GGUF at `path` whose blocks match `state`
+    (the float tensors transformers loaded from the same file) bit for bit, in HF row order."""
+    blocks = {}
+    for key, tensor, stored in _stored(path, state, config):
+        if stored.tensor_type.name not in ("Q4_0", "Q4_1"):
             continue
         found = _match(stored.tensor_type.name, stored.data, tensor, config)
         if found is None:

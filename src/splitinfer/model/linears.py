@@ -248,9 +248,12 @@ def kernel_class(fmt: str, in_features: int, out_features: int) -> type:
 
 @functools.cache
 def fbgemm_works() -> bool:
-    """Whether FBGEMM's int8 product is in this torch and gives `int_mm_product`'s bits (a probe weight)."""
-    qweight = torch.randint(-127, 128, (16, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
-    return fbgemm_pack(qweight, torch.rand(16, generator=torch.Generator().manual_seed(1)) + 0.01) is not None
+    """Whether FBGEMM's int8 product is in this torch and gives `int_mm_product`'s bits (a probe weight). The
+    probe runs on the CPU whatever the default device where it is first asked (modules are chosen while a
+    shard's skeleton is built on the meta device, where the probe would fail and its answer stay cached)."""
+    with torch.device("cpu"):
+        qweight = torch.randint(-127, 128, (16, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+        return fbgemm_pack(qweight, torch.rand(16, generator=torch.Generator().manual_seed(1)) + 0.01) is not None
 
 
 def select_rows(linear: nn.Module, index: torch.Tensor) -> QuantLinear | None:

@@ -85,24 +85,6 @@ def _is_layer_linear(model: torch.nn.Module, key: str) -> bool:
     return isinstance(model.get_submodule(key[: -len(".weight")]), torch.nn.Linear)
 
 
-# `prepare --weights auto` on a GGUF whose decoder layers are 4-bit blocks, chosen by measurement on this CPU
-# (docs/benchmarks.md#weight-formats): every part in int8, quantized again from the blocks' values with
-# SmoothQuant's calibration. Its split tree ran faster than the blocks kept as they ship (int4, an int8 LM head):
-# a further tree row costs an int8 product less than Q4_1's per-block epilogue, so the controller sends larger
-# trees; and of the reduced formats measured, it kept perplexity closest to float32's (+0.05%; the int4 layers
-# cost +0.7%, int4 local layers with int8 cloud layers +1.9%: over the 1% a default may add).
-SHIPPED_4BIT = WeightFormats(local="int8", cloud="int8", lm_head="int8")
-
-
-def shipped_formats(source: SourceModel) -> WeightFormats | None:
-    """`prepare --weights auto`: SHIPPED_4BIT where every decoder-layer linear of the source has its GGUF
-    4-bit blocks (model/gguf_blocks.py), else None (every weight in the shards' dtype: a float checkpoint
-    ships in floats)."""
-    linears = [k for k in source.model.state_dict() if _is_layer_linear(source.model, k)]
-    blocks = source.blocks or {}
-    return SHIPPED_4BIT if linears and all(k in blocks for k in linears) else None
-
-
 def stored_linear(key: str, weight: torch.Tensor, fmt: str, block: tuple | None = None,
                   act_max: torch.Tensor | None = None, column_max: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The shard entries of one linear weight ('...q_proj.weight') in `fmt`. `block`: the GGUF's own 4-bit
@@ -145,11 +127,14 @@ def prepare(
     dtype: str = "float32",
     split_range: tuple[int, int] | None = None,
     weights: WeightFormats | None = None,
+    reason: str | None = None,
 ) -> Path:
     """Write OUT/local and OUT/cloud. Returns OUT.
 
     split_range (K1, K2) replaces head_layers: sessions pick their head depth in [K1, K2] (see module doc).
     weights: each part's weight format (model/formats.py); None stores every weight in `dtype`.
+    reason: why these formats (`prepare --weights auto`, model/autoformat.py): logged, and written into
+    both manifests as `weights_reason`.
     """
     if dtype not in DTYPES:
         raise ModelError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}.")
@@ -159,6 +144,8 @@ def prepare(
     else:
         split = Split(source.config.num_hidden_layers, head_layers, tail_layers)
     formats = weights.as_dict() if weights is not None else {part: dtype for part in PARTS}
+    if reason:
+        log.info("weights %s: %s", ", ".join(f"{part} {fmt}" for part, fmt in formats.items()), reason)
     parts = _parts(source, split, dtype, formats)
     config = _clean_config(source.config)
 
@@ -190,6 +177,8 @@ def prepare(
             "has_tokenizer": source.tokenizer is not None,
             "created_by": f"splitinfer {__version__}",
         }
+        if reason:
+            manifest["weights_reason"] = reason
         (directory / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
     log.info("wrote %s (cloud layers %d..%d of %d, head depths %s)", out, split.cloud_start, split.cloud_end,
              split.num_layers, split.head_range)

@@ -46,6 +46,11 @@ class SourceModel:
     tokenizer: object | None
     # A GGUF's own 4-bit blocks, {HF key: (q, d, m)} (model/gguf_blocks.py): `prepare --weights int4` keeps them.
     blocks: dict | None = None
+    kind: str = "memory"  # read from: "gguf", "safetensors" or "checkpoint" (a HF directory); "memory": built in Python
+    # {weight name: the type the source stores it in}, its decoder layers' 2-D weights: GGML names for a GGUF
+    # ('Q4_K', 'Q8_0', 'F16'), safetensors' dtype names ('BF16', 'F32'); None: as `model` holds them.
+    # `prepare --weights auto` chooses by them (model/autoformat.py).
+    stored_types: dict[str, str] | None = None
 
 
 def load_source(path: str | Path | None = None) -> SourceModel:
@@ -77,7 +82,32 @@ def load_source(path: str | Path | None = None) -> SourceModel:
         tokenizer = None
     blocks = None
     if path.suffix == ".gguf":
-        from .gguf_blocks import read_blocks
+        from .gguf_blocks import read_blocks, tensor_types
 
-        blocks = read_blocks(path, model.state_dict(), model.config)
-    return SourceModel(model_id=model_id, config=model.config, model=model.eval(), tokenizer=tokenizer, blocks=blocks)
+        state = model.state_dict()
+        blocks = read_blocks(path, state, model.config)
+        kind, types = "gguf", {k: t for k, t in tensor_types(path, state, model.config).items() if _is_layer_weight(k)}
+    else:
+        types = safetensors_types(path)
+        kind = "safetensors" if types else "checkpoint"  # a .bin one: chosen by the dtype it loaded in
+    return SourceModel(model_id=model_id, config=model.config, model=model.eval(), tokenizer=tokenizer, blocks=blocks,
+                       kind=kind, stored_types=types or None)
+
+
+def _is_layer_weight(name: str) -> bool:
+    return ".layers." in f".{name}" and name.endswith(".weight")
+
+
+def safetensors_types(directory: Path) -> dict[str, str]:
+    """{name: dtype name ('BF16', 'F16', 'F32', 'I32', ...)} of the decoder layers' 2-D weights in a HF directory's
+    *.safetensors files, read from their headers (no tensor is loaded); empty where it has none (a .bin checkpoint)."""
+    from safetensors import safe_open
+
+    types = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                if _is_layer_weight(name) and len(part.get_shape()) == 2:
+                    types[name] = part.get_dtype()
+    return types

@@ -1,34 +1,32 @@
-"""The trusted half of the paper's configuration on this CPU: `bench step` on a synthetic 7B-shaped local shard.
+"""`splitinfer bench trusted-half`: the trusted half of the paper's configuration on this CPU, `bench step` on a
+synthetic 7B-shaped local shard.
 
-    python scripts/bench_trusted_half.py --out notes/bench/trusted-7b          # the whole measurement
-    python scripts/bench_trusted_half.py --out notes/bench/trusted-7b --report-only
-    python scripts/bench_trusted_half.py --config tiny.json --out /tmp/t --rows 1,4 --contexts 8 --repeats 1
+Makes the local shard once (`prepare --synthetic CONFIG --sides local`: embedding, 2 + 2 layers, final norm, LM
+head; 4.5 GB in float32 for mistral-7b-v0.1, under --shards, which should be gitignored or /tmp), and for int8
+and int4 a shard of their own (`--weights FORMAT`, 1.3-1.6 GB, computing in float32), then runs `splitinfer bench
+step --sides local` once per weight format and thread count, each in its own process (one thread pinned to core
+0; two threads unpinned; float32 and bfloat16 on the float32 shard with `--dtype`), and writes
+OUT/<format>-<threads>t/step.{json,md,png} and, over every run under OUT (several invocations may fill one OUT),
+OUT/trusted-half.json, OUT/trusted-half.md and OUT/trusted-half.png: ms a step against rows, beside the bytes
+bound (the side's weights as stored plus the cached keys/values it reads, over the bandwidth measured in the
+same process with the same threads). `--report-only` rebuilds those three from the stored runs.
 
-Makes the local shard once (`prepare --synthetic CONFIG --sides local`: embedding, 2 + 2 layers, final norm,
-LM head; 4.5 GB in float32 for mistral-7b-v0.1, under --shards, which should be gitignored or /tmp), and for
-int8 and int4 a shard of their own (`--weights FORMAT`, 1.3-1.6 GB, computing in float32), then runs
-`splitinfer bench step --sides local` once per weight format and thread count, each in its own process
-(one thread pinned to core 0; two threads unpinned; float32 and bfloat16 on the float32 shard with
-`--dtype`), and writes OUT/<format>-<threads>t/step.{json,md,png} and, over every run under OUT (several
-invocations may fill one OUT), OUT/trusted-half.json, OUT/trusted-half.md and OUT/trusted-half.png: ms a
-step against rows, beside the bytes bound (the side's weights as stored plus the cached keys/values it reads,
-over the bandwidth measured in the same process with the same threads).
+`--cloud-layers 4` adds the cloud side as a CPU figure: 4 of its 28 layers in bfloat16 (a second synthetic shard,
+1.75 GB; the whole cloud half, 12.2 GB in bfloat16, does not fit beside its loading copy in 24 GiB), scaled to
+all 28 by per-layer cost; `--formats '' --cloud-layers 4` runs that part alone into the same OUT.
 
-`--cloud-layers 4` adds the cloud side as a CPU figure: 4 of its 28 layers in bfloat16 (a second synthetic
-shard, 1.75 GB; the whole cloud half, 12.2 GB in bfloat16, does not fit beside its loading copy in 24 GiB),
-scaled to all 28 by per-layer cost; `--formats '' --cloud-layers 4` runs that part alone into the same OUT.
-
-Nothing else should run on the machine meanwhile. Estimated on the project's 2-core CPU from smoke runs of
-the 7B shards (making them: 36 s each; a float32 step 0.32 / 0.41 s at 1 / 4 rows, 9.3 GB resident; an int4
-step 0.06 / 0.10 s, 2.2 GB), rows 1-64, contexts 64 and 2048, 3 repetitions, 1 and 2 threads:
-float32 + bfloat16 about 9-10 minutes (~4 of them float32 on one thread, its 2,048-token contexts prefilled
-twice), int8 + int4 about 4-6 more, `--cloud-layers 4` about 2-3 more. To stay within 10-minute slots, run
+Nothing else should run on the machine meanwhile. Estimated on the project's 2-core CPU from smoke runs of the 7B
+shards (making them: 36 s each; a float32 step 0.32 / 0.41 s at 1 / 4 rows, 9.3 GB resident; an int4 step 0.06 /
+0.10 s, 2.2 GB), rows 1-64, contexts 64 and 2048, 3 repetitions, 1 and 2 threads: float32 + bfloat16 about 9-10
+minutes, int8 + int4 about 4-6 more, `--cloud-layers 4` about 2-3 more. To stay within 10-minute slots, run
 `--formats float32,bfloat16`, then `--formats int8,int4 --cloud-layers 4`, into the same OUT.
+
+Its record is not bench/harness.py's pair: OUT/trusted-half.json gathers the `bench step` runs under OUT (each
+step.json with its own command and machine) and the commands that filled OUT, in order.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -36,56 +34,58 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
+import splitinfer as splitinfer_package
 
-from splitinfer.tables import table  # noqa: E402
+from ..errors import ConfigError
+from ..tables import table
+from .harness import command_line
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")  # model/formats.py's
 FLOAT_FORMATS = ("float32", "bfloat16")  # timed on the float32 shard computing in that dtype (`bench step --dtype`)
 
 
-def run(argv: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    print("+ splitinfer " + " ".join(argv), file=sys.stderr, flush=True)
+def run_splitinfer(argv: list[str], log) -> None:
+    """`splitinfer ARGV` in a process of its own, importing this tree."""
+    src = str(Path(splitinfer_package.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log("+ splitinfer " + " ".join(argv))
     subprocess.run([sys.executable, "-m", "splitinfer", *argv], check=True, env=env)
 
 
 def model_layers(config: str) -> int:
-    from splitinfer.model.synthetic import synthetic_config
+    from ..model.synthetic import synthetic_config
 
     return int(synthetic_config(config)[1]["num_hidden_layers"])
 
 
-def measure(args) -> None:
-    shards = Path(args.shards)
-    if args.formats and not (shards / "local" / "manifest.json").is_file():
-        run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "local", "--out", str(shards),
-             "--head-layers", "2", "--tail-layers", "2", "--dtype", "float32"])
+def prepared(config: str, out: Path, side: str, tail_layers: int, dtype: str, log, *extra: str) -> Path:
+    """A synthetic shard of `config`'s `side` (2 head layers, `tail_layers` tail layers) at `out`, made once."""
+    if not (out / side / "manifest.json").is_file():
+        run_splitinfer(["prepare", "--synthetic", config, "--seed", "0", "--sides", side, "--out", str(out),
+                        "--head-layers", "2", "--tail-layers", str(tail_layers), "--dtype", dtype, *extra], log)
+    return out
+
+
+def measure(args, shards: str, log) -> None:
+    """The shards made where missing, then one `bench step` process per side, format and thread count."""
     steps = []
     for fmt in (f for f in args.formats.split(",") if f):  # '': the cloud layers only
-        if fmt in FLOAT_FORMATS:
-            steps.append(("local", shards, fmt))
-            continue
-        quantized = Path(f"{shards}-{fmt}")  # an integer format is stored so: its own shard, computing in float32
-        if not (quantized / "local" / "manifest.json").is_file():
-            run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "local", "--out", str(quantized),
-                 "--head-layers", "2", "--tail-layers", "2", "--dtype", "float32", "--weights", fmt])
-        steps.append(("local", quantized, fmt))
+        shard = prepared(args.config, Path(shards), "local", 2, "float32", log)
+        if fmt not in FLOAT_FORMATS:  # an integer format is stored so: its own shard, computing in float32
+            shard = prepared(args.config, Path(f"{shards}-{fmt}"), "local", 2, "float32", log, "--weights", fmt)
+        steps.append(("local", shard, fmt))
     if args.cloud_layers:  # a few of the cloud's layers in bfloat16: the whole cloud half does not fit in memory
-        cloud = Path(f"{shards}-cloud{args.cloud_layers}")
-        if not (cloud / "cloud" / "manifest.json").is_file():
-            tail = model_layers(args.config) - 2 - args.cloud_layers
-            run(["prepare", "--synthetic", args.config, "--seed", "0", "--sides", "cloud", "--out", str(cloud),
-                 "--head-layers", "2", "--tail-layers", str(tail), "--dtype", "bfloat16"])
-        steps.append(("cloud", cloud, "bfloat16"))
+        tail = model_layers(args.config) - 2 - args.cloud_layers
+        steps.append(("cloud", prepared(args.config, Path(f"{shards}-cloud{args.cloud_layers}"), "cloud", tail,
+                                        "bfloat16", log), "bfloat16"))
     for side, directory, fmt in steps:
         for threads in (int(t) for t in args.threads.split(",")):
             name = f"{fmt}-{threads}t" if side == "local" else f"cloud-{fmt}-{threads}t"
             dtype = ["--dtype", fmt] if fmt in FLOAT_FORMATS else []
-            run(["bench", "step", "--shards", str(directory), "--sides", side, "--out", str(Path(args.out) / name),
-                 "--rows", args.rows, "--contexts", args.contexts, *dtype, "--threads", str(threads),
-                 "--cpu", "0" if threads == 1 else "-1", "--repeats", str(args.repeats)])
+            run_splitinfer(["bench", "step", "--shards", str(directory), "--sides", side, "--out",
+                            str(Path(args.out) / name), "--rows", args.rows, "--contexts", args.contexts, *dtype,
+                            "--threads", str(threads), "--cpu", "0" if threads == 1 else "-1", "--repeats",
+                            str(args.repeats)], log)
 
 
 def combine(out: Path, cloud_layers: int | None = None) -> dict:
@@ -96,7 +96,7 @@ def combine(out: Path, cloud_layers: int | None = None) -> dict:
         report = json.loads(path.read_text())
         threads = report["config"]["threads"]
         command = "splitinfer " + report["command"].split("__main__.py ", 1)[1] if "__main__.py " in report["command"] \
-            else report["command"]  # run() starts `python -m splitinfer`
+            else report["command"]  # run_splitinfer() starts `python -m splitinfer`
         runs.append({"run": path.parent.name, "command": command, "dtype": report["dtype"], "threads": threads,
                      "bandwidth_gbps": report["bandwidth_gbps"], "product_peak_gflops": report["product_peak_gflops"],
                      "synthetic": report.get("synthetic")})
@@ -176,7 +176,7 @@ def update_docs(docs: Path, out: Path, result: dict) -> None:
     start, end = DOC_MARKERS
     text = docs.read_text()
     if start not in text or end not in text:
-        raise SystemExit(f"{docs} has no {start} ... {end} markers")
+        raise ConfigError(f"{docs} has no {start} ... {end} markers: put them where the table should go.")
     rel = os.path.relpath(out, docs.parent)
     local = [r for r in result["rows"] if r["side"] == "local"]
     body = [[r["format"], r["threads"], r["context"], r["rows"], r["splitinfer_ms"], r["transformers_ms"], r["bound_ms"],
@@ -190,42 +190,23 @@ def update_docs(docs: Path, out: Path, result: dict) -> None:
     docs.write_text(head + start + "\n" + "\n".join(block) + "\n" + end + rest.split(end, 1)[1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="directory for the runs and trusted-half.{json,md,png}")
-    parser.add_argument("--config", default="mistral-7b-v0.1", help="a name `bench plan` knows, or a config.json")
-    parser.add_argument("--shards", help="where the synthetic local shard is made once (default shards/synthetic-CONFIG)")
-    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weight formats")
-    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    parser.add_argument("--rows", default="1,4,8,16,32,64")
-    parser.add_argument("--contexts", default="64,2048")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cloud-layers", type=int, default=0,
-                        help="also time this many of the cloud's layers in bfloat16 (a second synthetic shard), scaled "
-                             "to all of them; 0: the trusted half only")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the combined table from the stored runs")
-    parser.add_argument("--docs", help="also put the table and plot between the trusted-half markers of this file "
-                                       "(docs/benchmarks.md)")
-    args = parser.parse_args()
-    args.shards = args.shards or str(ROOT / "shards" / f"synthetic-{Path(args.config).stem}")
+def run(args, log=print) -> dict:
     out = Path(args.out)
+    shards = args.shards or f"shards/synthetic-{Path(args.config).stem}"
     started = time.monotonic()
     if not args.report_only:
-        measure(args)
+        measure(args, shards, log)
     cloud_layers = model_layers(args.config) - 4  # the cloud's share of the 2 + 2 split
     stored = json.loads((out / "trusted-half.json").read_text()) if (out / "trusted-half.json").is_file() else {}
     commands = stored.get("commands", [])  # the measuring commands, in order (several may fill one OUT)
     if not args.report_only:
-        commands.append({"command": "python scripts/bench_trusted_half.py " + " ".join(sys.argv[1:]),
-                         "elapsed_s": round(time.monotonic() - started, 1)})
+        commands.append({"command": command_line(args), "elapsed_s": round(time.monotonic() - started, 1)})
     result = {"commands": commands, **combine(out, cloud_layers)}
+    out.mkdir(parents=True, exist_ok=True)
     (out / "trusted-half.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "trusted-half.md").write_text(markdown(result))
     plot(result, out / "trusted-half.png")
     if args.docs:
         update_docs(Path(args.docs), out, result)
-    print(f"wrote {out}/trusted-half.json, .md, .png ({round(time.monotonic() - started)} s)", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()
+    log(f"wrote {out}/trusted-half.json, .md, .png ({round(time.monotonic() - started)} s)")
+    return result

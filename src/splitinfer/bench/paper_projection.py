@@ -1,22 +1,26 @@
-"""`scripts/gpu_projection.py --paper`: the paper's configuration (mistral-7b-v0.1, 2 + 2) projected from
-measured parts, every input labelled measured, scaled or bound (gpu_projection.py's docstring says how).
+"""`splitinfer bench project --paper`: the paper's configuration (mistral-7b-v0.1, 2 + 2 local layers; issue 49)
+projected from measured parts at --paper-rtts, every input labelled measured, scaled or bound.
 
-A helper of gpu_projection.py, not a command of its own. The model: tok/s = 1000 a / (RTT + local + cloud +
-drafting), the bound `bench spec` writes for each strategy, with each term replaced by the 7B figure.
+The model: tok/s = 1000 a / (RTT + local + cloud + drafting), the bound `bench spec` writes for each strategy,
+with each term replaced by the 7B figure: a, rows a step and drafting ms measured on the shipped model's MT-Bench
+run (drafting for a 7B head would cost more); local: the 7B trusted half's step at those rows and the run's mean
+context, measured on this CPU by `bench trusted-half` (`--trusted`; without it, its bytes bound at this CPU's
+bandwidth as a `bench step` run measured it, `--cpu-step`), and the same scaled to a laptop by bandwidth
+(--laptop-gbs, assumed); cloud: the GPU check's measured cloud step (`--device-step`; without it, the cloud
+layers' bfloat16 bytes over --bandwidth-gbs, a bound). The paper's own figures (its measured 8.3 sequential and
+8.8 lookahead tok/s at ~78-80 ms, its projected ones at 20 and 150 ms, its 26.2 ms RTX 3090 and 15.9 ms A100
+steps) stand beside. Nothing here is a measurement of its own.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "src"))
-
-from splitinfer.bench.plan import load_config, plan  # noqa: E402
-from splitinfer.tables import table  # noqa: E402
+from ..tables import table
+from .harness import command_line, write
+from .plan import load_config, plan
 
 CONFIG = "mistral-7b-v0.1"
 # arXiv:2602.16760 via /work/shared/reference/split-inference-over-wan.md: its measured tok/s at ~78-80 ms,
@@ -24,17 +28,6 @@ CONFIG = "mistral-7b-v0.1"
 PAPER_MEASURED = {"sequential": (78.0, 8.3), "lookahead": (80.0, 8.8)}
 PAPER_PROJECTED = {"sequential": {20.0: 15.9, 80.0: 8.1, 150.0: 5.2}, "lookahead": {20.0: 18.6, 80.0: 8.8, 150.0: 5.4}}
 PAPER_LOCAL_MS, PAPER_CLOUD_MS, PAPER_SERIALIZATION_MS = 26.2, 15.9, 1.0  # RTX 3090, A100, at 78 ms
-
-
-def add_paper_options(parser) -> None:
-    parser.add_argument("--paper", action="store_true", help="the paper's configuration (mistral-7b-v0.1, 2 + 2)")
-    parser.add_argument("--paper-rtts", default="20,50,80,150", help="with --paper: round trips, ms")
-    parser.add_argument("--trusted", help="with --paper: scripts/bench_trusted_half.py's trusted-half.json")
-    parser.add_argument("--device-step", help="with --paper: the GPU check's device-step.json (the measured cloud step)")
-    parser.add_argument("--cpu-step", default=str(ROOT / "notes/bench/step/step.json"),
-                        help="with --paper and no --trusted: a bench step run whose measured bandwidth makes the bound")
-    parser.add_argument("--laptop-gbs", type=float, default=60.0,
-                        help="with --paper: a laptop's memory bandwidth, GB/s (an assumption, labelled)")
 
 
 def interpolate(points: dict[float, float], x: float) -> float:
@@ -140,17 +133,15 @@ def project_paper(args, run: dict) -> dict:
                      "local_ms": PAPER_LOCAL_MS, "local_label": "paper, measured", "cloud_ms": PAPER_CLOUD_MS,
                      "cloud_label": "paper, measured (+1.0 ms serialization)", "drafting_ms": s["drafting_ms"],
                      "tokens_per_s": {f"{r:g}": round(1000 * s["a"] / (r + paper_step + s["drafting_ms"]), 2) for r in rtts}})
-    return {"command": "python scripts/gpu_projection.py " + " ".join(sys.argv[1:]), "config": CONFIG, "split": "2 + 2",
+    return {"config": CONFIG, "split": "2 + 2",
             "spec_run": args.run, "spec_command": run["command"], "mean_context": context, "rtts_ms": rtts,
             "trusted": args.trusted, "device_step": args.device_step, "rows": rows,
             "paper": {"measured": PAPER_MEASURED, "projected": PAPER_PROJECTED}}
 
 
-def paper_markdown(result: dict) -> str:
+def paper_body(result: dict) -> list[str]:
     rtts = [f"{r:g}" for r in result["rtts_ms"]]
-    lines = [f"# {result['config']} ({result['split']}) projected from measured parts", "",
-             f"Command: `{result['command']}`", "",
-             "tok/s = 1000 a / (RTT + local + cloud + drafting). a, rows a step and drafting ms: measured on the "
+    lines = ["tok/s = 1000 a / (RTT + local + cloud + drafting). a, rows a step and drafting ms: measured on the "
              f"shipped SmolLM2's MT-Bench run (`{result['spec_command']}`; drafting for a 7B head would cost more); "
              f"local and cloud at that run's rows a step and mean context ({result['mean_context']} tokens). "
              "Each input says whether it was measured, scaled or is a bound (a bound is a floor on the step, so its "
@@ -164,8 +155,7 @@ def paper_markdown(result: dict) -> str:
         rtt, tps = paper["measured"][name]
         body.append([f"paper: {name}", f"measured {tps} tok/s at ~{rtt:g} ms; projected where it gave one", "", "", "", "", "",
                      "", "", *(paper["projected"][name].get(float(k), "-") for k in rtts)])
-    lines += table(head, body)
-    return "\n".join(lines) + "\n"
+    return lines + table(head, body)
 
 
 def paper_plot(result: dict, path: Path) -> None:
@@ -194,12 +184,12 @@ def paper_plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def paper_main(args) -> None:
+def run_paper(args, log=print) -> dict:
+    """`bench project --paper`: OUT/projection.json, .md and .png."""
     run = json.loads(Path(args.run).read_text())
     result = project_paper(args, run)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "projection.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "projection.md").write_text(paper_markdown(result))
+    write(out, "projection", result, paper_body(result), command=command_line(args), log=log,
+          title=f"{result['config']} ({result['split']}) projected from measured parts")
     paper_plot(result, out / "projection.png")
-    print(paper_markdown(result))
+    return result

@@ -1,21 +1,16 @@
-"""Decode steps/s of `serve --tp N` and of `serve --ray --replicas R` against a plain `serve` on the same
-shards, every output compared with the plain server's.
+"""`splitinfer bench scale`: decode steps/s of `serve --tp N` and of `serve --ray --replicas R` against a plain
+`serve` on the same shards, every output compared with the plain server's.
 
-    PYTHONPATH=src python scripts/bench_scale.py shards/smollm2 --tp 3 --sessions 4 --tokens 16
-    PYTHONPATH=src python scripts/bench_scale.py shards/smollm2 --ray 2 --sessions 16 --tokens 24 --rtt-ms 80
-
-Each server runs as its own child process(es) on loopback, every server process (rank, replica) with one
-torch thread; with --tp the plain server also runs with N threads (the cores the N ranks use). With
---rtt-ms every server URL is reached through its own `splitinfer wan` proxy. The clients are threads of
-this process, one session each (sequential decoding, float32 wire), all started together after one
-warm-up generation. A tool for one machine, not a benchmark sweep: say how loaded the machine was next
-to any figure it prints. `--ray` needs the ray extra.
+Each server runs as its own child process(es) on loopback, every server process (rank, replica) with one torch
+thread; with --tp the plain server also runs with N threads (the cores the N ranks use). With --rtt-ms every
+server URL is reached through its own `splitinfer wan` proxy. The clients are threads of this process, one
+session each (sequential decoding, float32 wire), all started together after one warm-up generation. A tool for
+one machine: say how loaded the machine was next to any figure it gives. `--ray` needs the ray extra.
+Writes OUT/NAME.json and OUT/NAME.md (--name, default scale).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
 import threading
@@ -23,9 +18,11 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from splitinfer.launch import cloud_server, free_port, wan_proxy
-from splitinfer.clients import open_client
-from splitinfer.local.session import ClientConfig
+from ..clients import open_client
+from ..launch import cloud_server, free_port, wan_proxy
+from ..local.session import ClientConfig
+from ..tables import table
+from .harness import command_line, write
 
 TEXTS = [
     "Explain in three sentences why the round trip dominates split inference over a WAN.",
@@ -87,33 +84,26 @@ def run_config(servers, name: str, shards: Path, prompts, tokens: int, rtt_ms: f
             "outputs": [r.token_ids for r in results]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("shards", type=Path)
-    parser.add_argument("--tp", type=int, help="also run serve --threads N and serve --tp N")
-    parser.add_argument("--ray", type=int, help="also run serve --ray --replicas R")
-    parser.add_argument("--sessions", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=16)
-    parser.add_argument("--rtt-ms", type=float, default=0.0)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    local = open_client(args.shards / "local", "ws://127.0.0.1:1", allow_public_weights=True, checks=False)
+def run(args, log=print) -> dict:
+    shards = Path(args.shards)
+    local = open_client(shards / "local", "ws://127.0.0.1:1", allow_public_weights=True, checks=False)
     prompts = [local.encode_prompt(TEXTS[i % len(TEXTS)]) for i in range(args.sessions)]
-    configs = [("serve", plain_or_tp(args.shards, 1, []))]
+    configs = [("serve", plain_or_tp(shards, 1, []))]
     if args.tp:
-        configs.append((f"serve --threads {args.tp}", plain_or_tp(args.shards, args.tp, [])))
-        configs.append((f"serve --tp {args.tp}", plain_or_tp(args.shards, 1, ["--tp", str(args.tp)])))
+        configs.append((f"serve --threads {args.tp}", plain_or_tp(shards, args.tp, [])))
+        configs.append((f"serve --tp {args.tp}", plain_or_tp(shards, 1, ["--tp", str(args.tp)])))
     if args.ray:
-        configs.append((f"serve --ray --replicas {args.ray}", ray_replicas(args.shards, args.ray)))
-    runs = [run_config(servers, name, args.shards, prompts, args.tokens, args.rtt_ms) for name, servers in configs]
+        configs.append((f"serve --ray --replicas {args.ray}", ray_replicas(shards, args.ray)))
+    runs = [run_config(servers, name, shards, prompts, args.tokens, args.rtt_ms) for name, servers in configs]
     report = {"rtt_ms": args.rtt_ms, "tokens": args.tokens,
               "identical_outputs": all(r["outputs"] == runs[0]["outputs"] for r in runs),
               "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    body = [f"{args.sessions} concurrent sessions of {args.tokens} tokens each, sequential decoding, float32 wire, "
+            f"{args.rtt_ms:g} ms added round trip; every output identical to plain serve's: "
+            f"{report['identical_outputs']}.", "",
+            *table(["server", "processes", "sessions", "decode steps", "wall s", "steps/s"],
+                   [[r["config"], r["servers"], r["sessions"], r["decode_steps"], r["wall_s"], r["steps_per_s"]]
+                    for r in report["runs"]])]
+    write(Path(args.out), args.name, report, body, title="Decode steps/s: tensor parallel and replicas against "
+          "one server", command=command_line(args), log=log)
+    return report
