@@ -99,6 +99,11 @@ FIGURES = (
     Figure("README.md", "the default strategy `tree` ran at **{} tok/s, {}x split sequential decoding ({} tok/s)**",
            README_RUN, ((tree80("tokens_per_s_whole_set"), ".1f"), (tree80("speedup_whole_set"), ".2f"),
                         ((*AT80, {"strategy": "sequential"}, "tokens_per_s_whole_set"), ".1f"))),
+    Figure("README.md", "That path's cloud step is {}x to {}x slower", "bench/kernel-ab/int8/kernel_ab.json",
+           ((("rows", {"kernel": "none", "side": "cloud"}, "x_off", "min"), ".1f"),
+            (("rows", {"kernel": "none", "side": "cloud"}, "x_off", "max"), ".1f"))),
+    Figure("README.md", "int8 there still runs local-only at {}x float32", "bench/weights-auto/smollm2-no-kernels/formats.json",
+           ((Q(("generations", "int8", "tok_s"), ("generations", "float32", "tok_s")), ".1f"),)),
     Figure("README.md", "no network, ran at **{} tok/s**: on this machine the split is much slower than local, at {}x",
            README_RUN, (((*LOCAL_ONLY, "tokens_per_s_whole_set"), ".1f"), (tree80("vs_local_only_whole_set"), ".2f"))),
     Figure("README.md", "the default strategy `tree` ran at {} tok/s ({}), {}x split sequential decoding ({} tok/s); "
