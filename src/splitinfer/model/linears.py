@@ -22,6 +22,7 @@ from .. import kernels
 from ..errors import ModelError
 from ..kernels import w4a8, w8a8
 from .formats import GROUP, check_int4_shape, dequantize, has_integer_kernels, stored_format
+from .rows import sharing
 
 
 # --- the modules that multiply ------------------------------------------------------------------------
@@ -283,11 +284,7 @@ class CastLinear(nn.Linear):
     @classmethod
     def of(cls, linear: nn.Linear) -> "CastLinear":
         """A CastLinear holding `linear`'s own parameters (not copies)."""
-        made = cls.__new__(cls)
-        nn.Module.__init__(made)
-        made.in_features, made.out_features = linear.in_features, linear.out_features
-        made.weight, made.bias = linear.weight, linear.bias
-        return made
+        return sharing(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)

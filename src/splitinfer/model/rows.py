@@ -73,6 +73,16 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def sharing(cls: type, linear: nn.Linear) -> nn.Linear:
+    """A `cls` (an nn.Linear subclass) built around `linear`'s own parameters, not copies: a float linear's
+    module chosen at load."""
+    made = cls.__new__(cls)
+    nn.Module.__init__(made)
+    made.in_features, made.out_features = linear.in_features, linear.out_features
+    made.weight, made.bias = linear.weight, linear.bias
+    return made
+
+
 class RowsLinear(nn.Linear):
     """nn.Linear whose CPU forward runs oneDNN on a packed copy of `weight` from four rows (below, F.linear: MKL's
     matrix-vector product, what plain transformers runs); same parameters and state dict."""
@@ -80,11 +90,7 @@ class RowsLinear(nn.Linear):
     @classmethod
     def of(cls, linear: nn.Linear) -> "RowsLinear":
         """A RowsLinear holding `linear`'s own parameters (not copies)."""
-        made = cls.__new__(cls)
-        nn.Module.__init__(made)
-        made.in_features, made.out_features = linear.in_features, linear.out_features
-        made.weight, made.bias = linear.weight, linear.bias
-        return made
+        return sharing(cls, linear)
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple | None = None  # (storage pointer, version, dtype, shape) the copy was made from
