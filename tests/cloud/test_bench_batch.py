@@ -6,9 +6,19 @@ import json
 
 import pytest
 
+from splitinfer.bench.lone import markdown as lone_markdown
 from splitinfer.cli import main
 
 from tiny import prepare_tiny
+
+
+def test_lone_markdown_says_whether_the_target_is_met():
+    lone = {"samples": 20, "direct_ms": 2.0, "via_scheduler_ms": 2.3, "via_executor_ms": 2.1,
+            "scheduler_minus_executor_ms": 0.2, "scheduler_vs_direct": 1.15}
+    text = "\n".join(lone_markdown(lone))
+    assert "**1.15x** (not met)" in text and "loopback" not in text
+    text = "\n".join(lone_markdown({**lone, "scheduler_vs_direct": 1.1, "via_server_ms": 2.6, "server_vs_direct": 1.3}))
+    assert "**1.1x** (met)" in text and "2.6 ms, 1.3x direct" in text
 
 
 def test_bench_batch_cloud_side(tmp_path):
@@ -31,6 +41,12 @@ def test_bench_batch_cloud_side(tmp_path):
         assert r["steps_per_s_one_at_a_time"] == round(r["batch"] / r["one_at_a_time_ms"] * 1e3, 1), r
     assert report["targets"] == {} and report["e2e"] == []  # no 16-session row, no clients: no target claimed
     assert [r["block_rows"] for r in report["cloud"]["rows"] if r["kind"] == "mixed"] == [[1, 4, 8, 16]]
+    lone = report["cloud"]["lone_session"]  # bench/lone.py: every path timed, the ratios to direct
+    assert all(lone[key] > 0 for key in ("direct_ms", "via_scheduler_ms", "via_executor_ms", "via_server_ms",
+                                         "scheduler_vs_direct", "server_vs_direct"))
+    assert lone["server_window_waits"] is not None and lone["samples"] == 20
+    met = "met" if lone["scheduler_vs_direct"] <= 1.1 else "not met"
+    assert f"**{lone['scheduler_vs_direct']}x** ({met})" in (out / "batching.md").read_text()
     four = decode[4]
     row = (f"| decode | 4 | 1 x 4 | 1 | {four['batched_ms']} | {four['one_at_a_time_ms']} | "
            f"{four['batched_vs_one_step']} | {four['speedup_vs_one_at_a_time']} |")

@@ -1,13 +1,16 @@
-"""The compute thread's batching policy: grouping, no wait for a lone session, exact batched steps."""
+"""The compute thread's batching policy: grouping, no wait for a lone session, for a closed one or for one out of
+phase, exact batched steps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splitinfer.cloud.scheduler import BatchConfig, Scheduler, plan_groups
+from splitinfer.cloud.scheduler import BatchConfig, Cadence, Scheduler, plan_groups
+from splitinfer.cloud.server import ServerConfig, ServerThread
 from splitinfer.cloud.sessions import SessionConfig, SessionTable
 from splitinfer.errors import ProtocolError
+from splitinfer.local.middle import RemoteMiddle
 from splitinfer.masks import BlockStructure
 from splitinfer.model.shards import load_cloud
 from splitinfer.wire.messages import Hello, Step
@@ -70,6 +73,89 @@ def test_lone_session_does_not_wait_for_the_window(half):
         assert scheduler.batch_sizes == {1: 6}
     finally:
         scheduler.close()
+
+
+def test_cadence_says_when_the_next_step_is_due():
+    first = Cadence(10.0)
+    assert first.due_by(0.0, 0.0)  # no gap yet: it may come at any time
+    steady = first.after(10.1)  # every 0.1 s
+    assert steady == Cadence(10.1, pytest.approx(0.1))
+    assert steady.due_by(10.2, 0.0) and steady.due_by(10.19, 0.01)  # back by the deadline, or within the slack
+    assert not steady.due_by(10.15, 0.01)  # back only after the window and its slack: nobody waits for it
+
+
+def test_a_closed_session_is_not_waited_for(half):
+    """On a clock that never moves a window entered never ends: once `forget` says the first session closed,
+    the second one's steps come back at once (had it been waited for, the step would time out below)."""
+    table = SessionTable(half, SessionConfig())
+    scheduler = Scheduler(table, BatchConfig(window_ms=500), clock=FakeClock())
+    try:
+        gone, session = open_sessions(table, 2)
+        scheduler.submit(gone, prefill_step(3, 0), 0.0).result(timeout=30)
+        table.close(gone.id)
+        scheduler.forget(gone.id)
+        scheduler.submit(session, prefill_step(4, 1), 0.0).result(timeout=5)
+        scheduler.submit(session, decode_step(1, tuple(range(4)), 4, 2), 0.0).result(timeout=5)
+        assert scheduler.stats()["window_waits"] == 0
+    finally:
+        scheduler.close()
+
+
+class CountingClock(FakeClock):
+    """A FakeClock that counts its readings: the window's wait reads it on every turn of its loop."""
+
+    readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return super().__call__()
+
+
+def test_the_window_waits_only_for_a_session_that_is_due(half, settle):
+    """Session A steps every 0.1 s. B, stepping halfway between, runs at once (A comes back only after the
+    window); B stepping just before A is due waits for A, and both run in one pass."""
+    clock = CountingClock()
+    table = SessionTable(half, SessionConfig())
+    scheduler = Scheduler(table, BatchConfig(window_ms=2, active_horizon_s=10), clock=clock)
+    try:
+        a, b = open_sessions(table, 2)
+        scheduler.submit(a, prefill_step(3, 0), 0.0).result(timeout=30)
+        clock.advance(0.1)
+        scheduler.submit(a, decode_step(1, tuple(range(3)), 3, 1), 0.0).result(timeout=30)
+        clock.advance(0.05)  # A is due at 0.2; the window would end at 0.152
+        scheduler.submit(b, prefill_step(4, 2), 0.0).result(timeout=5)
+        assert scheduler.stats()["window_waits"] == 0
+        clock.advance(0.049)  # now A is due within the window: B's step waits for it (the clock stands still)
+        before = clock.readings
+        waiting = scheduler.submit(b, decode_step(1, tuple(range(4)), 4, 3), 0.0)
+        assert settle(lambda: clock.readings >= before + 4)  # the window's loop turning, B inside it
+        assert not waiting.done()
+        scheduler.submit(a, decode_step(2, (0,), 4, 4), 0.0).result(timeout=30)
+        waiting.result(timeout=30)
+        # B's step ran in one pass with A's: it waited (its window never ends while the clock stands still)
+        assert scheduler.batch_sizes.get(2) == 1 and scheduler.stats()["window_waits"] == 1, scheduler.stats()
+    finally:
+        scheduler.close()
+
+
+def test_the_server_forgets_a_closed_session(half, settle):
+    """Through the server: a session that closed makes no later lone session wait (its steps would each spend
+    the 300 ms window waiting for it while it still counted as recently active)."""
+    with ServerThread(half, ServerConfig(port=0, batching=BatchConfig(window_ms=300))) as server:
+        stack = half.stack
+
+        def client():
+            middle = RemoteMiddle(server.url, half.fingerprint, (stack.start, stack.end), 64, "float32")
+            middle.open()
+            middle.step(prefill_step(4, 0))
+            return middle
+
+        client().close()
+        assert settle(lambda: len(server.server.table) == 0)
+        middle = client()
+        middle.step(decode_step(1, tuple(range(4)), 4, 1))
+        middle.close()
+        assert server.server.scheduler.stats()["window_waits"] == 0
 
 
 def test_burst_of_steps_is_batched_and_exact(half, settle):

@@ -4,9 +4,10 @@ Two parts, reported separately because they measure different things:
 
 1. Cloud side, in-process (no clients competing for the CPU): the middle layers of the shard, B sessions
    with different context lengths, B single-token decode steps run as one batched pass vs the same steps
-   one at a time; then mixed block sizes cut into passes by the scheduler's own grouping rule; then the
-   scheduler's hand-off cost for a lone session. Inputs are random hidden states (compute time does not
-   depend on values). This process is pinned to one core with `--threads` torch threads.
+   one at a time; then mixed block sizes cut into passes by the scheduler's own grouping rule; then what
+   the scheduler, an executor and a server on loopback cost a lone session (bench/lone.py). Inputs are
+   random hidden states (compute time does not depend on values). This process is pinned to one core
+   with `--threads` torch threads.
 2. End to end: a `splitinfer serve` child (pinned to core 1, one thread) behind a `splitinfer wan`
    proxy adding the round trip, and N concurrent sequential-decoding clients as threads of this process
    (pinned to core 0, one thread), served batched and one session at a time (`--max-batch 1`). On a
@@ -23,7 +24,6 @@ import platform
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +34,9 @@ from ..tables import left_table
 from ..telemetry import median
 from ..wire.dtypes import DTYPE_NAMES
 from .harness import median_ms, rounds
+from .lone import lone_session, markdown as lone_markdown
 from .parsers import add_shards_and_out, floats
+from .stepping import SteppedSessions
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -42,48 +44,6 @@ def _ints(text: str, name: str) -> list[int]:
     if not all(values) or values != [float(x) for x in text.split(",") if x.strip()]:
         raise ConfigError(f"{name} must be comma-separated integers, all >= 1, e.g. 1,4,16; got {text!r}.")
     return values
-
-
-class _Sessions:
-    """B cloud sessions in one SessionTable, prefilled to different lengths, stepped with valid seq/keep."""
-
-    def __init__(self, half, count: int, context: int):
-        import torch
-
-        from ..cloud.sessions import SessionConfig, SessionTable
-        from ..wire.messages import Hello
-
-        self.torch = torch
-        self.d = half.config.hidden_size
-        self.table = SessionTable(half, SessionConfig(max_sessions=count + 1, max_cached_tokens=1 << 30))
-        hello = Hello(half.fingerprint, (half.stack.start, half.stack.end), "float32")
-        self.sessions = [self.table.open(hello)[0] for _ in range(count)]
-        self.seq = [0] * count
-        self.keep: list[tuple[int, ...]] = [()] * count
-        for i in range(count):  # context lengths context, context + 8, ...: every cache a different length
-            length = context + 8 * (i % 8)
-            self.table.run_step(self.sessions[i], self.step(i, length), 0.0)
-
-    def step(self, i: int, q: int):
-        from ..masks import BlockStructure
-        from ..wire.messages import Step
-
-        session = self.sessions[i]
-        start = session.cache.length + len(self.keep[i])
-        hidden = self.torch.randn(q, self.d)
-        positions = tuple(range(start, start + q))
-        step = Step(self.seq[i], self.keep[i], positions, BlockStructure.chain(), hidden, "float32")
-        self.seq[i] += 1
-        self.keep[i] = tuple(range(q))
-        return step
-
-    def batched(self, indices, sizes) -> None:
-        outcomes = self.table.run_steps([(self.sessions[i], self.step(i, q), 0.0) for i, q in zip(indices, sizes)])
-        assert all(not isinstance(o, Exception) for o in outcomes), outcomes
-
-    def one_at_a_time(self, indices, sizes) -> None:
-        for i, q in zip(indices, sizes):
-            self.batched([i], [q])
 
 
 def _compared(batched, alone, repeats: int) -> dict:
@@ -94,9 +54,9 @@ def _compared(batched, alone, repeats: int) -> dict:
 
 
 def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
-    from ..cloud.scheduler import BatchConfig, Scheduler, plan_groups
+    from ..cloud.scheduler import BatchConfig, plan_groups
 
-    sessions = _Sessions(half, max(sizes), context)
+    sessions = SteppedSessions(half, max(sizes), context)
     rows = []
     for b in sizes:
         idx = list(range(b))
@@ -123,28 +83,8 @@ def cloud_side(half, sizes: list[int], context: int, repeats: int) -> dict:
         r["steps_per_s_batched"] = round(r["batch"] / r["batched_ms"] * 1e3, 1)
         r["steps_per_s_one_at_a_time"] = round(r["batch"] / r["one_at_a_time_ms"] * 1e3, 1)
 
-    # A lone session called directly, through the scheduler, and through a one-thread executor (the
-    # server's compute path before batching): what the batching policy costs a session that is alone.
-    lone = _Sessions(half, 1, context)
-    scheduler = Scheduler(lone.table, BatchConfig())
-    executor = ThreadPoolExecutor(max_workers=1)
-    session = lone.sessions[0]
-    try:
-        times = rounds({
-            "direct": lambda: lone.table.run_step(session, lone.step(0, 1), 0.0),
-            "scheduler": lambda: scheduler.submit(session, lone.step(0, 1), 0.0).result(timeout=60),
-            "executor": lambda: executor.submit(lone.table.run_step, session, lone.step(0, 1), 0.0).result(timeout=60),
-        }, max(20, repeats * 4))
-    finally:
-        scheduler.close()
-        executor.shutdown()
-    medians = {path: median_ms(values) for path, values in times.items()}
-    return {"rows": rows, "lone_session": {
-        "direct_ms": medians["direct"], "via_scheduler_ms": medians["scheduler"],
-        "via_executor_ms": medians["executor"],
-        "scheduler_minus_executor_ms": round(medians["scheduler"] - medians["executor"], 3),
-        "samples": len(times["direct"]),
-    }}
+    # A lone session called directly, through the scheduler, a one-thread executor and a server on loopback.
+    return {"rows": rows, "lone_session": lone_session(half, context, max(20, repeats * 4), server=True)}
 
 
 def _replay(middle, hidden_size: int, context: int, steps: int, latencies: list[float], start=None) -> None:
@@ -290,12 +230,7 @@ def markdown(report: dict) -> str:
                      r["steps_per_s_one_at_a_time"]])
     lines += left_table(["kind", "sessions", "block rows", "passes", "batched ms", "one at a time ms", "batched / one step",
                     "speedup", "steps/s batched", "steps/s one at a time"], body)
-    lone = report["cloud"]["lone_session"]
-    lines += ["", f"Lone session, median of {lone['samples']} interleaved steps: {lone['direct_ms']} ms called "
-              "directly, "
-              f"{lone['via_scheduler_ms']} ms through the batching scheduler, {lone['via_executor_ms']} ms through a "
-              f"one-thread executor (the unbatched server's path): scheduler - executor = "
-              f"{lone['scheduler_minus_executor_ms']} ms.", ""]
+    lines += ["", *lone_markdown(report["cloud"]["lone_session"]), ""]
     targets = report["targets"]
     if "batch16_vs_one_step" in targets:
         lines += ["Target: batched compute of 16 single-token steps <= 3x one step: "

@@ -2,8 +2,11 @@
 
 Policy: a step that arrives while the worker is idle runs at once, so a lone session waits for nothing
 but a thread hand-off. Steps that arrive while a batch is computing queue up and run together in the
-next pass. A short window (`window_ms`) is spent waiting for more only while other sessions have been
-stepping recently and have not yet queued, i.e. only when waiting is likely to fill the batch.
+next pass. A short window (`window_ms`) is spent waiting for more only while another session is due: it
+stepped recently (`active_horizon_s`), has not queued, has not closed (`forget`), and its own cadence (the
+gap between its last two steps) brings its next step back within the window, give or take one window of
+jitter. A session out of phase with the others, or one that closed, makes nobody wait: on a GPU, whose
+step lasts a few ms, a window spent for nothing is a large share of a step.
 
 Queued steps are cut into groups of similar block size (`plan_groups`), because a batch is padded to its
 largest block: sixteen one-row decode steps and one 512-row prefill chunk are two passes, not one pass of
@@ -69,6 +72,23 @@ def plan_groups(rows: Sequence[int], config: BatchConfig) -> list[list[int]]:
     return groups
 
 
+@dataclass(frozen=True)
+class Cadence:
+    """When a session last submitted a step, and the gap before it (None after its first)."""
+
+    last: float
+    gap: float | None = None
+
+    def after(self, now: float) -> "Cadence":
+        """The cadence once the session submits again at `now`."""
+        return Cadence(now, now - self.last)
+
+    def due_by(self, deadline: float, slack: float) -> bool:
+        """Whether its next step, one gap after its last, is expected by `deadline` (give or take `slack`).
+        A session with no gap yet may come at any time: it is due."""
+        return self.gap is None or self.last + self.gap <= deadline + slack
+
+
 @dataclass
 class _Item:
     session: CloudSession
@@ -90,10 +110,12 @@ class Scheduler:
         self._queue: list[_Item] = []
         self._cond = threading.Condition()
         self._closed = False
-        self._recent: dict[str, float] = {}  # session id -> last submit time
+        self._recent: dict[str, Cadence] = {}  # session id -> when it stepped lately, and how often
         self.passes = 0  # forward passes run
         self.steps = 0  # steps run
         self.batch_sizes: dict[int, int] = {}  # steps per pass -> how many passes had that many
+        self.window_waits = 0  # passes that spent some of the batch window waiting for another session
+        self.window_wait_s = 0.0  # seconds spent so (on `clock`)
         self._thread = threading.Thread(target=self._loop, name="splitinfer-compute", daemon=True)
         self._thread.start()
 
@@ -105,18 +127,27 @@ class Scheduler:
                 self.table.release(session)
                 raise RuntimeError("the scheduler is closed")
             self._queue.append(item)
-            self._recent[session.id] = self.clock()
+            now = self.clock()
+            cadence = self._recent.get(session.id)
+            self._recent[session.id] = Cadence(now) if cadence is None else cadence.after(now)
             self._cond.notify()
         return item.future
 
     async def run(self, session: CloudSession, step: Step, received_at: float, skip: bool = False):
         return await asyncio.wrap_future(self.submit(session, step, received_at, skip))
 
-    def _expected_locked(self, now: float) -> int:
-        horizon = now - self.config.active_horizon_s
-        for sid in [sid for sid, t in self._recent.items() if t < horizon]:
+    def forget(self, session_id: str) -> None:
+        """The session closed: no pass waits for its next step any more."""
+        with self._cond:
+            self._recent.pop(session_id, None)
+
+    def _awaited_locked(self, batch: list[_Item], deadline: float, slack: float) -> bool:
+        """Whether a session outside `batch` is due before `deadline` (module docstring). Hold the lock."""
+        horizon = self.clock() - self.config.active_horizon_s
+        for sid in [sid for sid, cadence in self._recent.items() if cadence.last < horizon]:
             del self._recent[sid]
-        return len(self._recent)
+        present = {item.session.id for item in batch}
+        return any(cadence.due_by(deadline, slack) for sid, cadence in self._recent.items() if sid not in present)
 
     def _take_locked(self, batch: list[_Item]) -> None:
         """Move queued items into `batch`, one per session, up to max_batch; the rest stay in order."""
@@ -137,13 +168,20 @@ class Scheduler:
             batch: list[_Item] = []
             self._take_locked(batch)
             if self.config.window_ms > 0 and self.config.max_batch > 1:
-                deadline = self.clock() + self.config.window_ms / 1e3
-                while len(batch) < min(self._expected_locked(self.clock()), self.config.max_batch):
+                window = self.config.window_ms / 1e3
+                start = self.clock()
+                deadline = start + window
+                waited = False
+                while len(batch) < self.config.max_batch and self._awaited_locked(batch, deadline, window):
                     left = deadline - self.clock()
                     if left <= 0 or self._closed:
                         break
                     self._cond.wait(left)
+                    waited = True
                     self._take_locked(batch)
+                if waited:
+                    self.window_waits += 1
+                    self.window_wait_s += self.clock() - start
             return batch
 
     def _loop(self) -> None:
@@ -201,6 +239,8 @@ class Scheduler:
             "steps": self.steps,
             "mean_batch": round(self.steps / self.passes, 3) if self.passes else 0.0,
             "batch_sizes": dict(sorted(self.batch_sizes.items())),
+            "window_waits": self.window_waits,
+            "window_wait_ms": round(self.window_wait_s * 1e3, 3),
         }
 
     def close(self) -> None:

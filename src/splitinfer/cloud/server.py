@@ -168,6 +168,7 @@ class CloudServer:
             elif isinstance(message, Close):
                 if link.session_id is not None:
                     self.table.close(link.session_id)
+                    self.scheduler.forget(link.session_id)  # no pass waits for its steps any more
                 link.moved(message)
                 await ws.close()
                 return False
