@@ -76,14 +76,13 @@ def install_shipped_drafter(local_dir: Path, shipped: Path | None = None) -> str
 
 def cmd_prepare(args) -> int:
     from .. import kernels
+    from ..extras import GGUF, is_gguf_source, require_extra
 
+    if not args.synthetic and is_gguf_source(args.model):  # a missing extra says so before anything builds
+        require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
     kernels.ensure()  # built here, once per machine, rather than at the first client's start
     if args.synthetic:
         return cmd_prepare_synthetic(args)
-    from ..extras import GGUF, is_gguf_source, require_extra
-
-    if is_gguf_source(args.model):
-        require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
     from ..progress import progress
     from .autoformat import auto_formats
     from .prepare import prepare
