@@ -42,7 +42,7 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 # Groups of commands (`splitinfer GROUP COMMAND`): name -> (help, the modules that register into it).
 GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "bench": ("benchmarks and sizing: sweep, spec, step, plain-split, dtype, batch, acceptance, load, soak, probe, "
+    "bench": ("benchmarks and sizing: sweep, spec, step, plain-split, dtype, exactness, batch, acceptance, load, soak, probe, "
               "plan; developer benchmarks: formats, kernels, kernel-ab, arena, compile, memory, step-ab, trusted-half, wan, scale, "
               "detok, drafting, project", (
         "splitinfer.bench.commands",  # sweep, probe, plan, spec
@@ -54,6 +54,7 @@ GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "splitinfer.bench.soak",  # soak
         "splitinfer.bench.plainsplit",  # plain-split
         "splitinfer.bench.dtypecheck",  # dtype
+        "splitinfer.bench.exactness",  # exactness
     )),
     "privacy": ("what the cloud can recover, and the defences: audit, privatize, check, table", (
         "splitinfer.privacy.commands",  # audit, privatize, check, table
@@ -94,6 +95,7 @@ EXAMPLES: dict[str, str] = {
     "bench plain-split": "splitinfer bench plain-split --shards shards/smollm2 --out bench-out/plain --rtt-ms 0,80",
     "bench kernel-ab": "splitinfer bench kernel-ab --shards shards/smollm2 --out bench-out/kernel-ab",
     "bench dtype": "splitinfer bench dtype --shards shards/smollm2 --out bench-out/bf16 --dtype bfloat16",
+    "bench exactness": "splitinfer bench exactness --out bench-out/exactness --formats 'float32;int8'",
     "bench batch": "splitinfer bench batch --shards shards/smollm2 --out bench-out/batch --sizes 1,4,16",
     "bench acceptance": "splitinfer bench acceptance --shards shards/smollm2 --out bench-out/acceptance",
     "bench load": "splitinfer bench load --shards shards/smollm2 --sessions 64 --max-sessions 48 --max-new-tokens 32",

@@ -41,6 +41,7 @@ def open_client(
     handshake: bool = False,
     checks: bool = True,
     command: str | None = None,
+    wire: str | None = None,
 ):
     """A SplitClient; `config` a ClientConfig (default: its defaults).
 
@@ -50,7 +51,8 @@ def open_client(
       now, so a wrong shard or refused credentials fail at start-up rather than at the first request.
     - in-process (`local_only`): `shards` (a prepared OUT directory), or `halves` (a LocalHalf and a CloudHalf
       already loaded; `shards` then only says where the draft head is, None: none). Hidden states are handed
-      over in float32; of `config` only `split_seed` and `drafter` apply.
+      over in float32 (`wire`: through that wire dtype's encoding both ways instead, as a server would receive
+      and send them); of `config` only `split_seed` and `drafter` apply.
     - local-only (`local_only`, no `shards`, or a `model`): `model` (a HF directory or .gguf; None: the
       embedded model) prepared into a temporary directory first, then in-process.
     checks: the cheap start-up checks that end in one clear line (a server reachable, the local shard fits
@@ -62,7 +64,7 @@ def open_client(
 
     config = config or ClientConfig()
     if local_only:
-        return _in_process(shards, model, halves, config, device, checks, command)
+        return _in_process(shards, model, halves, config, device, checks, command, wire)
     return _remote(shard, server, config, device, auth, allow_public_weights, handshake, checks, command, local)
 
 
@@ -126,7 +128,7 @@ def _remote(shard, server, config, device: str, auth: ClientAuth, allow_public_w
     return client
 
 
-def _in_process(shards, model, halves, config, device: str, checks: bool, command: str | None):
+def _in_process(shards, model, halves, config, device: str, checks: bool, command: str | None, wire: str | None):
     from .inprocess import InProcessMiddle, load_halves, prepare_temporary
     from .local.client import SplitClient, head_depth_drawer, load_draft_head
     from .local.config import ClientConfig
@@ -145,9 +147,9 @@ def _in_process(shards, model, halves, config, device: str, checks: bool, comman
         refuse_synthetic(halves[0])
     local, cloud = halves
     draw = head_depth_drawer(local, config.split_seed)
-    config = ClientConfig(wire_dtype="float32", split_seed=config.split_seed, drafter=config.drafter)
+    config = ClientConfig(wire_dtype=wire or "float32", split_seed=config.split_seed, drafter=config.drafter)
     head = None if shards is None else load_draft_head(local, Path(shards) / "local", config.drafter, device)
-    return SplitClient(local, lambda: InProcessMiddle(cloud, draw()), config, mode="local-only", draft_head=head)
+    return SplitClient(local, lambda: InProcessMiddle(cloud, draw(), wire), config, mode="local-only", draft_head=head)
 
 
 def load_client(args: argparse.Namespace, handshake: bool = False):

@@ -1,7 +1,9 @@
 """The middle layers in this process, with no wire: the whole model runs locally (`--local-only`, tests).
 
 `InProcessMiddle` implements wire/transport.py's `Middle` over a cloud SessionTable, the same one the
-server uses (same validation, same cache), and hands tensors over directly, so no wire rounding happens.
+server uses (same validation, same cache), and hands tensors over directly, so no wire rounding happens;
+given a wire dtype, it passes every step and result through the wire's own encoding instead (the bytes a
+server would receive and send: `bench exactness` measures what that rounding changes).
 `load_halves` reads both halves of a prepared OUT directory; `prepare_temporary` prepares a model for
 `--local-only`. The client factory (clients.py `open_client`) builds the SplitClient on them. It holds a
 cloud piece, so it lives above both local/ and cloud/, which never import each other.
@@ -18,7 +20,7 @@ from pathlib import Path
 from .cloud.sessions import CloudSession, SessionConfig, SessionTable
 from .errors import ConfigError
 from .model.shards import CloudHalf, LocalHalf, load_cloud, load_local
-from .wire.messages import Hello, Result, Step, Welcome
+from .wire.messages import Hello, Limits, Result, Step, Welcome, decode_client_message, decode_server_message
 from .wire.transport import StepIO
 
 
@@ -26,26 +28,33 @@ class InProcessMiddle:
     # Blocks in flight buy nothing without a round trip to hide; `post`/`collect` run a step at once.
     sends_ahead = False
 
-    def __init__(self, half: CloudHalf, head_layers: int | None = None):
-        self.table = SessionTable(half, SessionConfig(max_sessions=1 << 20, max_cached_tokens=1 << 40, max_block_rows=1 << 16))
+    def __init__(self, half: CloudHalf, head_layers: int | None = None, wire_dtype: str | None = None):
+        rows = 1 << 16
+        self.table = SessionTable(half, SessionConfig(max_sessions=1 << 20, max_cached_tokens=1 << 40, max_block_rows=rows))
         self.cloud_layers = (half.stack.start, half.stack.end)
         self.head_layers = head_layers  # k pinned in every hello; None: the shard's fixed split
+        self.wire_dtype = wire_dtype  # None: tensors handed over as they are (float32)
+        self.limits = Limits(half.config.hidden_size, max_block_rows=rows)
         self._session: CloudSession | None = None
         self._posted: deque[tuple[Result, StepIO]] = deque()  # results of posted steps, oldest first
 
     def open(self, resume_id: str | None = None, version: int | None = None) -> Welcome:
         hello = Hello(
-            self.table.half.fingerprint, self.cloud_layers, "float32", session_id=resume_id, head_layers=self.head_layers,
-            version=version,
+            self.table.half.fingerprint, self.cloud_layers, self.wire_dtype or "float32", session_id=resume_id,
+            head_layers=self.head_layers, version=version,
         )
         self._session, welcome = self.table.open(hello)
         return welcome
 
     def step(self, step: Step) -> tuple[Result, StepIO]:
         t0 = time.perf_counter()
-        # The session was opened as float32; the tensor's own dtype is what the layers get.
-        step = Step(step.seq, step.keep, step.positions, step.structure, step.hidden, wire_dtype="float32")
-        result = self.table.run_step(self._session, step, t0)
+        if self.wire_dtype is None:
+            # The session was opened as float32; the tensor's own dtype is what the layers get.
+            step = Step(step.seq, step.keep, step.positions, step.structure, step.hidden, wire_dtype="float32")
+            result = self.table.run_step(self._session, step, t0)
+        else:  # through the wire's encoding both ways, as a server receives and sends it
+            result = self.table.run_step(self._session, decode_client_message(step.encode(), self.limits), t0)
+            result = decode_server_message(result.encode(), self.limits)
         return result, StepIO((time.perf_counter() - t0) * 1e3, 0.0, 0, 0)
 
     def post(self, step: Step) -> None:

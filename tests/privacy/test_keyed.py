@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 from tiny import tiny_model
 
+from splitinfer.errors import ConfigError
 from splitinfer.privacy.attackers import TrainConfig
 from splitinfer.privacy.audit import AuditConfig, run_audit
 from splitinfer.privacy.basis import BasisConfig, apply_basis, linear_key, random_orthogonal
@@ -94,6 +97,35 @@ def test_audit_rows_for_the_secret_basis_and_the_linear_key(tmp_path):
         assert info["basis"]["identity_error"] < 1e-4
     assert saved["secret_linear_key"]["t4"]["used_norm_factor"]
     assert (tmp_path / "audit.md").is_file()
+
+
+def test_threats_run_alone_give_the_same_rows_as_in_the_whole_keyed_audit(tmp_path):
+    """`--threats T3`: only the observer's rows, each the same as when T4 and T5 run beside it."""
+    config = AuditConfig(
+        depths=(2,), tail_depths=(2,),
+        corpus=CorpusConfig(sources=("stdlib",), max_documents=12, chunk_tokens=40, max_chunks_per_document=1),
+        train=TrainConfig(hidden=32, epochs=1), a4_chunks=1, noise_sigmas=(), privatize=None, seq_attacker=False,
+        utility_chunks=1, n_boot=20, t0=False,
+        basis=KeyedConfig(t5_pairs=(30,), keys=("linear",), metric_block=16, traffic_tokens=(100, 300)),
+    )
+    rows = {}
+    for threats in (("T3", "T4", "T5"), ("T3",)):
+        out = tmp_path / "-".join(threats)
+        run_audit(replace(config, basis=replace(config.basis, threats=threats)), out, model=tiny_model("llama"),
+                  tokenizer=CharTokenizer())
+        rows[threats] = {(r["side"], r["attacker"]): r for r in json.loads((out / "audit.json").read_text())["results"]
+                         if r["threat"] == "T3" or threats == ("T3",)}
+    alone, together = rows[("T3",)], rows[("T3", "T4", "T5")]
+    assert {r["threat"] for r in alone.values()} == {"T3"}
+    assert alone.keys() == together.keys()
+    assert all(alone[key]["outcomes_top1_hex"] == together[key]["outcomes_top1_hex"] for key in alone)
+    # A9 on the sessions' traffic, then with each amount of other sessions' traffic; A4 after the largest.
+    a9 = [r for (side, attacker), r in alone.items() if side == "input" and attacker.startswith("A9")]
+    traffic = [r["traffic_tokens"] for r in a9 if r["attacker"].endswith("A2")]
+    assert len(traffic) == 3 and traffic == sorted(traffic) and len(set(traffic)) == 3
+    assert [r["traffic_tokens"] for r in a9 if r["attacker"].endswith("A4")] == [traffic[-1]]
+    with pytest.raises(ConfigError):
+        KeyedConfig(threats=("T6",))
 
 
 def test_weight_matching_recovers_a_linear_key_through_the_norm_factor():

@@ -205,3 +205,34 @@ def test_audit_cli_takes_t2_tokens():
     assert quick.privatize is None
     with pytest.raises(ConfigError):
         commands._ints("1000,x")
+
+
+def test_audit_cli_threats_maps_to_the_keyed_preset():
+    import argparse
+
+    from splitinfer.privacy import commands
+    from splitinfer.privacy.audit import keyed_config
+
+    parser = argparse.ArgumentParser()
+    commands.register(parser.add_subparsers())
+
+    def config(*argv):
+        return commands.audit_config(parser.parse_args(["audit", "--out", "x", *argv]))
+
+    # --threats T3: the observer's rows alone, at the preset's size, with nothing else of the audit.
+    t3 = config("--threats", "t3", "--keys", "linear")
+    preset = keyed_config("shards/smollm2", ("T3",))
+    assert t3 == replace(preset, basis=replace(preset.basis, keys=("linear",)))
+    assert t3.basis.threats == ("T3",) and not t3.t0 and t3.privatize is None and t3.metadata is None
+    assert t3.noise_sigmas == () and t3.depths == t3.tail_depths == (t3.defence_depth,)
+    # Larger than --quick's evaluation set, more traffic than T5's pairs need.
+    quick = quick_config("shards/smollm2")
+    assert t3.corpus.max_documents > quick.corpus.max_documents and t3.a4_chunks > quick.a4_chunks
+    assert max(t3.basis.traffic_tokens) > max(t3.basis.t5_pairs)
+    # With --quick, the quick audit's sizes; options still apply on top.
+    both = config("--quick", "--threats", "T3,T5", "--a4-chunks", "5")
+    assert both.basis.threats == ("T3", "T5") and both.corpus == quick.corpus and both.a4_chunks == 5
+    assert config().basis.threats == ("T3", "T4", "T5")
+    for bad in (("--threats", "T6"), ("--threats", "T3", "--no-basis"), ("--threats", ",")):
+        with pytest.raises(ConfigError):
+            config(*bad)

@@ -98,6 +98,26 @@ def quick_config(shards: str) -> AuditConfig:
     )
 
 
+def keyed_config(shards: str, threats: tuple[str, ...]) -> AuditConfig:
+    """`--threats`: only these threats of the secret basis (T3-T5), at k = m = 2, on an evaluation set sized so
+    that each row's bootstrap interval over documents is a few points wide (60 held-out documents; A4 on 100
+    chunks), A8 / A9 with up to 80,000 tokens of other sessions' traffic; no T0 rows, no noise, no private
+    weights, no T6. notes/privacy/t3: the linear key's T3 in 43 minutes on one loaded core, intervals at most
+    2.4 points wide."""
+    return AuditConfig(
+        shards=shards,
+        depths=(2,),
+        tail_depths=(2,),
+        corpus=CorpusConfig(max_documents=200, max_chunks_per_document=3),
+        train=attackers.TrainConfig(epochs=5, max_seconds=120),
+        a4_chunks=100,
+        noise_sigmas=(),
+        privatize=None,
+        t0=False,
+        basis=KeyedConfig(threats=threats, traffic_tokens=(10_000, 80_000)),
+    )
+
+
 class Audit:
     def __init__(self, config: AuditConfig, model=None, tokenizer=None):
         """`model` / `tokenizer` default to the ones in config.shards (tests pass tiny ones)."""

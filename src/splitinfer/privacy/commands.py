@@ -43,6 +43,11 @@ def _keys(text: str) -> tuple[str, ...]:
     return keys
 
 
+def _threats(text: str) -> tuple[str, ...]:
+    """--threats: T3,T4,T5 or a subset (KeyedConfig checks them)."""
+    return tuple(t.strip().upper() for t in text.split(",") if t.strip())
+
+
 def _pad_settings(text: str) -> tuple[str, ...]:
     """--pad-rows: comma-separated padding settings (wire/padding.py's PadSetting), e.g. 0,33,33+s64+h110+t50."""
     from ..wire.padding import parse_pad_settings
@@ -74,15 +79,38 @@ def cmd_audit(args) -> int:
     from ..extras import AUDIT, require_extra
 
     require_extra("audit", AUDIT, "splitinfer privacy audit")
-    from dataclasses import replace
-
     import torch
 
-    from .audit import AuditConfig, quick_config, run_audit
+    from .audit import run_audit
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = quick_config(args.shards) if args.quick else AuditConfig(shards=args.shards)
+    config = audit_config(args)
+    if not (Path(args.shards) / "local" / "manifest.json").is_file():
+        raise ConfigError(f"{args.shards} is not a prepared model; run `splitinfer prepare --out {args.shards}` first.")
+    result = run_audit(config, args.out)
+    print(f"wrote {args.out}/audit.json and {args.out}/audit.md ({len(result['results'])} rows, {result['wall_seconds']} s)")
+    return 0
+
+
+def audit_config(args):
+    """The AuditConfig `privacy audit`'s arguments ask for: --quick's or --threats' preset (audit.py), or the full
+    audit, with the options given on top."""
+    from dataclasses import replace
+
+    from .audit import AuditConfig, keyed_config, quick_config
+
+    threats = _threats(args.threats) if args.threats is not None else None
+    if threats is not None and (args.no_basis or args.metadata_only):
+        raise ConfigError("--threats picks threats of the secret basis; drop --no-basis and --metadata-only.")
+    if args.quick:
+        config = quick_config(args.shards)
+        if threats is not None:
+            config = replace(config, basis=replace(config.basis, threats=threats))
+    elif threats is not None:
+        config = keyed_config(args.shards, threats)
+    else:
+        config = AuditConfig(shards=args.shards)
     changes = {}
     if args.depths:
         changes["depths"] = _ints(args.depths)
@@ -104,7 +132,7 @@ def cmd_audit(args) -> int:
         changes["basis"] = None
     else:
         if args.t5_pairs:
-            changes["basis"] = replace(config.basis, t5_pairs=_ints(args.t5_pairs))
+            changes["basis"] = replace(changes.get("basis", config.basis), t5_pairs=_ints(args.t5_pairs))
         if args.keys:
             changes["basis"] = replace(changes.get("basis", config.basis), keys=_keys(args.keys))
     if args.t0 is not None:
@@ -118,11 +146,7 @@ def cmd_audit(args) -> int:
     config = replace(config, **changes)
     if config.defence_depth not in config.depths or config.defence_depth not in config.tail_depths:
         raise ConfigError(f"--depths and --tail-depths must include the defence depth {config.defence_depth}.")
-    if not (Path(args.shards) / "local" / "manifest.json").is_file():
-        raise ConfigError(f"{args.shards} is not a prepared model; run `splitinfer prepare --out {args.shards}` first.")
-    result = run_audit(config, args.out)
-    print(f"wrote {args.out}/audit.json and {args.out}/audit.md ({len(result['results'])} rows, {result['wall_seconds']} s)")
-    return 0
+    return config
 
 
 def _read_texts(paths: list[str]) -> list[str]:
@@ -265,6 +289,8 @@ def register(subparsers) -> None:
     s.add_argument("--no-privatize", action="store_true", help="skip the private-weights defence (T1, T2)")
     s.add_argument("--no-basis", action="store_true", help="skip the secret residual basis (threats T3, T4, T5)")
     s.add_argument("--keys", help="the deployments T3-T5 measure: orthogonal,linear (default both)")
+    s.add_argument("--threats", help="only these threats of the secret basis, e.g. T3 (of T3,T4,T5), on an evaluation "
+                                     "set sized for intervals a few points wide (with --quick: the quick audit's)")
     s.add_argument("--t0", action=argparse.BooleanOptionalAction, default=None,
                    help="the public-weights baseline rows (default: on, off with --quick)")
     s.add_argument("--t5-pairs", help="known (text, activation) pairs for T5's least squares, e.g. 100,1000,10000")

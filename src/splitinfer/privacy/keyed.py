@@ -10,9 +10,8 @@ T3  an observer without the cloud shard (a tap behind TLS termination, logs, a d
     states the observer computes, so x . a is known in both bases); A8, statistical alignment
     (eigenvectors of the observed and the public activation covariance, signs fixed by third moments)
     followed by A2; A9, whitening and an orthogonal alignment by higher-order or temporal statistics
-    (privacy/whiten.py), which any invertible linear key reduces to, followed by A2 and A4. A8 and A9 align
-    the attacked sessions' own traffic (on the input side also other sessions' traffic, of documents
-    disjoint from the attacker's text) to public statistics of the attacker's text.
+    (privacy/whiten.py), which any invertible linear key reduces to, followed by A2 and A4. A8 and A9 align the
+    sessions' own traffic (input side: plus other sessions', one set per `traffic_tokens`) to the attacker's text.
 T4  the host with the cloud shard: a keyed norm's factor F gives A up to an orthogonal matrix (A F is
     orthogonal), so A5 un-factors the first cloud layer and matches its MLP against the public one (per-
     neuron norms are blind to the rotation and name the permutation; least squares then gives it), then A4.
@@ -24,7 +23,7 @@ The keyed activations are the public model's float32 states times A, rounded to 
 the keyed model computes exactly that (checked on one chunk per key: `identity_error`), and the audit
 is spared a forward pass of each keyed model over every chunk. Every session, the audit's and the
 attacker's own, starts with the chat template's opening tokens; rows are scored on the text after it.
-This module builds the keyed models and the collections and calls the audit's attackers and row writer;
+`KeyedConfig.threats` picks which of T3-T5 run. This module builds the keyed models and the collections and calls the audit's attackers and row writer;
 it knows no statistics of its own: the attacks on the key itself (A5, A6, A8) are in keyattacks.py.
 """
 
@@ -37,6 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..model.keyed_norm import KeyedRMSNorm
 from . import attackers, exact
 from .basis import BasisConfig, apply_basis
@@ -48,6 +48,7 @@ from .whiten import best_alignment
 log = logging.getLogger("splitinfer.privacy")
 DEFENCES = {"orthogonal": "secret basis", "linear": "secret linear key"}
 EXTRA = {"orthogonal": "secret_basis", "linear": "secret_linear_key"}  # audit.json keys of each key's record
+THREATS = ("T3", "T4", "T5")
 MARKER = "\u2063MARK\u2063"
 FALLBACK_TEMPLATE = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
 
@@ -61,6 +62,16 @@ class KeyedConfig:
     metric_block: int = 64  # the linear key's norm-factor block (BasisConfig.metric_block)
     t5_a4_from: int = 0  # A4 after A7 fits from this N on (the largest N measured at most): the slowest rows
     a9_a4: bool = True  # A4 after the input side's A9 on the most traffic
+    threats: tuple[str, ...] = THREATS  # which of T3, T4, T5 run (`privacy audit --threats T3`: the observer alone)
+    # The attacker's other text, from documents the corpus does not use: T5's known pairs come from it, and keyed,
+    # its first N tokens (whole chunks) are other sessions' traffic that T3's input-side A8 / A9 also align on,
+    # one set per N here (A4 after A9 on the largest). Every set holds the attacked sessions' own traffic too.
+    traffic_tokens: tuple[int, ...] = (10_000,)
+
+    def __post_init__(self):
+        if not self.threats or not set(self.threats) <= set(THREATS):
+            raise ConfigError(f"--threats takes a comma-separated subset of {', '.join(THREATS)}, not "
+                              f"{','.join(self.threats) or 'nothing'}.")
 
 
 @dataclass
@@ -170,8 +181,8 @@ def _identity_error(audit, keyed, prefix: list[int], a: np.ndarray, k: int) -> f
 
 
 def basis_threats(audit, config: KeyedConfig = KeyedConfig()) -> None:
-    """Add the T3, T4 and T5 rows of each key in config.keys (input side at k, output side at m = k, k = the
-    audit's defence depth)."""
+    """Add the rows of config.threats (T3, T4, T5) for each key in config.keys (input side at k, output side at
+    m = k, k = the audit's defence depth)."""
     k = audit.config.defence_depth
     started = time.perf_counter()
     prefix = template_ids(audit.tokenizer)
@@ -208,10 +219,15 @@ def _one_key(audit, key: str, config: KeyedConfig, pub: _Public, prefix: list[in
     state: dict = {"inverse": np.linalg.inv(a), "neuron_perms": secret.neuron_perms, "defence": DEFENCES[key],
                    "obs_full": obs_full, "obs_train": _body(keyed_view(pub.train_full, a), audit.corpus.train, p),
                    "pub": pub, "a": a, "config": config}
+    threats = config.threats
     for side in ("input", "output"):
-        _t3(audit, side, k, state)
-        _t4(audit, side, k, keyed, state)
-    _t5(audit, k, state)
+        if "T3" in threats:
+            _t3(audit, side, k, state)
+        _aligned(audit, side, k, state)  # A8 / A9: T3's on the sessions' traffic, T5's on its own text
+        if "T4" in threats:
+            _t4(audit, side, k, keyed, state)
+    if "T5" in threats:
+        _t5(audit, k, state)
     audit.extra[EXTRA[key]] = {
         "basis": record, "template_tokens": p, "anchors": p, "seed": config.seed,
         "t4": state.get("t4"), "alignment_error": state.get("alignment_error"), "a9": state.get("a9"),
@@ -222,7 +238,7 @@ def _one_key(audit, key: str, config: KeyedConfig, pub: _Public, prefix: list[in
 
 def _t5_public(audit, k: int, prefix: list[int], config: KeyedConfig) -> Collected | None:
     """The attacker's other text through the public layers [0, k), after the template (float32)."""
-    chunks = attacker_text(audit.tokenizer, audit.config.corpus, max(config.t5_pairs))
+    chunks = attacker_text(audit.tokenizer, audit.config.corpus, max(*config.t5_pairs, *config.traffic_tokens))
     if not chunks:
         log.warning("T5 skipped: every source document is in the audit's corpus; lower --documents")
         return None
@@ -263,11 +279,17 @@ def _t3(audit, side, k, state) -> None:
     else:
         audit._row((side, k, "T3", "A4", defence), _pred_a4_output(audit, full_rows, obs_full, p), all_rows, y,
                    {"a4": "public tail + norm + LM head on the keyed states"})
-    _t3_statistical(audit, side, k, state)
+    _inner_products(audit, side, k, state)
 
 
-def _t3_statistical(audit, side, k, state) -> None:
-    """A6 (inner products with the template's states), then A8 and A9 on each set of unlabelled traffic."""
+def _a2(audit, pub: _Public, side: str, k: int):
+    """A2 trained on the public-basis activations of the attacker's text (what every aligned attack feeds)."""
+    return _fit_or_reuse(pub.fitted, (side, "A2"), "mlp", pub.train.side(side)[k], pub.train.target(side),
+                         pub.train.chunk_bounds(), audit.config.train)
+
+
+def _inner_products(audit, side, k, state) -> None:
+    """A6: inner products with the template's states (an orthogonal key keeps them)."""
     cfg, pub, defence = audit.config, state["pub"], state["defence"]
     p, y = pub.prefix_len, pub.train.target(side)
     tb, eb = pub.train.chunk_bounds(), audit.test.chunk_bounds()
@@ -277,11 +299,16 @@ def _t3_statistical(audit, side, k, state) -> None:
     pred = attackers.predict(fitted, inner_products(x_obs, anchors_obs), eb)
     audit._row((side, k, "T3", f"A6 inner products ({p} anchors)", defence), pred, np.ones(len(x_obs), bool), y,
                _info(fitted))
-    traffic = _traffic(audit, side, k, state)
+
+
+def _aligned(audit, side, k, state) -> None:
+    """A8 and A9 on each set of unlabelled traffic whose threat (T3 or T5) this audit runs; A4 after A9 on T3's
+    largest."""
+    traffic = [t for t in _traffic(audit, side, k, state) if t[0] in state["config"].threats]
+    largest_t3 = max((i for i, t in enumerate(traffic) if t[0] == "T3"), default=None)
     for i, (threat, label, observed) in enumerate(traffic):
         _moments(audit, side, k, state, threat, label, observed)
-        largest_t3 = i == max(j for j, t in enumerate(traffic) if t[0] == "T3")
-        _whitened(audit, side, k, state, threat, label, observed, a4=largest_t3 and state["config"].a9_a4)
+        _whitened(audit, side, k, state, threat, label, observed, a4=i == largest_t3 and state["config"].a9_a4)
 
 
 def _traffic(audit, side, k, state) -> list[tuple[str, str, dict]]:
@@ -297,10 +324,14 @@ def _traffic(audit, side, k, state) -> list[tuple[str, str, dict]]:
     out = [("T3", f"{len(test)} tokens of traffic", sessions)]
     if side == "input" and pub.t5 is not None:
         extra = keyed_view(pub.t5, state["a"])
-        bounds = test.chunk_bounds() + [(s + len(test), e + len(test)) for s, e in extra.chunk_bounds()]
-        rows = np.concatenate([test.inputs[k], extra.inputs[k]])
-        # The other text's returned states were not collected: no "cross" statistic on this set.
-        out.append(("T3", f"{len(rows)} tokens of traffic", {"x": rows, "bounds": bounds, "other": None}))
+        ends = [e for _, e in extra.chunk_bounds()]
+        # The first whole chunks holding N tokens, as attacker_text draws them (all of it where it holds fewer).
+        cuts = sorted({next((e for e in ends if e >= n), len(extra)) for n in state["config"].traffic_tokens})
+        for cut in cuts:
+            bounds = test.chunk_bounds() + [(s + len(test), e + len(test)) for s, e in extra.chunk_bounds() if e <= cut]
+            rows = np.concatenate([test.inputs[k], extra.inputs[k][:cut]])
+            # The other text's returned states were not collected: no "cross" statistic on this set.
+            out.append(("T3", f"{len(rows)} tokens of traffic", {"x": rows, "bounds": bounds, "other": None}))
     own = state["obs_train"]
     out.append(("T5", f"its own text unpaired, {len(own)} tokens",
                 {"x": own.side(side)[k], "bounds": own.chunk_bounds(), "other": own.side(other)[k]}))
@@ -314,7 +345,7 @@ def _moments(audit, side, k, state, threat, label, observed) -> None:
     error = _rotation_error(r, state)
     state.setdefault("alignment_error", {})[f"{side}, {label}"] = error
     x_obs = audit.test.side(side)[k]
-    pred = attackers.predict(pub.fitted[(side, "A2")], (x_obs.astype(np.float32) @ r).astype(np.float16),
+    pred = attackers.predict(_a2(audit, pub, side, k), (x_obs.astype(np.float32) @ r).astype(np.float16),
                              audit.test.chunk_bounds())
     audit._row((side, k, threat, f"A8 moment alignment ({label}) + A2", defence), pred,
                np.ones(len(audit.test), bool), pub.train.target(side), {"rotation_error": error,
@@ -335,7 +366,7 @@ def _whitened(audit, side, k, state, threat, label, observed, a4: bool) -> None:
     info = {"method": found.method, "anchor_residual": scores, "traffic_tokens": int(len(observed["x"])),
             "reconstruction_error": float(np.linalg.norm(mapped - truth) / np.linalg.norm(truth))}
     state.setdefault("a9", {})[f"{side}, {label}"] = info
-    pred = attackers.predict(pub.fitted[(side, "A2")], mapped.astype(np.float16), eb)
+    pred = attackers.predict(_a2(audit, pub, side, k), mapped.astype(np.float16), eb)
     name = f"A9 whitening + {found.method} ({label})"
     everything = np.ones(len(audit.test), bool)
     audit._row((side, k, threat, f"{name} + A2", defence), pred, everything, y, info)
@@ -381,7 +412,7 @@ def _t4(audit, side, k, keyed, state) -> None:
         exact_ok = record["weight_residual"] < 1e-3
         stack = exact.head_stack(audit.model, k)
         body = _body(replace(obs_full, inputs={k: derotated.astype(np.float16)}), audit.corpus.test, p)
-        guesses = attackers.predict(state["pub"].fitted[(side, "A2")], body.inputs[k], audit.test.chunk_bounds())
+        guesses = attackers.predict(_a2(audit, state["pub"], side, k), body.inputs[k], audit.test.chunk_bounds())
         search = cfg.exact if exact_ok else cfg.inexact
         pred, info = _pred_a4_input(audit, stack, derotated, obs_full, p, guesses, search)
         audit._row(key, pred, _a4_mask(audit), y, {**info, "a5": record})
@@ -398,7 +429,7 @@ def _t5(audit, k, state) -> None:
     cfg, p = audit.config, pub.prefix_len
     public = pub.t5.inputs[k].astype(np.float64)
     obs = keyed_view(pub.t5, state["a"]).inputs[k].astype(np.float64)
-    x_obs, a2 = audit.test.inputs[k].astype(np.float64), pub.fitted[("input", "A2")]
+    x_obs, a2 = audit.test.inputs[k].astype(np.float64), _a2(audit, pub, "input", k)
     train_targets, obs_full = pub.train.tokens, state["obs_full"]
     stack = exact.head_stack(audit.model, k)
     everything = np.ones(len(audit.test), bool)

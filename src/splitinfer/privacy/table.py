@@ -32,9 +32,11 @@ THREATS = (
     Threat("anyone who reads logs, dumps or a tap behind TLS, without the cloud shard", "activations; public weights",
            "T0", "none"),
     Threat("the same reader, deployment in a secret rotation (`privatize --basis --key orthogonal`)",
-           "activations in the secret basis; public weights; its own text (other documents)", "T3", "secret basis"),
+           "activations in the secret basis; public weights; its own text (other documents); the sessions' traffic",
+           "T3", "secret basis"),
     Threat("the same reader, deployment under a secret linear key (`privatize --basis`, the default)",
-           "activations under the key; public weights; its own text (other documents)", "T3", "secret linear key"),
+           "activations under the key; public weights; its own text (other documents); the sessions' traffic", "T3",
+           "secret linear key"),
     Threat("the cloud host", "activations and the cloud layers (= public weights)", "T0", "none"),
     Threat("the cloud host, secret basis", "activations and this deployment's cloud shard", "T4", "secret basis"),
     Threat("the cloud host, linear key", "activations and this deployment's cloud shard (its norm factor)", "T4",
@@ -67,7 +69,8 @@ def _cell(row: dict | None) -> str:
 
 
 def threat_table(sources: list[tuple[str, dict]], depth: int = 2, short: bool = False) -> str:
-    """sources: (label, audit.json dict) pairs; rows found in several come from the first one.
+    """sources: (label, audit.json dict) pairs; rows found in several come from the first one (so a later,
+    larger run of some threats is named before the audit it supersedes them in).
     short: without the "has" and "data" columns (the README's version)."""
     lines = [
         f"| who | has | prompt tokens recovered (input side, k = {depth}) | generated tokens recovered "
