@@ -77,7 +77,7 @@ def test_paper_figures():
     assert r["total_params"] == pytest.approx(12.25e9, rel=0.005)
 
 
-@pytest.mark.parametrize("name, billions", [("llama-3.1-70b", 70.55), ("llama-3.1-405b", 405.85)])
+@pytest.mark.parametrize("name, billions", [("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.55), ("llama-3.1-405b", 405.85)])
 def test_llama_configs(name, billions):
     _, cfg = load_config(name)
     assert plan(cfg)["total_params"] / 1e9 == pytest.approx(billions, abs=0.01)

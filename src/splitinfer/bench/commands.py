@@ -266,7 +266,7 @@ def register(sub) -> None:
 
     s = sub.add_parser("plan", help="size a split from a model config: memory, KV, wire bytes, RTT/compute")
     s.add_argument("--config", required=True, help="config.json path, or mistral-7b-v0.1, mistral-nemo-12b, "
-                   "llama-3.1-70b, llama-3.1-405b")
+                   "llama-3.1-8b, llama-3.1-70b, llama-3.1-405b")
     add_options(s, SplitOptions, (Opt("head_layers"), Opt("tail_layers")))
     add_options(s, PlanOptions, (Opt("dtype", choices=DTYPE_NAMES, help="weights and KV"),))
     s.add_argument("--wire-dtype", choices=DTYPE_NAMES, help="default: --dtype")

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-PACKAGED_CONFIGS = ("mistral-7b-v0.1", "mistral-nemo-12b", "llama-3.1-70b", "llama-3.1-405b")
+PACKAGED_CONFIGS = ("mistral-7b-v0.1", "mistral-nemo-12b", "llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b")
 KNOWN_TYPES = ("llama", "mistral", "qwen2")
 DEFAULT_MESSAGE_BYTES = 16 * 1024 * 1024  # `splitinfer serve --max-message-mb 16`
 PREFILL_CHUNK = 512  # ClientConfig.prefill_chunk
