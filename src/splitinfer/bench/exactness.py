@@ -69,18 +69,6 @@ def teacher_forced(client, ids: list[int]):
     return nll, rows.argmax(-1)
 
 
-def margin(client, ids: list[int]) -> float:
-    """The client's top-1 minus top-2 logit after `ids`."""
-    from ..local.session import SplitSession
-
-    session = SplitSession(client.local, client.make_middle(), client.config)
-    try:
-        top = session.prefill(ids)[-1].topk(2).values
-    finally:
-        session.close()
-    return round(float(top[0] - top[1]), 5)
-
-
 class Reference:
     """float32 local-only: held-out NLL and top-1 per text, greedy reply per prompt."""
 
@@ -94,6 +82,8 @@ class Reference:
 def measure(client, reference: Reference, texts, prompts, options: ExactnessOptions) -> dict:
     """One configuration against the reference."""
     import torch
+
+    from .speculative import margin_before
 
     nll, agree = [], 0
     for ids, (_, ref_top) in zip(texts, reference.scored):
@@ -112,7 +102,7 @@ def measure(client, reference: Reference, texts, prompts, options: ExactnessOpti
         first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
         entry = {"prompt_id": pid, "identical": got == ref, "first_divergence": first, "tree_equals_sequential": tree == got}
         if first is not None:
-            entry["reference_margin"] = margin(reference.client, ids + ref[:first])
+            entry["reference_margin"] = margin_before(reference.client, ids, ref, first)
         replies.append(entry)
     perplexity = math.exp(float(nll.mean()))
     return {
