@@ -529,6 +529,21 @@ def test_a_later_step_that_names_neither_a_block_nor_what_follows_it_drops_it():
     assert not dropped(drops_a, [a])  # only later steps speak for a step
 
 
+def test_a_skipped_step_may_build_on_a_block_skipped_before_it():
+    """Steps 4 and 5 were dropped while queued, 5 built on 4 and resolves A: the server never ran 4, so a
+    step that runs may not name it, but skipped, 5 still resolves A and leaves B for the step that keeps it."""
+    on_skipped = ahead_step(5, (0, 1), (9,), (Assumed(3, (0, 1)), Assumed(4, (0,))))
+    with pytest.raises(ProtocolError, match=r"valid blocks in flight on this session are \[3\]"):
+        check_step(on_skipped, 5, "float32", 5, (A, B), LIMIT, 3)
+    plan = check_step(on_skipped, 5, "float32", 5, (A, B), LIMIT, 3, skip=True)
+    assert (plan.resolves, plan.pending, plan.committed) == (((0, 1),), (PendingBlock(3, (7, 8)),), 7)
+    assert check_step(ahead_step(6, (0, 1), (9,), ()), 6, "float32", 7, plan.pending, LIMIT, 3).committed == 9
+    wrong_rows = ahead_step(5, (0, 1), (9,), (Assumed(3, (1,)), Assumed(4, (0,))))  # B is not on that path
+    assert check_step(wrong_rows, 5, "float32", 5, (A, B), LIMIT, 3, skip=True).pending == ()
+    with pytest.raises(ProtocolError, match="keep: kept rows must form a contiguous path"):  # still checked
+        check_step(ahead_step(5, (1,), (9,), ()), 5, "float32", 5, (A, B), LIMIT, 3, skip=True)
+
+
 def test_a_skipped_reply_is_taken_only_for_a_dropped_block():
     link = pipelined()
     a = ahead(link, 5, 3, [])

@@ -203,6 +203,9 @@ class Scheduler:
     def _skip(self, item: _Item) -> None:
         try:
             outcome = self.table.skip_step(item.session, item.step, item.received_at)
+        except Exception as exc:  # noqa: BLE001 - an unexpected failure fails this step, not the server
+            log.exception("a skipped step failed")
+            outcome = exc
         finally:
             self.table.release(item.session)
         self._settle(item, outcome)

@@ -212,16 +212,17 @@ class SessionTable:
             log.info("expired %d idle session(s)", len(gone))
         return gone
 
-    def _apply_step(self, session: CloudSession, step: Step) -> Prefix | None:
+    def _apply_step(self, session: CloudSession, step: Step, skip: bool = False) -> Prefix | None:
         """The protocol's rules for a step (wire/serverlink.py), the KV budget for the rows it brings, then its
-        resolution and drops on the cache. Returns the pending rows the block is written after, if any."""
+        resolution and drops on the cache. Returns the pending rows the block is written after, if any; skip:
+        the block will not run (it brings no rows)."""
         cache = session.cache
         plan = check_step(
             step, session.next_seq, session.wire_dtype, cache.length, session.pending, self.max_position,
-            session.max_in_flight,
+            session.max_in_flight, skip,
         )
         held = sum(len(b.positions) for b in plan.pending)
-        self._reserve(session, plan.committed + held + len(step.positions), held)
+        self._reserve(session, plan.committed + held + (0 if skip else len(step.positions)), held)
         for rows in plan.resolves:
             cache.keep(rows)
         cache.drop_newer(len(plan.pending))
@@ -375,7 +376,7 @@ class SessionTable:
                 with self._lock:
                     if self._sessions.get(session.id) is not session:
                         raise SessionError("the session was evicted or closed on this server; re-prefill.")
-                self._apply_step(session, step)
+                self._apply_step(session, step, skip=True)
             except SplitInferError as exc:
                 return exc
             session.next_seq += 1

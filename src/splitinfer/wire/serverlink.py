@@ -90,10 +90,12 @@ def check_step(
     pending: tuple[PendingBlock, ...],
     max_position: int,
     max_in_flight: int = 1,
+    skip: bool = False,
 ) -> StepPlan:
     """A step against its session: seq, dtype, keep list, assumptions, positions. committed: rows the
     session holds; pending: the blocks it ran that are not resolved, oldest first; max_in_flight: blocks
-    that may be pending at once, the step's own included (1 before v3).
+    that may be pending at once, the step's own included (1 before v3); skip: the step will not run
+    (`dropped`), so only its seq, keep list and resolutions are checked.
 
     A step resolves the oldest pending block with its keep list, unless it assumes that block (then its keep
     list is empty), and then the next `resolved` ones with their rows in `assume`; it builds on the pending
@@ -128,6 +130,8 @@ def check_step(
         committed += len(settled.rows)
         resolves.append(settled.rows)
         rest = [_after_resolution(later, block.seq, settled.rows) for later in rest]
+    if skip:
+        return StepPlan(tuple(resolves), _still_valid(step.assume[step.resolved :], rest, committed), committed)
     kept = _check_assumptions(step, step.assume[step.resolved :], rest, committed, max_position)
     return StepPlan(tuple(resolves), kept, committed)
 
@@ -140,7 +144,8 @@ def dropped(step: Step, later: list[Step]) -> bool:
     (`resolved`) or with the keep list of the step after its reply; a step sent before `step` was answered
     cannot do the latter. So a later step that does not name `step` was sent after the client dropped it, and
     its reply would be discarded. Whatever a peer sends here, skipping a step only spares its pass: its keep
-    list and resolutions still apply and the steps after it are checked as ever (check_step).
+    list and resolutions still apply, and the steps after it are checked as ever (check_step with `skip`: the
+    blocks it assumes may include one skipped before it, since a client drops every block built on a dropped one).
     """
     return any(l.seq > step.seq and all(a.seq != step.seq for a in l.assume) for l in later)
 
@@ -150,6 +155,23 @@ def _after_resolution(block: PendingBlock | None, seq: int, kept: tuple[int, ...
     if block is None or not block.assume or block.assume[0] != Assumed(seq, tuple(kept)):
         return None
     return PendingBlock(block.seq, block.positions, block.assume[1:])
+
+
+def _still_valid(assume: tuple[Assumed, ...], rest: list[PendingBlock | None], committed: int):
+    """The pending blocks a skipped step keeps: those it assumes, up to the first that is not the next valid
+    one. Its assumptions may name a block skipped before it (a client drops every block built on a dropped one,
+    and the step that shows it drops this one too); whatever they name, a later step is checked as ever."""
+    kept: list[PendingBlock] = []
+    for i, (assumed, block) in enumerate(zip(assume, rest)):
+        if block is None or block.seq != assumed.seq or block.assume != assume[:i]:
+            break
+        try:
+            _check_path(assumed.rows, block.positions, committed, "assume")
+        except ProtocolError:
+            break
+        committed += len(assumed.rows)
+        kept.append(block)
+    return tuple(kept)
 
 
 def _check_assumptions(step: Step, assume, rest: list[PendingBlock | None], committed: int, max_position: int):
