@@ -1,11 +1,12 @@
-"""Build, load and choose splitinfer's CPU kernels: once per machine, at a moment the user sees.
+"""Build, load and choose splitinfer's CPU kernels: once per install, at a moment the user sees.
 
 The sources are the .cpp files beside this module; layout.h holds what they share (the packing layout of
 the integer weights, read back by `layout()`, and the one exp polynomial). They need a C++ compiler and a
 CPU with AVX-512 (F, BW, VL, VNNI) and F16C, read from Linux's /proc/cpuinfo (so never on macOS or ARM).
 
-When they build: `ensure()` builds them on a machine's first call (about a minute on 2 cores) into PyTorch's
-extension cache (`$TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions) and loads them, in a fraction of
+When they build: `ensure()` builds them on an install's first call (about a minute on 2 cores) into PyTorch's
+extension cache (`$TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions; a directory per installed copy of
+the sources) and loads them, in a fraction of
 a second, on every later start. It is called by `splitinfer kernels`, by `prepare`, and whenever a shard is
 loaded (the start of `serve` and of every client command), each time with one log line saying what
 happened. Nothing else builds: `available()` only says whether the library is loaded in this process, so a
@@ -111,10 +112,13 @@ def cpu_supports() -> bool:
 
 
 def cache_dir() -> Path:
-    """Where the built library is kept between starts (PyTorch's extension cache)."""
+    """Where the built library is kept between starts: PyTorch's extension cache, a directory per installed copy
+    of the sources (two venvs under one home, as on a workstation that also serves, would otherwise rebuild
+    each other's library at every start: the build's commands name the sources' paths)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    return Path(_get_build_directory(NAME, verbose=False))
+    copy = hashlib.sha256(str(HERE.resolve()).encode()).hexdigest()[:8]
+    return Path(_get_build_directory(f"{NAME}_{copy}", verbose=False))
 
 
 def ensure(choice: KernelSet | None = None) -> bool:
@@ -163,9 +167,9 @@ def _load() -> None:
     clear_stale_lock(cache_dir())
     start = time.perf_counter()
     log.info("loading splitinfer's CPU kernels from %s (built there first where the sources changed: about a "
-             "minute on 2 cores, once per machine)", cache_dir())
+             "minute on 2 cores, once per install)", cache_dir())
     header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]  # a header change rebuilds
-    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES],
+    cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(cache_dir()),
                        extra_cflags=[*CFLAGS, f"-DSPLITINFER_HEADER={header}"], is_python_module=False, verbose=False)
     _register_fakes()
     _STATE.loaded, _STATE.reason = True, "loaded"

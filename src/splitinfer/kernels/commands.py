@@ -1,4 +1,4 @@
-"""`splitinfer kernels`: build (once per machine) or load the CPU kernels now, and say what runs here.
+"""`splitinfer kernels`: build (once per install) or load the CPU kernels now, and say what runs here.
 
 For a machine's set-up step (an image build, a deploy script) so that no later start waits for the build,
 and for the question "which kernels does this machine run, and why not the others". No torch at import.

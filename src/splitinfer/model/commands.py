@@ -80,7 +80,7 @@ def cmd_prepare(args) -> int:
 
     if not args.synthetic and is_gguf_source(args.model):  # a missing extra says so before anything builds
         require_extra("gguf", GGUF, "splitinfer prepare (reading a GGUF model; the default is one)")
-    kernels.ensure()  # built here, once per machine, rather than at the first client's start
+    kernels.ensure()  # built here, once per install, rather than at the first client's start
     if args.synthetic:
         return cmd_prepare_synthetic(args)
     from ..progress import progress
