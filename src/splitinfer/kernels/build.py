@@ -40,7 +40,11 @@ HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))
 HEADER = HERE / "layout.h"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off",
+          "-fopenmp"]
+# -fopenmp is what makes at::parallel_for parallel (ATen's header runs the loop serially without it) and links
+# libgomp.so.1, the OpenMP runtime torch already loaded from torch/lib, so torch.set_num_threads governs both.
+LDFLAGS = ["-fopenmp"]
 NAME = "splitinfer_native"
 ENV = "SPLITINFER_KERNELS"
 
@@ -170,7 +174,8 @@ def _load() -> None:
              "minute on 2 cores, once per install)", cache_dir())
     header = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]  # a header change rebuilds
     cpp_extension.load(name=NAME, sources=[str(s) for s in SOURCES], build_directory=str(cache_dir()),
-                       extra_cflags=[*CFLAGS, f"-DSPLITINFER_HEADER={header}"], is_python_module=False, verbose=False)
+                       extra_cflags=[*CFLAGS, f"-DSPLITINFER_HEADER={header}"], extra_ldflags=LDFLAGS,
+                       is_python_module=False, verbose=False)
     _register_fakes()
     _STATE.loaded, _STATE.reason = True, "loaded"
     seconds = time.perf_counter() - start
