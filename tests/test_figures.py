@@ -368,6 +368,11 @@ FIGURES += (
            "bench/trusted-7b/trusted-half.json",
            tuple((("rows", {"side": "local", "format": f, "threads": 2, "context": 64, "rows": 1}, "splitinfer_ms"), "")
                  for f in ("float32", "bfloat16", "int8", "int4"))),
+    *(Figure(BENCH, text, f"bench/threads-7b/{run}/step.json",
+             ((("rows", {"side": "local", "context": 64, "rows": 1}, "splitinfer_ms"), ""),))
+      for text, run in (("two threads): {} ms a step in int8", "mistral-int8-2t"),
+                        ("in int8 ({} with the build before", "mistral-int8-2t-before"),
+                        ("{} in int4, and", "mistral-int4-2t"), ("{} in int8 in Llama-3.1-8B's shape", "llama-int8-2t"))),
     Figure(BENCH, "at 80 ms the tree would reach {} tok/s (trusted half in bfloat16 or int4) against the paper's {} "
            "measured", "bench/paper-projection/projection.json",
            ((("rows", {"strategy": "tree", "trusted": "this CPU, bfloat16, 2 thread(s)"}, "tokens_per_s", "80"), ""),
@@ -404,6 +409,7 @@ SETTINGS = (
     (PRIVACY, "are within the 10% at 80 ms"),
     (PRIVACY, "far over the 10% that a recommendation needs"),
     (BENCH, "kept perplexity within 1% of float32"),
+    (BENCH, "in Llama-3.1-8B's shape"),  # a model's name
     ("docs/security.md", "(TLS 1.2 or newer"),
     ("docs/security.md", "each delay jittered to 50-100%"),
     ("docs/design.md", "and at 4.5k tokens of context"),  # what the tests cover
