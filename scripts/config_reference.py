@@ -51,7 +51,8 @@ from, with secrets masked.
 
 splitinfer's own CPU kernels (int4 and int8 products, exact-rows attention, the norms of integer layers,
 whole integer layers and Token Recycling's top-k successors: `src/splitinfer/kernels/`) need a C++ compiler and
-a CPU with AVX-512 (F, BW, VL, VNNI) and F16C, read from Linux's /proc/cpuinfo. They are built on first use and
+a CPU with AVX-512 (F, BW, VL, VNNI) and F16C, read from Linux's /proc/cpuinfo; the int8 product runs on AMX tiles
+where the CPU has AMX-INT8 and Linux grants it (5.16 or newer; the same bits). They are built on first use and
 kept in PyTorch's extension cache, `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`).
 `SPLITINFER_KERNELS=none` turns them off (PyTorch's kernels then serve: the same exactness, other rounding for
 int4 and attention); reports name the kernels that ran.

@@ -373,6 +373,23 @@ FIGURES += (
       for text, run in (("two threads): {} ms a step in int8", "mistral-int8-2t"),
                         ("in int8 ({} with the build before", "mistral-int8-2t-before"),
                         ("{} in int4, and", "mistral-int4-2t"), ("{} in int8 in Llama-3.1-8B's shape", "llama-int8-2t"))),
+    *(Figure(BENCH, text, f"bench/amx-7b/{run}/step.json",
+             tuple((("rows", {"side": "local", "context": ctx, "rows": q}, key), "") for ctx, q, key in keys))
+      for text, run, keys in (
+          ("int8 {} ms a step at one row and {} at sixteen against a bytes bound of {} ms", "mistral-int8-2t",
+           ((64, 1, "splitinfer_ms"), (64, 16, "splitinfer_ms"), (64, 16, "bound_ms"))),
+          ("compute bound at tdpbusd's measured peak: {} ms at sixteen rows", "mistral-int8-2t",
+           ((64, 16, "compute_bound_ms"),)),
+          ("in Llama-3.1-8B's shape {} and {} against {}.", "llama-int8-2t",
+           ((64, 1, "splitinfer_ms"), (64, 16, "splitinfer_ms"), (64, 16, "bound_ms"))),
+          ("sixteen rows the attention is what remains: {} ms against {}.", "mistral-int8-2t",
+           ((2048, 16, "splitinfer_ms"), (2048, 16, "bound_ms"))))),
+    Figure(BENCH, "the AVX-512 VNNI path took {} times as long at one row and {} times at sixteen",
+           "bench/amx-7b/kernel-ab/kernel_ab.json",
+           ((("rows", {"kernel": "amx", "rows": 1}, "x_off"), ""), (("rows", {"kernel": "amx", "rows": 16}, "x_off"), ""))),
+    Figure(BENCH, "{} ms a tree step in int8, {} tok/s at 80 ms", "bench/paper-projection-amx/projection.json",
+           ((("rows", {"strategy": "tree", "trusted": "this CPU, int8, 2 thread(s)"}, "local_ms"), ""),
+            (("rows", {"strategy": "tree", "trusted": "this CPU, int8, 2 thread(s)"}, "tokens_per_s", "80"), ""))),
     Figure(BENCH, "at 80 ms the tree would reach {} tok/s (trusted half in bfloat16 or int4) against the paper's {} "
            "measured", "bench/paper-projection/projection.json",
            ((("rows", {"strategy": "tree", "trusted": "this CPU, bfloat16, 2 thread(s)"}, "tokens_per_s", "80"), ""),

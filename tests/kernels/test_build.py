@@ -75,7 +75,7 @@ def test_kernel_sets_parse_and_name_themselves():
     assert build.KernelSet.parse("all") == build.KernelSet()
     assert build.KernelSet.parse("all,-rms_norm") == build.KernelSet(rms_norm=False)
     assert build.KernelSet.parse("w8a8") == build.KernelSet(w4a8=False, rows_attention=False, rms_norm=False,
-                                                            decoder_layer=False, row_top=False)
+                                                            decoder_layer=False, row_top=False, amx=False)
     assert build.KernelSet.parse("none").spec() == "none"
     assert build.KernelSet(row_top=False).spec() == "all,-row_top"
     with pytest.raises(ConfigError, match="not a kernel"):

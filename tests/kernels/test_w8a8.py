@@ -12,6 +12,16 @@ from splitinfer.model import formats, linears
 from splitinfer.model.linears import fbgemm_pack, int8_product, int_mm_product
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason="this CPU has no AVX512-VNNI (or the kernel could not be built)")
+needs_amx = pytest.mark.skipif(not kernels.runs("amx"), reason="this CPU (or Linux) gives this process no AMX-INT8 tiles")
+PATHS = [pytest.param(False, id="vnni"), pytest.param(True, id="amx", marks=needs_amx)]
+
+
+@pytest.fixture
+def path(request):
+    """Run the test with the int8 product's AMX path on or off (process-wide), then put it back on."""
+    kernels.build.use_amx(request.param)
+    yield request.param
+    kernels.build.use_amx(True)
 
 
 def integers(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -22,11 +32,13 @@ def integers(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("n, k", [(16, 4), (48, 64), (192, 576), (576, 1536), (1040, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 17])
-def test_the_kernel_gives_int_mm_and_fbgemm_bits(n, k, rows):
-    """Shapes with 1-4 tiles left over after the groups of four; one to four rows (one pass of four), five and six
-    (one pass of six), seven and eight (pairs of tiles), alone or after blocks of eight."""
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("n, k", [(16, 4), (48, 64), (192, 576), (576, 1536), (1040, 576), (80, 100)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 14, 16, 17, 33])
+def test_the_kernel_gives_int_mm_and_fbgemm_bits(path, n, k, rows):
+    """Shapes with 1-4 tiles left over after the groups of four, and inputs in whole chunks of 64 or not (100: a
+    chunk and a short one; AMX takes whole chunks only); one to four rows (one pass of four), five and six (one
+    pass of six), seven and eight (pairs of tiles), alone or after blocks of eight; on AMX, passes of sixteen."""
     torch.manual_seed(0)
     state = formats.quantize_int8(torch.randn(n, k))
     qweight, scale = state["qweight"], state["scale"]
@@ -43,8 +55,9 @@ def test_the_kernel_gives_int_mm_and_fbgemm_bits(n, k, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_row_has_the_bits_it_has_alone(threads):
+def test_every_row_has_the_bits_it_has_alone(path, threads):
     torch.manual_seed(1)
     state = formats.quantize_int8(torch.randn(1024, 576))
     packed = w8a8.pack(state["qweight"])
@@ -92,7 +105,7 @@ def test_int8_linears_take_the_kernel_where_their_shape_tiles():
         assert library.qweight is not None and torch.equal(even(x), library(x)), library_class
 
 
-@pytest.mark.parametrize("n, k", [(64, 4), (48, 64), (576, 576), (200, 36)])
+@pytest.mark.parametrize("n, k", [(64, 4), (48, 64), (576, 576), (200, 36), (64, 200)])
 def test_unpack_is_packs_inverse(n, k):
     weight = torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(n), dtype=torch.int8)
     assert torch.equal(w8a8.unpack(w8a8.pack(weight)[0], n), weight)
@@ -109,9 +122,29 @@ def test_bad_operands_are_refused_with_what_was_expected():
 
 @needs_kernel
 def test_the_int8_dot_product_peak_is_a_rate():
-    """bench step's integer compute bound: GOP/s of vpdpbusd, measured (a plausible range for one core)."""
+    """bench step's integer compute bound: GOP/s of vpdpbusd, measured on torch's threads (a plausible range)."""
     peak = torch.ops.splitinfer.int8_dot_peak(200_000)
-    assert 10 < peak < 10_000
+    assert 10 < peak < 10_000 * torch.get_num_threads()
+
+
+@needs_amx
+def test_the_amx_peak_is_a_rate_above_vnnis():
+    """The AMX path's compute bound: tdpbusd's GOP/s, measured; a tile product does 16 x 16 x 64 multiply-adds."""
+    amx, vnni = torch.ops.splitinfer.amx_peak(20_000), torch.ops.splitinfer.int8_dot_peak(200_000)
+    assert vnni < amx < 100_000 * torch.get_num_threads()
+
+
+@needs_kernel
+def test_amx_is_chosen_process_wide_and_reported():
+    assert kernels.build.use_amx(False) is False
+    try:
+        assert torch.ops.splitinfer.amx(False) == kernels.build._STATE.amx  # the CPU's answer, whatever the choice
+    finally:
+        kernels.build.use_amx(True)
+    assert kernels.runs("amx") == kernels.build._STATE.amx
+    with kernels.choosing(kernels.KernelSet.parse("all,-amx")):
+        assert not kernels.runs("amx") and kernels.report()["amx"] == kernels.KERNELS["amx"][1]
+    assert kernels.runs("amx") == kernels.build._STATE.amx
 
 
 @needs_kernel

@@ -5,7 +5,9 @@
 splitinfer's products and norms and does its own attention, so the kernels it subsumes (the products, the
 norms, the attention rows) are compared with it off, where they are what runs (a layer outside its reach: a
 family without the fused forwards, a head dimension it does not take); decoder_layer and Token Recycling's
-top-k are compared against every kernel on. `none` against all is the path a CPU without the kernels takes.
+top-k are compared against every kernel on, and so is AMX (the int8 product's path where the CPU has AMX-INT8,
+chosen process-wide at each call: each set turns it on or off before its step). `none` against all is the path
+a CPU without the kernels takes.
 
 Each set's layers are built as loading builds them (model/layers.py chooses each module's kernel at
 construction, under kernels.choosing). One comparison at a time, only its two sets loaded (each keeps the
@@ -50,9 +52,10 @@ class Variant:
     """One kernel set's sides, built under it, and the Token Recycling observer its client would build."""
 
     def __init__(self, spec: str, shards: Path, context: int, rows: tuple[int, ...]):
-        self.spec = spec
+        self.spec, self.amx = spec, kernels.KernelSet.parse(spec).amx
         with kernels.choosing(kernels.KernelSet.parse(spec)):
-            self.sides = {s.name: s for s in build_sides(shards, (context,), rows)}
+            present = tuple(side for side in ("cloud", "local") if (shards / side).is_dir())  # a synthetic 7B: local only
+            self.sides = {s.name: s for s in build_sides(shards, (context,), rows, sides=present)}
             self.recycling = TokenRecycling(TreeConfig().recycling_k)
         stacks = [stack for side in self.sides.values() for stack in side.stacks]
         tails = [m for side in self.sides.values() for m in side.tail or ()]
@@ -62,6 +65,7 @@ class Variant:
     @torch.inference_mode()
     def step(self, side: str, q: int) -> torch.Tensor:
         s: Side = self.sides[side]
+        kernels.build.use_amx(self.amx)  # process-wide, read by each product: this set's choice for its step
         out = s.ours(q, s.block(q))
         if side == "local":
             self.recycling.observe(list(range(q)), out[0])
@@ -77,6 +81,7 @@ COMPARISONS = {
     "rms_norm": (WITHOUT_LAYER, WITHOUT_LAYER + ",-rms_norm"),
     "decoder_layer": (ALL, WITHOUT_LAYER),
     "row_top": (ALL, "all,-row_top"),
+    "amx": (ALL, "all,-amx"),
 }
 
 
@@ -98,7 +103,8 @@ def measure(shards: Path, rows: tuple[int, ...], context: int, repeats: int, war
     results, modules, skipped = [], {}, []
     for kernel, (on, off) in comparisons(names).items():
         pair = {spec: Variant(spec, shards, context, rows) for spec in (on, off)}
-        if pair[on].modules == pair[off].modules:
+        # AMX builds no module of its own (the int8 product chooses at each call): not run where the CPU lacks it
+        if (not kernels.runs("amx")) if kernel == "amx" else pair[on].modules == pair[off].modules:
             skipped.append(kernel)  # this shard never runs the kernel
             continue
         log(f"{kernel}: {on} against {off}")

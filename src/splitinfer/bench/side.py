@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..model.linears import Int8Linear, QuantLinear
+from .. import kernels
+from ..model.linears import Int8Linear, QuantLinear, W8A8Linear
 from ..model.shards import LocalHalf, load_cloud, load_local
 from ..model.stack import LayerStack
 from .baseline import plain_model, with_ends
@@ -147,12 +148,19 @@ class Side:
         return 2 * q * sum(m.in_features * m.out_features for top in modules for m in top.modules()
                            if isinstance(m, kinds))
 
-    def compute_bound_ms(self, q: int, float_peak: float, int8_peak: float | None) -> float:
-        """The products' time at the peaks: integer products at the int8 dot-product peak where the kernels
-        that multiply on it run, the rest (and all where they do not) at the float peak."""
+    def compute_bound_ms(self, q: int, float_peak: float, int8_peak: float | None, amx_peak: float | None = None) -> float:
+        """The products' time at the peaks of the instructions they run on: int8 products at the AMX peak where
+        that path runs (`amx_peak`, whole tiles of 64 inputs), other integer products at the VNNI peak where the
+        kernels run (`int8_peak`), the rest (and all where the kernels do not) at the float peak."""
         if int8_peak is None:
             return self.product_flops(q) / float_peak / 1e6
-        return (self.product_flops(q, (nn.Linear,)) / float_peak + self.product_flops(q, (QuantLinear,)) / int8_peak) / 1e6
+        modules = [m for top in list(self.stacks) + list(self.tail or ()) for m in top.modules()]
+        depth = kernels.build.layout()["w8a8_depth"] if amx_peak else 0
+        on_amx = sum(2 * q * m.in_features * m.out_features for m in modules
+                     if amx_peak and isinstance(m, W8A8Linear) and m.in_features % depth == 0)
+        integer = self.product_flops(q, (QuantLinear,)) - on_amx
+        return (self.product_flops(q, (nn.Linear,)) / float_peak + integer / int8_peak
+                + (on_amx / amx_peak if on_amx else 0.0)) / 1e6
 
     def streamed_bytes(self, cached: bool = True) -> int:
         """Weights read once as stored (an integer format's state and scales too) plus (`cached`) the cached keys

@@ -51,7 +51,7 @@ from ..tables import table
 from .anchors import e2e
 from .harness import rounds
 from .side import Side, build_sides
-from .machine import PEAK_SIZE, bandwidth_gbps, cpu_flags, int8_dot_gops, kernels_line, product_gflops
+from .machine import PEAK_SIZE, amx_gops, bandwidth_gbps, cpu_flags, int8_dot_gops, kernels_line, product_gflops
 
 GROUPS = ("products", "attention", "other ops", "python and dispatch")
 PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "aten::linear", "aten::matmul",
@@ -119,12 +119,13 @@ def breakdown(side: Side, q: int) -> dict[str, float]:
 def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
     pin_self(config.cpu if config.cpu >= 0 else None, config.threads)
     gbps = bandwidth_gbps()
-    log(f"memory bandwidth, one thread: {gbps:.1f} GB/s")
+    log(f"memory bandwidth, {config.threads} thread(s): {gbps:.1f} GB/s")
     sides = build_sides(shards, config.contexts, config.rows, config.dtype, config.sides)
     peak = product_gflops(sides[0].dtype)
-    log(f"product peak, one thread: {peak:.1f} GFLOP/s ({str(sides[0].dtype).removeprefix('torch.')})")
-    int8_peak = int8_dot_gops()
-    log(f"int8 dot-product peak, one thread: {int8_peak:.1f} GOP/s" if int8_peak else "int8 dot-product peak: not measured")
+    log(f"product peak: {peak:.1f} GFLOP/s ({str(sides[0].dtype).removeprefix('torch.')})")
+    int8_peak, amx_peak = int8_dot_gops(), amx_gops()
+    log(f"int8 dot-product peak: {int8_peak:.1f} GOP/s" if int8_peak else "int8 dot-product peak: not measured")
+    log(f"AMX int8 peak: {amx_peak:.1f} GOP/s" if amx_peak else "AMX int8 peak: AMX does not run here")
     times = time_configs(sides, config.rows, config.repeats)
     rows = []
     for i, side in enumerate(sides):
@@ -136,7 +137,7 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
                 "side": side.name, "context": side.context, "rows": q, "layers": sum(len(s.layers) for s in side.stacks),
                 "splitinfer_ms": round(ours, 2), "transformers_ms": round(anchor, 2), "ratio": round(ours / anchor, 3),
                 "bound_ms": round(side.streamed_bytes() / gbps / 1e6, 2),
-                "compute_bound_ms": float(f"{side.compute_bound_ms(q, peak, int8_peak):.4g}"),
+                "compute_bound_ms": float(f"{side.compute_bound_ms(q, peak, int8_peak, amx_peak):.4g}"),
                 "breakdown_ms": {k: round(v * ours, 2) for k, v in shares.items()},
             })
             row, products_ms = rows[-1], rows[-1]["breakdown_ms"]["products"]
@@ -153,7 +154,8 @@ def run(shards: Path, config: StepBenchConfig, log=print) -> dict:
         "kernels": kernels.report(), "modules": kernel_table(*(s for side in sides for s in side.stacks)),
         "config": asdict(config),
         "dtype": str(sides[0].dtype).removeprefix("torch."), "bandwidth_gbps": round(gbps, 2),
-        "product_peak_gflops": round(peak, 1), "int8_dot_peak_gops": int8_peak and round(int8_peak, 1), "rows": rows,
+        "product_peak_gflops": round(peak, 1), "int8_dot_peak_gops": int8_peak and round(int8_peak, 1),
+        "amx_peak_gops": amx_peak and round(amx_peak, 1), "rows": rows,
         "synthetic": synthetic_source(shards),  # random weights in a config's shape (model/synthetic.py), or None
         "weights": shard_manifest(shards).get("weights"),  # each part's weight format (model/formats.py)
     }
@@ -192,14 +194,23 @@ def guard(report: dict, config: StepBenchConfig) -> dict:
 
 
 def int8_line(report: dict) -> str:
-    peak = report.get("int8_dot_peak_gops")
-    return f" and int8 dot-product peak {peak} GOP/s (kernels/probe.cpp's int8_dot_peak)" if peak else ""
+    peak, amx = report.get("int8_dot_peak_gops"), report.get("amx_peak_gops")
+    line = f", int8 dot-product peak {peak} GOP/s (kernels/probe.cpp's int8_dot_peak)" if peak else ""
+    return line + (f" and AMX int8 peak {amx} GOP/s (w8a8_amx.cpp's amx_peak)" if amx else "")
 
 
 def compute_peaks(report: dict) -> str:
+    if report.get("amx_peak_gops"):
+        return ("the peak of the instruction each runs on (int8 products on AMX tiles: the AMX peak; int4: the "
+                "int8 dot products' peak; float ones: the float peak)")
     if report.get("int8_dot_peak_gops"):
         return "their peak (integer products: the int8 dot products' peak; float ones: the float peak)"
     return "that float peak (integer products, as the int4 kernel's, can run past it)"
+
+
+def threads_line(config: dict) -> str:
+    pinned = f"pinned to core {config['cpu']}" if config["cpu"] >= 0 else "not pinned"
+    return f"{config['threads']} thread(s), {pinned}"
 
 
 def markdown(report: dict) -> str:
@@ -209,9 +220,9 @@ def markdown(report: dict) -> str:
                 f"{report['synthetic']['seed']}); a step's cost depends on the shapes, not the values.", ""]
                if report.get("synthetic") else []),
              f"torch {report['torch']} ({report['cpu_capability']}; {' '.join(report['cpu_flags'])}; kernels "
-             f"{kernels_line(report)}), {report['config']['threads']} thread(s) pinned to "
-             f"core {report['config']['cpu']}; memory bandwidth {report['bandwidth_gbps']} GB/s and product peak "
-             f"{report['product_peak_gflops']} GFLOP/s (one thread, a {PEAK_SIZE}-square product){int8_line(report)}. "
+             f"{kernels_line(report)}), {threads_line(report['config'])}; measured on those threads: memory bandwidth "
+             f"{report['bandwidth_gbps']} GB/s, product peak "
+             f"{report['product_peak_gflops']} GFLOP/s (a {PEAK_SIZE}-square product){int8_line(report)}. "
              f"Medians of {report['config']['repeats']} shuffled repetitions after a warm-up, ms per step. Memory bound: "
              "the side's weights plus the cached keys/values it reads, over that bandwidth; compute bound: the weight "
              f"products' flops over {compute_peaks(report)}; products GFLOP/s: those flops over the profiled products' "

@@ -4,12 +4,13 @@
     layout.h          the integer weights' packing layout and the one exp polynomial, shared by the sources
     library.cpp       the op library and `layout`, which Python reads the packing layout back from
     w8a8.cpp/.py      int8 weights times int8 activations (Python: packing, the op's call)
+    w8a8_amx.cpp      the same product on AMX tiles, where the CPU has AMX-INT8 (and its peak, amx_peak)
     w4a8.cpp/.py      int4 weights (groups of 32) times int8 activations
     rows_attention.cpp  attention whose rows do not depend on each other (model/attention.py calls it)
     rms_norm.cpp      the RMS norm of integer layers, one pass a row
     decoder_layer.cpp a whole integer decoder layer, or a stack of them, as one call (model/native_layer.py)
     row_top.cpp       Token Recycling's top-k successors with their probabilities (decoding/sources.py)
-    probe.cpp         not a kernel: the int8 dot-product peak `bench step` bounds integer products with
+    probe.cpp         not a kernel: the VNNI int8 dot-product peak `bench step` bounds integer products with
 
 This package knows nothing of models, shards or steps: model/ and decoding/ choose a kernel per module,
 once, when they construct it.

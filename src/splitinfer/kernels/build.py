@@ -41,7 +41,8 @@ SOURCES = sorted(HERE.glob("*.cpp"))
 HEADER = HERE / "layout.h"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off",
-          "-fopenmp"]
+          "-fopenmp",
+          "-mamx-tile", "-mamx-int8"]
 # -fopenmp is what makes at::parallel_for parallel (ATen's header runs the loop serially without it) and links
 # libgomp.so.1, the OpenMP runtime torch already loaded from torch/lib, so torch.set_num_threads governs both.
 LDFLAGS = ["-fopenmp"]
@@ -56,9 +57,10 @@ KERNELS = {
     "rms_norm": ("the RMS norms of integer layers, one pass a row", "pytorch (F.rms_norm)"),
     "decoder_layer": ("a whole integer decoder layer, or stack, as one call", "python (model/layers.py)"),
     "row_top": ("Token Recycling's top-k successors and their probabilities", "pytorch (softmax + topk)"),
+    "amx": ("w8a8's products on AMX tiles, where the CPU has AMX-INT8 (the same bits)", "splitinfer w8a8 on AVX-512 VNNI"),
 }
 STALE_LOCK_S = 600  # a build takes about a minute on 2 cores: a lock this old is a killed build's
-LAYOUT = ("w4a8_group", "w4a8_cols", "w4a8_tile_bytes", "w8a8_cols", "w8a8_tiles", "w8a8_rows")
+LAYOUT = ("w4a8_group", "w4a8_cols", "w4a8_tile_bytes", "w8a8_cols", "w8a8_tiles", "w8a8_rows", "w8a8_depth")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class KernelSet:
     rms_norm: bool = True  # the norms of integer layers (else F.rms_norm)
     decoder_layer: bool = True  # whole integer layers as one call (else the layer's modules in Python)
     row_top: bool = True  # Token Recycling's top-k (else softmax + topk)
+    amx: bool = True  # int8 products on AMX tiles where the CPU has them (else AVX-512 VNNI); process-wide
 
     @classmethod
     def parse(cls, text: str) -> "KernelSet":
@@ -96,6 +99,7 @@ class _State:
     loaded = False
     reason = "not loaded yet: call splitinfer.kernels.ensure() (or run `splitinfer kernels`)"
     chosen: KernelSet | None = None  # None until `ensure` decides
+    amx = False  # whether this CPU and Linux let the int8 product use AMX tiles (found when the library loads)
 
 
 _STATE = _State()
@@ -132,6 +136,7 @@ def ensure(choice: KernelSet | None = None) -> bool:
     if choice is not None or _STATE.chosen is None:
         _STATE.chosen = choice if choice is not None else KernelSet.parse(os.environ.get(ENV, "all"))
     if _STATE.loaded:
+        use_amx(_STATE.chosen.amx)
         return True
     if not any(getattr(_STATE.chosen, name) for name in KERNELS):
         _STATE.reason = f"turned off ({ENV}={_STATE.chosen.spec()})"
@@ -178,6 +183,7 @@ def _load() -> None:
                        is_python_module=False, verbose=False)
     _register_fakes()
     _STATE.loaded, _STATE.reason = True, "loaded"
+    use_amx(_STATE.chosen.amx)
     seconds = time.perf_counter() - start
     if seconds > 5:  # a load takes a fraction of a second: this was a build
         log.warning("built splitinfer's CPU kernels into %s in %.0f s; later starts load them", cache_dir(), seconds)
@@ -190,10 +196,12 @@ def choosing(choice: KernelSet):
     ensure()
     before = _STATE.chosen
     _STATE.chosen = choice
+    use_amx(choice.amx)
     try:
         yield
     finally:
         _STATE.chosen = before
+        use_amx(before.amx)
 
 
 def available() -> bool:
@@ -202,9 +210,21 @@ def available() -> bool:
 
 
 def runs(name: str) -> bool:
-    """Whether kernel `name` runs here: loaded, and chosen. Modules ask once, when they are constructed."""
+    """Whether kernel `name` runs here: loaded, and chosen. Modules ask once, when they are constructed; AMX
+    is the product's choice at each call (`use_amx`), and runs only where w8a8 does and the CPU has it."""
     assert name in KERNELS, name
+    if name == "amx":
+        return runs("w8a8") and _STATE.chosen.amx and _STATE.amx
     return _STATE.loaded and getattr(_STATE.chosen or KernelSet(), name)
+
+
+def use_amx(on: bool) -> bool:
+    """Turn the int8 product's AMX path on or off for the whole process (w8a8.cpp reads it at each call; the
+    bits are the same either way). Returns whether it runs: the library is loaded and the CPU and Linux allow it."""
+    if not _STATE.loaded:
+        return False
+    _STATE.amx = torch.ops.splitinfer.amx(on)
+    return on and _STATE.amx
 
 
 def report() -> dict[str, str]:

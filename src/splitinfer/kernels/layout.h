@@ -15,12 +15,16 @@ namespace splitinfer {
 constexpr int64_t W4A8_GROUP = 32;  // inputs a block (GGUF's Q4_1 and Q8_1)
 constexpr int64_t W4A8_COLS = 16;   // output columns a tile: one vector of float32
 constexpr int64_t W4A8_TILE_BYTES = W4A8_COLS * W4A8_GROUP / 2 + 2 * W4A8_COLS * 2;
-// int8 (w8a8): a tile is W8A8_COLS output columns; W8A8_TILES tiles make a group, stored four inputs at a time
-// ([group, K / 4, tile, column, input]); the last group is padded with zero columns. Packed weight:
-// int8 [N / 64 rounded up, K / 4, 256].
+// int8 (w8a8): a tile is W8A8_COLS output columns; W8A8_TILES tiles make a group (the last group padded with zero
+// columns), stored in chunks of W8A8_DEPTH inputs: [group, chunk, tile, step, column, input], a step being four
+// inputs. A tile's chunk is then 1 KB in one piece (an AMX weight tile), chunk c starts at step c * W8A8_CHUNK
+// (byte c * W8A8_CHUNK * W8A8_GROUP_BYTES of the group), and the last chunk of K % 64 inputs holds fewer steps.
+// Packed weight: int8 [N / 64 rounded up, K / 4, 256].
 constexpr int64_t W8A8_COLS = 16;
 constexpr int64_t W8A8_TILES = 4;
-constexpr int64_t W8A8_GROUP_BYTES = W8A8_COLS * W8A8_TILES * 4;
+constexpr int64_t W8A8_GROUP_BYTES = W8A8_COLS * W8A8_TILES * 4;  // a step's bytes, all four tiles
+constexpr int64_t W8A8_DEPTH = 64;                                 // inputs a chunk
+constexpr int64_t W8A8_CHUNK = W8A8_DEPTH / 4;                     // steps a chunk
 
 // w4a8.cpp: x [M, K] float32 times a packed int4 weight -> y [M, n] float32.
 void w4a8_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t n, float* y);
@@ -40,6 +44,12 @@ void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, 
 // scales applied: Int8Linear's product without its bias.
 void w8a8_rows(const float* x, int64_t M, int64_t K, const float* smooth, const int8_t* packed, const int32_t* sums,
                const float* scale, int64_t N, float* y);
+
+// w8a8_amx.cpp: whether w8a8_product runs on AMX tiles for an input of K (the CPU has AMX-INT8, Linux granted
+// it, it is chosen, and K is whole chunks of 64), and that product (w8a8_product's operands and bits).
+bool amx_runs(int64_t K);
+void amx_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, const int32_t* sums, const float* scale,
+                 const float* sx, int64_t N, float* y);
 
 // rms_norm.cpp: rows of x [rows, dim] -> y = weight * (x / sqrt(mean(x^2) + eps)), one row at a time.
 void rms_norm_rows(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* y);

@@ -9,10 +9,10 @@
 
 namespace {
 
-// [W4A8_GROUP, W4A8_COLS, W4A8_TILE_BYTES, W8A8_COLS, W8A8_TILES, W8A8_ROWS] (kernels/build.py's LAYOUT names them).
+// [W4A8_GROUP, W4A8_COLS, W4A8_TILE_BYTES, W8A8_COLS, W8A8_TILES, W8A8_ROWS, W8A8_DEPTH] (kernels/build.py's LAYOUT names them).
 std::vector<int64_t> layout() {
   return {splitinfer::W4A8_GROUP, splitinfer::W4A8_COLS, splitinfer::W4A8_TILE_BYTES,
-          splitinfer::W8A8_COLS,  splitinfer::W8A8_TILES, splitinfer::W8A8_ROWS};
+          splitinfer::W8A8_COLS,  splitinfer::W8A8_TILES, splitinfer::W8A8_ROWS, splitinfer::W8A8_DEPTH};
 }
 
 }  // namespace

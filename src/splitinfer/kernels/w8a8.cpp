@@ -20,9 +20,11 @@
 // the tiles still being read).
 // Figures against FBGEMM on one core: notes/bench/w8a8-kernel (`splitinfer bench kernels --kernel w8a8`).
 //
-// The packed weight (kernels/w8a8.py packs it) is [G, K / 4, 4, 64] int8: G groups of four tiles of 16 output
-// columns (N / 64 rounded up; zero tiles after the real ones), one stream a group; for four inputs and a
-// tile, the 4 bytes of column c are inputs 4j..4j+3, the signed operand of one vpdpbusd.
+// The packed weight (kernels/w8a8.py packs it) is int8 [G, K / 4, 256]: G groups of four tiles of 16 output
+// columns (N / 64 rounded up; zero tiles after the real ones), one stream a group, in chunks of 64 inputs, each
+// chunk the four tiles' 16 steps in turn (layout.h); at step j (inputs 4j..4j+3) a tile's 64 bytes hold column
+// c's four bytes at 4c, the signed operand of one vpdpbusd, and the next tile's are a chunk's steps x 64 bytes on.
+// Where the CPU has AMX-INT8, w8a8_amx.cpp multiplies instead (w8a8_product's first line).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -43,6 +45,7 @@ constexpr int64_t COLS = splitinfer::W8A8_COLS;
 constexpr int ROWS = 4;       // rows sharing a pass over a group of tiles
 constexpr int TILES = splitinfer::W8A8_TILES;
 constexpr int SIX = 6;        // rows of one pass over a group's four tiles, for five and six rows
+constexpr int64_t CHUNK = splitinfer::W8A8_CHUNK;  // steps (four inputs) a chunk of the packed weight
 constexpr int WIDE = splitinfer::W8A8_ROWS;  // rows sharing a pass over two tiles of a group, from five rows
 
 // The epilogue of one accumulator: row r, tile c of the group; rows and tiles past the real ones are padding.
@@ -74,10 +77,10 @@ struct Ahead {
   }
 };
 
-// The four tiles' weights of step j (t: the step's first byte).
+// The four tiles' weights of step j (t: the step's bytes in tile 0, ts: the distance to the next tile's).
 #define SPLITINFER_LOAD4                                                                  \
-  const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);              \
-  const __m512i w2 = _mm512_loadu_si512(t + 128), w3 = _mm512_loadu_si512(t + 192);
+  const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + ts);              \
+  const __m512i w2 = _mm512_loadu_si512(t + 2 * ts), w3 = _mm512_loadu_si512(t + 3 * ts);
 
 // Row r's four inputs of step j times the four tiles, into row r's accumulators c<r>0..c<r>3.
 #define SPLITINFER_ROW4(r)                                     \
@@ -95,14 +98,17 @@ void group(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, co
            float* y, int64_t ldy, int rows, int tiles, Ahead ahead, int64_t prefetch) {
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
   __m512i c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
-  for (int64_t j = 0; j < K / 4; ++j) {
-    const int8_t* t = w + j * 64 * TILES;
-    for (int line = 0; prefetch > 0 && line < TILES; ++line) {
-      _mm_prefetch(reinterpret_cast<const char*>(t + prefetch + 64 * line), _MM_HINT_T0);
+  for (int64_t j0 = 0; j0 < K / 4; j0 += CHUNK) {  // layout.h's chunks; ts: one tile's bytes in this chunk
+    const int64_t steps = std::min(CHUNK, K / 4 - j0), ts = steps * 64;
+    for (int64_t j = j0; j < j0 + steps; ++j) {
+      const int8_t* t = w + j0 * 64 * TILES + (j - j0) * 64;
+      for (int line = 0; prefetch > 0 && line < TILES; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(t + prefetch + ts * line), _MM_HINT_T0);
+      }
+      ahead.at(j, K / 4);
+      SPLITINFER_LOAD4
+      SPLITINFER_ROW4(0) SPLITINFER_ROW4(1) SPLITINFER_ROW4(2) SPLITINFER_ROW4(3)
     }
-    ahead.at(j, K / 4);
-    SPLITINFER_LOAD4
-    SPLITINFER_ROW4(0) SPLITINFER_ROW4(1) SPLITINFER_ROW4(2) SPLITINFER_ROW4(3)
   }
   const __m512i acc[ROWS][TILES] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}};
   for (int r = 0; r < ROWS; ++r)
@@ -117,11 +123,14 @@ void six(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, cons
   __m512i c00 = _mm512_setzero_si512(), c01 = c00, c02 = c00, c03 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00;
   __m512i c20 = c00, c21 = c00, c22 = c00, c23 = c00, c30 = c00, c31 = c00, c32 = c00, c33 = c00;
   __m512i c40 = c00, c41 = c00, c42 = c00, c43 = c00, c50 = c00, c51 = c00, c52 = c00, c53 = c00;
-  for (int64_t j = 0; j < K / 4; ++j) {
-    const int8_t* t = w + j * 64 * TILES;
-    ahead.at(j, K / 4);
-    SPLITINFER_LOAD4
-    SPLITINFER_ROW4(0) SPLITINFER_ROW4(1) SPLITINFER_ROW4(2) SPLITINFER_ROW4(3) SPLITINFER_ROW4(4) SPLITINFER_ROW4(5)
+  for (int64_t j0 = 0; j0 < K / 4; j0 += CHUNK) {  // layout.h's chunks; ts: one tile's bytes in this chunk
+    const int64_t steps = std::min(CHUNK, K / 4 - j0), ts = steps * 64;
+    for (int64_t j = j0; j < j0 + steps; ++j) {
+      const int8_t* t = w + j0 * 64 * TILES + (j - j0) * 64;
+      ahead.at(j, K / 4);
+      SPLITINFER_LOAD4
+      SPLITINFER_ROW4(0) SPLITINFER_ROW4(1) SPLITINFER_ROW4(2) SPLITINFER_ROW4(3) SPLITINFER_ROW4(4) SPLITINFER_ROW4(5)
+    }
   }
   const __m512i acc[SIX][TILES] = {{c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23},
                                    {c30, c31, c32, c33}, {c40, c41, c42, c43}, {c50, c51, c52, c53}};
@@ -143,12 +152,15 @@ void pair(const int8_t* w, int64_t K, const uint8_t* a, const int32_t* sums, con
           float* y, int64_t ldy, int rows, int tiles, int c0, Ahead ahead) {
   __m512i d00 = _mm512_setzero_si512(), d01 = d00, d10 = d00, d11 = d00, d20 = d00, d21 = d00, d30 = d00, d31 = d00;
   __m512i d40 = d00, d41 = d00, d50 = d00, d51 = d00, d60 = d00, d61 = d00, d70 = d00, d71 = d00;
-  for (int64_t j = 0; j < K / 4; ++j) {
-    ahead.at(j, K / 4);
-    const int8_t* t = w + j * 64 * TILES + c0 * 64;
-    const __m512i w0 = _mm512_loadu_si512(t), w1 = _mm512_loadu_si512(t + 64);
-    SPLITINFER_DOT2(0) SPLITINFER_DOT2(1) SPLITINFER_DOT2(2) SPLITINFER_DOT2(3)
-    SPLITINFER_DOT2(4) SPLITINFER_DOT2(5) SPLITINFER_DOT2(6) SPLITINFER_DOT2(7)
+  for (int64_t j0 = 0; j0 < K / 4; j0 += CHUNK) {  // layout.h's chunks; ts: one tile's bytes in this chunk
+    const int64_t steps = std::min(CHUNK, K / 4 - j0), ts = steps * 64;
+    for (int64_t j = j0; j < j0 + steps; ++j) {
+      const int8_t* t = w + j0 * 64 * TILES + (j - j0) * 64;
+      ahead.at(j, K / 4);
+      const __m512i w0 = _mm512_loadu_si512(t + c0 * ts), w1 = _mm512_loadu_si512(t + (c0 + 1) * ts);
+      SPLITINFER_DOT2(0) SPLITINFER_DOT2(1) SPLITINFER_DOT2(2) SPLITINFER_DOT2(3)
+      SPLITINFER_DOT2(4) SPLITINFER_DOT2(5) SPLITINFER_DOT2(6) SPLITINFER_DOT2(7)
+    }
   }
   const __m512i acc[WIDE][2] = {{d00, d01}, {d10, d11}, {d20, d21}, {d30, d31},
                                 {d40, d41}, {d50, d51}, {d60, d61}, {d70, d71}};
@@ -190,6 +202,7 @@ void quantize_rows_int8(const float* x, int64_t M, int64_t K, const float* smoot
 
 void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const int32_t* sums, const float* scale,
                   const float* sx, int64_t N, float* y, int64_t prefetch) {
+  if (prefetch == 0 && amx_runs(K)) return amx_product(a, M, K, w, sums, scale, sx, N, y);
   const int64_t real_tiles = N / COLS, groups = (real_tiles + TILES - 1) / TILES;
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {

@@ -1,5 +1,10 @@
 """The int8 format's own CPU kernel: int8 weights times activations quantized to int8 per row.
 
+Where the CPU has AMX-INT8 (and the input length is whole chunks of 64), w8a8_amx.cpp multiplies on tiles, up to
+sixteen rows a pass with one read of the weight: a 7B trusted half's step at 1-16 rows then streams its weights
+like a one-row step (notes/bench/amx-7b). The paragraph below is the AVX-512 VNNI path, which runs elsewhere;
+both give the same bits.
+
 w8a8.cpp (built by kernels/build.py) shares each load of the weight among four rows (eight from five rows) on
 AVX512-VNNI; one to four rows leave the weight stream to the hardware prefetchers (asking for it 16 KB ahead
 measured 1.17-1.29x slower streamed from memory: notes/bench/w8a8-prefetch, `splitinfer bench kernels
@@ -24,23 +29,29 @@ def supports_shape(n: int, k: int) -> bool:
 
 def pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """qweight int8 [N, K] -> (the kernel's groups int8 [G, K/4, TILES * COLS * 4], G = N / (TILES * COLS) rounded
-    up, zero columns after the real ones; the column sums int32 [N]). TILES, COLS: layout.h's, read back."""
-    COLS, GROUP = layout()["w8a8_cols"], layout()["w8a8_tiles"]
+    up, zero columns after the real ones; the column sums int32 [N]). In a group, chunks of DEPTH inputs (fewer in
+    the last), each the TILES tiles' [steps, COLS, 4] one after the other (layout.h). Read back from the library."""
+    cols, tiles, chunk = layout()["w8a8_cols"], layout()["w8a8_tiles"], layout()["w8a8_depth"] // 4
     n, k = qweight.shape
-    groups = -(-n // (COLS * GROUP))
-    padded = torch.zeros(groups * GROUP * COLS, k, dtype=torch.int8)
+    groups = -(-n // (cols * tiles))
+    padded = torch.zeros(groups * tiles * cols, k, dtype=torch.int8)
     padded[:n] = qweight
-    # column 64g + 16c + l, input 4j + i -> group g, step j, tile c, lane l, byte i
-    packed = padded.reshape(groups, GROUP, COLS, k // 4, 4).permute(0, 3, 1, 2, 4)
-    return packed.reshape(groups, k // 4, GROUP * COLS * 4).contiguous(), qweight.sum(dim=1, dtype=torch.int32)
+    # column 64g + 16c + l, input 4j + i -> group g, step j, tile c, lane l, byte i; then each chunk's steps
+    # and tiles swapped, so a tile's chunk lies in one piece
+    steps = padded.reshape(groups, tiles, cols, k // 4, 4).permute(0, 3, 1, 2, 4)
+    chunks = [steps[:, j:j + chunk].transpose(1, 2).reshape(groups, -1) for j in range(0, k // 4, chunk)]
+    return torch.cat(chunks, dim=1).reshape(groups, k // 4, tiles * cols * 4), qweight.sum(dim=1, dtype=torch.int32)
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     """`pack`'s groups -> the int8 weight [n, K] they hold: pack's inverse, for readers outside the step."""
-    COLS, GROUP = layout()["w8a8_cols"], layout()["w8a8_tiles"]
-    groups, steps, _ = packed.shape
-    weight = packed.reshape(groups, steps, GROUP, COLS, 4).permute(0, 2, 3, 1, 4)  # [G, tile, column, K/4, 4]
-    return weight.reshape(groups * GROUP * COLS, steps * 4)[:n].contiguous()
+    cols, tiles, chunk = layout()["w8a8_cols"], layout()["w8a8_tiles"], layout()["w8a8_depth"] // 4
+    groups, k4, _ = packed.shape
+    flat = packed.reshape(groups, -1)
+    steps = [flat[:, j * tiles * cols * 4:(j + size) * tiles * cols * 4].reshape(groups, tiles, size, cols, 4)
+             for j, size in ((j, min(chunk, k4 - j)) for j in range(0, k4, chunk))]
+    weight = torch.cat(steps, dim=2).permute(0, 1, 3, 2, 4)  # [G, tile, column, K/4, 4]
+    return weight.reshape(groups * tiles * cols, k4 * 4)[:n].contiguous()
 
 
 def matmul(xq: torch.Tensor, packed: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor,
