@@ -183,12 +183,15 @@ def test_native_rows_attention_is_sdpa_a_row_and_never_writes(cached, batch, win
 
 
 @needs_native
+@pytest.mark.parametrize("cached", [45, 130])
 @pytest.mark.parametrize("dim, heads, kv_heads", [(64, 9, 3), (64, 10, 2), (128, 8, 2), (128, 6, 6), (80, 4, 2), (16, 9, 3)])
-def test_native_rows_attention_gives_each_head_and_row_the_bits_it_has_alone(dim, heads, kv_heads):
-    """The kernel takes up to four 64-wide (two 128-wide) heads of a key/value head at once: each head's bits
-    are those of a one-head call, and each row's those of the row alone (a tree's rows and their paths)."""
-    gen = torch.Generator().manual_seed(dim + heads)
-    rows, cached = 7, 45
+def test_native_rows_attention_gives_each_head_and_row_the_bits_it_has_alone(dim, heads, kv_heads, cached):
+    """The kernel takes up to four 64-wide (two 128-wide) heads of a key/value head at once, and every row of a
+    key/value head over each span of 64 keys in turn (130 cached: three spans, the last partial, rows of odd and
+    even counts): each head's bits are those of a one-head call, and each row's those of the row alone (a tree's
+    rows and their paths)."""
+    gen = torch.Generator().manual_seed(dim + heads + cached)
+    rows = 7
     query = torch.randn(heads, rows, dim, generator=gen)
     key, value = torch.randn(2, kv_heads, cached + rows, dim, generator=gen)
     seen = [list(range(cached)) + [cached + a for a in range(i + 1) if a % 2 == 0 or a == i] for i in range(rows)]

@@ -53,24 +53,35 @@ inline float softmax_in_place(float* scores, int64_t count, float top) {
   return 1.f / _mm512_reduce_add_ps(total);
 }
 
-// One query row and H query heads of one key/value head (heads head0..head0 + H - 1), head_dim = 16 C: scores
-// (row h of `scores`, `stride` apart), softmax, weighted values. Scores four keys at a time, values in two
-// interleaved sums (even and odd keys); each key and value is loaded once for the H heads. A head's operations
-// depend on its row's visible keys and their count alone, the same whatever H (tests/model/test_attention.py).
+// A pass: one query row and H query heads of one key/value head (heads head0..head0 + H - 1), head_dim = 16 C,
+// taken over the row's visible keys a span at a time (attend_rows shares each span of keys among every pass of
+// its key/value head while they are in cache). Scores four keys at a time, values in two interleaved sums (even
+// and odd keys); each key and value is loaded once for the H heads. A head's operations depend on its row's
+// visible keys and their count alone, in the same order whatever H and however the keys are spanned
+// (tests/model/test_attention.py).
+struct Pass {
+  int64_t row, head0;
+  float* scores;  // [H, stride]: the row's scores, then its probabilities
+  float* top4;    // [H, 4]: the running maxima of the four-key groups' scores
+  float* sums;    // [H, 2, 16 C]: the even and odd keys' weighted values
+  float inv[4];   // 1 / the probabilities' sum, a head
+};
+
+// Scores of the row's keys [j0, j1) that fall in whole groups of four (j0 a multiple of four).
 template <int C, int H>
-void attend_heads(const Operands& o, int64_t row, int64_t head0, float* scores, int64_t stride) {
-  const int64_t first = o.offsets[row], count = o.offsets[row + 1] - first;
-  const int64_t g = head0 / (o.heads / o.kv_heads);
+void score_span(const Operands& o, Pass& p, int64_t stride, int64_t j0, int64_t j1) {
+  const int64_t first = o.offsets[p.row], count = o.offsets[p.row + 1] - first, end = std::min(j1, count / 4 * 4);
+  if (j0 >= end) return;
+  const int64_t g = p.head0 / (o.heads / o.kv_heads);
   const int64_t* idx = o.index + first;
   const float* keys = o.k + g * o.k_head;
   __m512 qv[H][C];
   for (int h = 0; h < H; ++h)
-    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_ps(o.q + (head0 + h) * o.q_head + row * o.q_row + c * LANES);
+    for (int c = 0; c < C; ++c) qv[h][c] = _mm512_loadu_ps(o.q + (p.head0 + h) * o.q_head + p.row * o.q_row + c * LANES);
   const __m128 scale4 = _mm_set1_ps(o.scale);
   __m128 top4[H];
-  for (int h = 0; h < H; ++h) top4[h] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
-  int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
+  for (int h = 0; h < H; ++h) top4[h] = _mm_loadu_ps(p.top4 + 4 * h);
+  for (int64_t j = j0; j < end; j += 4) {
     const float* k0 = keys + idx[j] * o.k_row;
     const float* k1 = keys + idx[j + 1] * o.k_row;
     const float* k2 = keys + idx[j + 2] * o.k_row;
@@ -88,60 +99,126 @@ void attend_heads(const Operands& o, int64_t row, int64_t head0, float* scores, 
     }
     for (int h = 0; h < H; ++h) {
       const __m128 s = _mm_mul_ps(scale4, sum4(a[h][0], a[h][1], a[h][2], a[h][3]));
-      _mm_storeu_ps(scores + h * stride + j, s);
+      _mm_storeu_ps(p.scores + h * stride + j, s);
       top4[h] = _mm_max_ps(top4[h], s);
     }
   }
-  float top[H], inv[H];
-  for (int h = 0; h < H; ++h) top[h] = std::max(std::max(top4[h][0], top4[h][1]), std::max(top4[h][2], top4[h][3]));
-  for (int64_t t = j; t < count; ++t) {  // the last count % 4 keys
-    const float* k0 = keys + idx[t] * o.k_row;
-    for (int h = 0; h < H; ++h) {
-      __m512 a0 = _mm512_mul_ps(qv[h][0], _mm512_loadu_ps(k0));
-      for (int c = 1; c < C; ++c) a0 = _mm512_fmadd_ps(qv[h][c], _mm512_loadu_ps(k0 + c * LANES), a0);
-      const float score = o.scale * _mm512_reduce_add_ps(a0);
-      scores[h * stride + t] = score;
-      top[h] = score > top[h] ? score : top[h];
-    }
-  }
-  for (int h = 0; h < H; ++h) inv[h] = softmax_in_place(scores + h * stride, count, top[h]);
-  const float* values = o.v + g * o.v_head;
-  __m512 even[H][C], odd[H][C];
-  for (int h = 0; h < H; ++h)
-    for (int c = 0; c < C; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
-  for (j = 0; j + 2 <= count; j += 2) {
-    const float* v0 = values + idx[j] * o.v_row;
-    const float* v1 = values + idx[j + 1] * o.v_row;
-    for (int c = 0; c < C; ++c) {
-      const __m512 x0 = _mm512_loadu_ps(v0 + c * LANES), x1 = _mm512_loadu_ps(v1 + c * LANES);
-      for (int h = 0; h < H; ++h) {
-        even[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j]), x0, even[h][c]);
-        odd[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j + 1]), x1, odd[h][c]);
-      }
-    }
-  }
-  if (j < count) {
-    const float* v0 = values + idx[j] * o.v_row;
-    for (int c = 0; c < C; ++c) {
-      const __m512 x0 = _mm512_loadu_ps(v0 + c * LANES);
-      for (int h = 0; h < H; ++h) even[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + j]), x0, even[h][c]);
-    }
-  }
+  for (int h = 0; h < H; ++h) _mm_storeu_ps(p.top4 + 4 * h, top4[h]);
+}
+
+// After every span's groups of four: the last count % 4 keys' scores, then the softmax.
+template <int C, int H>
+void score_rest(const Operands& o, Pass& p, int64_t stride) {
+  const int64_t first = o.offsets[p.row], count = o.offsets[p.row + 1] - first;
+  const float* keys = o.k + p.head0 / (o.heads / o.kv_heads) * o.k_head;
   for (int h = 0; h < H; ++h) {
-    float* out = o.out + (row * o.heads + head0 + h) * o.dim;
-    const __m512 scale = _mm512_set1_ps(inv[h]);
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(_mm512_add_ps(even[h][c], odd[h][c]), scale));
+    const float* q = o.q + (p.head0 + h) * o.q_head + p.row * o.q_row;
+    const float* t4 = p.top4 + 4 * h;
+    float top = std::max(std::max(t4[0], t4[1]), std::max(t4[2], t4[3]));
+    for (int64_t t = count / 4 * 4; t < count; ++t) {
+      const float* k0 = keys + o.index[first + t] * o.k_row;
+      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k0));
+      for (int c = 1; c < C; ++c) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * LANES), _mm512_loadu_ps(k0 + c * LANES), a0);
+      const float score = o.scale * _mm512_reduce_add_ps(a0);
+      p.scores[h * stride + t] = score;
+      top = score > top ? score : top;
+    }
+    p.inv[h] = softmax_in_place(p.scores + h * stride, count, top);
   }
 }
 
-using HeadsFn = void (*)(const Operands&, int64_t, int64_t, float*, int64_t);
+// Lanes c0 * 16 .. (c0 + B) * 16 of the row's keys [j0, end) (j0 even) weighted into the even and odd sums; the
+// last key of an odd count goes to the even sums. B chunks at a time keep the sums in registers (2 H B of them).
+template <int C, int H, int B>
+void weigh_lanes(const Operands& o, Pass& p, int64_t stride, int64_t j0, int64_t end, int c0) {
+  const int64_t* idx = o.index + o.offsets[p.row];
+  const float* values = o.v + p.head0 / (o.heads / o.kv_heads) * o.v_head + c0 * LANES;
+  float* sums = p.sums + c0 * LANES;
+  __m512 even[H][B], odd[H][B];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < B; ++c) {
+      even[h][c] = _mm512_loadu_ps(sums + (2 * h) * C * LANES + c * LANES);
+      odd[h][c] = _mm512_loadu_ps(sums + (2 * h + 1) * C * LANES + c * LANES);
+    }
+  int64_t j = j0;
+  for (; j + 2 <= end; j += 2) {
+    const float* v0 = values + idx[j] * o.v_row;
+    const float* v1 = values + idx[j + 1] * o.v_row;
+    for (int c = 0; c < B; ++c) {
+      const __m512 x0 = _mm512_loadu_ps(v0 + c * LANES), x1 = _mm512_loadu_ps(v1 + c * LANES);
+      for (int h = 0; h < H; ++h) {
+        even[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p.scores[h * stride + j]), x0, even[h][c]);
+        odd[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p.scores[h * stride + j + 1]), x1, odd[h][c]);
+      }
+    }
+  }
+  if (j < end) {  // end == count, odd
+    const float* v0 = values + idx[j] * o.v_row;
+    for (int c = 0; c < B; ++c) {
+      const __m512 x0 = _mm512_loadu_ps(v0 + c * LANES);
+      for (int h = 0; h < H; ++h) even[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p.scores[h * stride + j]), x0, even[h][c]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < B; ++c) {
+      _mm512_storeu_ps(sums + (2 * h) * C * LANES + c * LANES, even[h][c]);
+      _mm512_storeu_ps(sums + (2 * h + 1) * C * LANES + c * LANES, odd[h][c]);
+    }
+}
+
+// Chunks of 16 lanes weighed at a time: the largest divisor of C up to 8 / H (16 sums in registers at most).
+constexpr int lanes_a_group(int C, int H) {
+  int b = 8 / H > 1 ? 8 / H : 1;
+  while (C % b != 0) --b;
+  return b;
+}
+
+// The row's keys [j0, j1) weighted into its sums, a few lanes at a time (each lane's sums are its own: the same
+// bits whatever the grouping of lanes).
+template <int C, int H>
+void weigh_span(const Operands& o, Pass& p, int64_t stride, int64_t j0, int64_t j1) {
+  const int64_t end = std::min(j1, o.offsets[p.row + 1] - o.offsets[p.row]);
+  constexpr int B = lanes_a_group(C, H);
+  for (int c0 = 0; j0 < end && c0 < C; c0 += B) weigh_lanes<C, H, B>(o, p, stride, j0, end, c0);
+}
+
+template <int C, int H>
+void finish(const Operands& o, const Pass& p) {
+  for (int h = 0; h < H; ++h) {
+    float* out = o.out + (p.row * o.heads + p.head0 + h) * o.dim;
+    const float* even = p.sums + (2 * h) * C * LANES;
+    const float* odd = p.sums + (2 * h + 1) * C * LANES;
+    const __m512 scale = _mm512_set1_ps(p.inv[h]);
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(out + c * LANES, _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(even + c * LANES),
+                                                                    _mm512_loadu_ps(odd + c * LANES)), scale));
+    }
+  }
+}
+
+// One pass's four stages for a head width and heads a pass.
+struct Stages {
+  void (*score)(const Operands&, Pass&, int64_t, int64_t, int64_t);
+  void (*rest)(const Operands&, Pass&, int64_t);
+  void (*weigh)(const Operands&, Pass&, int64_t, int64_t, int64_t);
+  void (*done)(const Operands&, const Pass&);
+};
+
+template <int C, int H>
+constexpr Stages stages() {
+  return {score_span<C, H>, score_rest<C, H>, weigh_span<C, H>, finish<C, H>};
+}
+
 constexpr int MAX_HEADS = 4;  // heads a pass (64-wide heads; 128-wide: two; others one)
-constexpr HeadsFn HEADS_64[MAX_HEADS] = {attend_heads<4, 1>, attend_heads<4, 2>, attend_heads<4, 3>, attend_heads<4, 4>};
-constexpr HeadsFn HEADS_128[2] = {attend_heads<8, 1>, attend_heads<8, 2>};
-constexpr HeadsFn ONE_HEAD[MAX_DIM / LANES] = {
-    attend_heads<1, 1>,  attend_heads<2, 1>,  attend_heads<3, 1>,  attend_heads<4, 1>,  attend_heads<5, 1>,  attend_heads<6, 1>,
-    attend_heads<7, 1>,  attend_heads<8, 1>,  attend_heads<9, 1>,  attend_heads<10, 1>, attend_heads<11, 1>, attend_heads<12, 1>,
-    attend_heads<13, 1>, attend_heads<14, 1>, attend_heads<15, 1>, attend_heads<16, 1>};
+constexpr Stages HEADS_64[MAX_HEADS] = {stages<4, 1>(), stages<4, 2>(), stages<4, 3>(), stages<4, 4>()};
+constexpr Stages HEADS_128[2] = {stages<8, 1>(), stages<8, 2>()};
+constexpr Stages ONE_HEAD[MAX_DIM / LANES] = {
+    stages<1, 1>(),  stages<2, 1>(),  stages<3, 1>(),  stages<4, 1>(),  stages<5, 1>(),  stages<6, 1>(),
+    stages<7, 1>(),  stages<8, 1>(),  stages<9, 1>(),  stages<10, 1>(), stages<11, 1>(), stages<12, 1>(),
+    stages<13, 1>(), stages<14, 1>(), stages<15, 1>(), stages<16, 1>()};
+// Keys a span: 64 keys and their values, 128 wide, are 32 KB each, so a span stays in L1/L2 while every pass
+// of its key/value head reads it (a multiple of four, so spans keep the groups of four and the pairs).
+constexpr int64_t SPAN = 64;
 
 }  // namespace
 
@@ -165,20 +242,34 @@ void attend_rows(const Operands& o, int64_t rows, int64_t longest) {
   const int64_t group = o.heads / o.kv_heads;
   const int64_t chunks = o.dim / LANES;
   const int64_t per_pass = chunks == 4 ? MAX_HEADS : chunks == 8 ? 2 : 1;  // heads sharing each key's loads
-  const int64_t passes = (group + per_pass - 1) / per_pass, per_kv = rows * passes;
-  at::parallel_for(0, o.kv_heads * per_kv, 4, [&](int64_t begin, int64_t end) {
+  const int64_t passes = (group + per_pass - 1) / per_pass;
+  // Work items: a key/value head and a block of its rows, enough blocks that every thread has one.
+  const int64_t blocks = std::min(rows, std::max<int64_t>(1, (at::get_num_threads() + o.kv_heads - 1) / o.kv_heads));
+  at::parallel_for(0, o.kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
     const int64_t stride = longest + LANES;
-    std::vector<float> scores(per_pass * stride);
+    std::vector<Pass> work;
+    std::vector<float> scores, top4, sums;
     for (int64_t t = begin; t < end; ++t) {  // key/value head outermost: its keys stay in cache for every row
-      const int64_t g = t / per_kv, row = t % per_kv / passes, first = g * group + t % passes * per_pass;
-      const int64_t heads = std::min(per_pass, g * group + group - first);
-      if (chunks == 4) {
-        HEADS_64[heads - 1](o, row, first, scores.data(), stride);
-      } else if (chunks == 8) {
-        HEADS_128[heads - 1](o, row, first, scores.data(), stride);
-      } else {
-        ONE_HEAD[chunks - 1](o, row, first, scores.data(), stride);
+      const int64_t g = t / blocks, b = t % blocks, row0 = b * rows / blocks, row1 = (b + 1) * rows / blocks;
+      const int64_t n = (row1 - row0) * passes;
+      scores.resize(n * per_pass * stride);
+      top4.assign(n * per_pass * 4, -std::numeric_limits<float>::infinity());
+      sums.assign(n * per_pass * 2 * o.dim, 0.f);
+      work.clear();
+      std::vector<const Stages*> kinds;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = row0 + i / passes, head0 = g * group + i % passes * per_pass;
+        const int64_t heads = std::min(per_pass, g * group + group - head0);
+        work.push_back(Pass{row, head0, scores.data() + i * per_pass * stride, top4.data() + i * per_pass * 4,
+                            sums.data() + i * per_pass * 2 * o.dim, {}});
+        kinds.push_back(chunks == 4 ? &HEADS_64[heads - 1] : chunks == 8 ? &HEADS_128[heads - 1] : &ONE_HEAD[chunks - 1]);
       }
+      for (int64_t j0 = 0; j0 < longest; j0 += SPAN)
+        for (int64_t i = 0; i < n; ++i) kinds[i]->score(o, work[i], stride, j0, j0 + SPAN);
+      for (int64_t i = 0; i < n; ++i) kinds[i]->rest(o, work[i], stride);
+      for (int64_t j0 = 0; j0 < longest; j0 += SPAN)
+        for (int64_t i = 0; i < n; ++i) kinds[i]->weigh(o, work[i], stride, j0, j0 + SPAN);
+      for (int64_t i = 0; i < n; ++i) kinds[i]->done(o, work[i]);
     }
   });
 }
