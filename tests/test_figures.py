@@ -65,6 +65,8 @@ STEP_INT8 = "bench/step-int8-rows/step.json"
 H200 = "bench/gpu-h200/device-step.json"
 AUDIT = "privacy/audit.json"
 EXACTNESS = "bench/exactness/exactness.json"
+PROJECTION_AMX = "bench/paper-projection-amx/projection.json"
+TREE_INT8 = ("rows", {"strategy": "tree", "trusted": "this CPU, int8, 2 thread(s)"})
 
 
 def exact_row(weights: str, wire: str, key: str) -> tuple:
@@ -104,6 +106,13 @@ FIGURES = (
     Figure("README.md", "the default strategy `tree` ran at **{} tok/s, {}x split sequential decoding ({} tok/s)**",
            README_RUN, ((tree80("tokens_per_s_whole_set"), ".1f"), (tree80("speedup_whole_set"), ".2f"),
                         ((*AT80, {"strategy": "sequential"}, "tokens_per_s_whole_set"), ".1f"))),
+    Figure("README.md", "in int8 ({} ms a tree step of {} rows, synthetic", PROJECTION_AMX,
+           ((TREE_INT8 + ("local_ms",), ""), (TREE_INT8 + ("rows",), ""))),
+    Figure("README.md", "CUDA graph replayed it ({} ms;", PROJECTION_AMX, ((TREE_INT8 + ("cloud_ms",), ""),)),
+    Figure("README.md", "the tree would reach {} tok/s at an 80 ms round trip, the round trip {} of each step, against "
+           "the paper's {} measured", PROJECTION_AMX,
+           ((TREE_INT8 + ("tokens_per_s", "80"), ""), (TREE_INT8 + ("rtt_efficiency", "80"), ""),
+            (("paper", "measured", "lookahead", 1), ""))),
     Figure("README.md", "That path's cloud step is {}x to {}x slower", "bench/kernel-ab/int8/kernel_ab.json",
            ((("rows", {"kernel": "none", "side": "cloud"}, "x_off", "min"), ".1f"),
             (("rows", {"kernel": "none", "side": "cloud"}, "x_off", "max"), ".1f"))),

@@ -43,6 +43,8 @@ def test_rows_are_labelled_and_the_papers_figure_comes_back(tmp_path, measured):
     assert all(r["cloud_label"].startswith(("bound", "paper")) for r in result["rows"])
     paper_seq = next(r for r in result["rows"] if r["strategy"] == "sequential" and r["trusted"].startswith("the paper"))
     assert paper_seq["tokens_per_s"]["80"] == pytest.approx(1000 / (80 + 26.2 + 15.9 + 1.0), abs=0.01)  # 8.12
+    assert paper_seq["rtt_efficiency"]["80"] == pytest.approx(80 / (80 + 26.2 + 15.9 + 1.0 + paper_seq["drafting_ms"]), abs=1e-3)
+    assert any("RTT efficiency at 80 ms" in line for line in pp.paper_body(result))
     if measured:  # the faster thread count, at the tree's mean rows (6) a step
         tree = next(r for r in result["rows"] if r["strategy"] == "tree" and r["trusted"].startswith("this CPU"))
         assert tree["trusted"] == "this CPU, bfloat16, 1 thread(s)" and tree["local_ms"] == pytest.approx(106.0)

@@ -127,12 +127,14 @@ def project_paper(args, run: dict) -> dict:
             rows.append({"strategy": strategy, "trusted": variant["name"], "a": s["a"], "rows": s["rows"],
                          "local_ms": round(local, 2), "local_label": variant["label"], "cloud_ms": round(cloud_ms, 3),
                          "cloud_label": cloud["label"], "drafting_ms": s["drafting_ms"],
-                         "tokens_per_s": {f"{r:g}": round(1000 * s["a"] / (r + step), 2) for r in rtts}})
+                         "tokens_per_s": {f"{r:g}": round(1000 * s["a"] / (r + step), 2) for r in rtts},
+                         "rtt_efficiency": {f"{r:g}": round(r / (r + step), 3) for r in rtts}})
         paper_step = PAPER_LOCAL_MS + PAPER_CLOUD_MS + PAPER_SERIALIZATION_MS
         rows.append({"strategy": strategy, "trusted": "the paper's RTX 3090, its A100 cloud", "a": s["a"], "rows": s["rows"],
                      "local_ms": PAPER_LOCAL_MS, "local_label": "paper, measured", "cloud_ms": PAPER_CLOUD_MS,
                      "cloud_label": "paper, measured (+1.0 ms serialization)", "drafting_ms": s["drafting_ms"],
-                     "tokens_per_s": {f"{r:g}": round(1000 * s["a"] / (r + paper_step + s["drafting_ms"]), 2) for r in rtts}})
+                     "tokens_per_s": {f"{r:g}": round(1000 * s["a"] / (r + paper_step + s["drafting_ms"]), 2) for r in rtts},
+                     "rtt_efficiency": {f"{r:g}": round(r / (r + paper_step + s["drafting_ms"]), 3) for r in rtts}})
     return {"config": CONFIG, "split": "2 + 2",
             "spec_run": args.run, "spec_command": run["command"], "mean_context": context, "rtts_ms": rtts,
             "trusted": args.trusted, "device_step": args.device_step, "rows": rows,
@@ -146,15 +148,19 @@ def paper_body(result: dict) -> list[str]:
              f"local and cloud at that run's rows a step and mean context ({result['mean_context']} tokens). "
              "Each input says whether it was measured, scaled or is a bound (a bound is a floor on the step, so its "
              "tok/s is a ceiling).", ""]
+    efficiency = min(rtts, key=lambda k: abs(float(k) - 80))  # the paper's round trip, or the nearest run
+    lines[0] += (f" RTT efficiency: the round trip's share of the step at {efficiency} ms, RTT / (RTT + local + cloud + "
+                 "drafting).")
     head = ["strategy", "trusted machine", "a", "rows", "local ms", "local is", "cloud ms", "cloud is", "drafting ms",
-            *[f"{r} ms" for r in rtts]]
+            f"RTT efficiency at {efficiency} ms", *[f"{r} ms" for r in rtts]]
     body = [[r["strategy"], r["trusted"], r["a"], r["rows"], r["local_ms"], r["local_label"], r["cloud_ms"], r["cloud_label"],
-             r["drafting_ms"], *(r["tokens_per_s"][k] for k in rtts)] for r in result["rows"]]
+             r["drafting_ms"], r["rtt_efficiency"][efficiency], *(r["tokens_per_s"][k] for k in rtts)]
+            for r in result["rows"]]
     paper = result["paper"]
     for name in ("sequential", "lookahead"):
         rtt, tps = paper["measured"][name]
         body.append([f"paper: {name}", f"measured {tps} tok/s at ~{rtt:g} ms; projected where it gave one", "", "", "", "", "",
-                     "", "", *(paper["projected"][name].get(float(k), "-") for k in rtts)])
+                     "", "", "", *(paper["projected"][name].get(float(k), "-") for k in rtts)])
     return lines + table(head, body)
 
 
