@@ -399,6 +399,12 @@ FIGURES += (
     Figure(BENCH, "and the step {} ms against a bytes bound of {}.", "bench/attention-spans/mistral-int8-2t/step.json",
            ((("rows", {"side": "local", "context": 2048, "rows": 16}, "splitinfer_ms"), ""),
             (("rows", {"side": "local", "context": 2048, "rows": 16}, "bound_ms"), ""))),
+    *(Figure(BENCH, text, f"bench/lm-head-7b/{run}/step.json", ((("rows", {"rows": q}, "splitinfer_ms"), ""),))
+      for text, run, q in (("`, [notes/bench/lm-head-7b](../notes/bench/lm-head-7b/README.md)) took {} ms at one row",
+                            "llama-int8-head4-2t", 1),
+                           ("at one row against {} with the int8 head", "llama-int8-2t", 1),
+                           ("with the int8 head, and {} against", "llama-int8-head4-2t", 16),
+                           ("against {} at sixteen: its product runs on VNNI", "llama-int8-2t", 16))),
     Figure(BENCH, "the AVX-512 VNNI path took {} times as long at one row and {} times at sixteen",
            "bench/amx-7b/kernel-ab/kernel_ab.json",
            ((("rows", {"kernel": "amx", "rows": 1}, "x_off"), ""), (("rows", {"kernel": "amx", "rows": 16}, "x_off"), ""))),
