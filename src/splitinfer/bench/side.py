@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ConfigError
 from .. import kernels
+from ..errors import ConfigError
 from ..model.linears import Int8Linear, QuantLinear, W8A8Linear
 from ..model.shards import LocalHalf, load_cloud, load_local
 from ..model.stack import LayerStack

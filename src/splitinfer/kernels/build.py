@@ -2,7 +2,8 @@
 
 The sources are the .cpp files beside this module; layout.h holds what they share (the packing layout of
 the integer weights, read back by `layout()`, and the one exp polynomial). They need a C++ compiler and a
-CPU with AVX-512 (F, BW, VL, VNNI) and F16C, read from Linux's /proc/cpuinfo (so never on macOS or ARM).
+CPU with AVX-512 (F, BW, VL, VNNI) and F16C, read from Linux's /proc/cpuinfo (so never on macOS or ARM); the
+int8 product moves onto AMX tiles where the CPU has AMX-INT8 (`use_amx`).
 
 When they build: `ensure()` builds them on an install's first call (about a minute on 2 cores) into PyTorch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, else ~/.cache/torch_extensions; a directory per installed copy of
@@ -41,10 +42,11 @@ SOURCES = sorted(HERE.glob("*.cpp"))
 HEADER = HERE / "layout.h"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-ffp-contract=off",
-          "-fopenmp",
-          "-mamx-tile", "-mamx-int8"]
+          "-fopenmp", "-mamx-tile", "-mamx-int8"]
 # -fopenmp is what makes at::parallel_for parallel (ATen's header runs the loop serially without it) and links
 # libgomp.so.1, the OpenMP runtime torch already loaded from torch/lib, so torch.set_num_threads governs both.
+# -mamx-tile -mamx-int8 (GCC 11 or newer) let w8a8_amx.cpp name the tile instructions; they run only where the CPU
+# reports AMX-INT8 and Linux grants the tile state, checked at the first product (else the VNNI loops run).
 LDFLAGS = ["-fopenmp"]
 NAME = "splitinfer_native"
 ENV = "SPLITINFER_KERNELS"
