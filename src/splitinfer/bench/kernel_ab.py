@@ -52,8 +52,9 @@ class Variant:
     """One kernel set's sides, built under it, and the Token Recycling observer its client would build."""
 
     def __init__(self, spec: str, shards: Path, context: int, rows: tuple[int, ...]):
-        self.spec, self.amx = spec, kernels.KernelSet.parse(spec).amx
-        with kernels.choosing(kernels.KernelSet.parse(spec)):
+        chosen = kernels.KernelSet.parse(spec)
+        self.spec, self.amx = spec, chosen.amx
+        with kernels.choosing(chosen):
             present = tuple(side for side in ("cloud", "local") if (shards / side).is_dir())  # a synthetic 7B: local only
             self.sides = {s.name: s for s in build_sides(shards, (context,), rows, sides=present)}
             self.recycling = TokenRecycling(TreeConfig().recycling_k)

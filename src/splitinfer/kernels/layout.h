@@ -29,6 +29,15 @@ constexpr int64_t W8A8_CHUNK = W8A8_DEPTH / 4;                     // steps a ch
 // w4a8.cpp: x [M, K] float32 times a packed int4 weight -> y [M, n] float32.
 void w4a8_product(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t n, float* y);
 
+// The int8 product's epilogue for 16 output columns, one definition for w8a8.cpp's VNNI loops and w8a8_amx.cpp's
+// tiles (so both give the same bits): acc, the sums of the inputs' bytes (+ 128) times the weights, less 128 * the
+// columns' weight sums, as float, times the columns' scales, then (sx not null) times the row's scale *sx.
+inline void w8a8_epilogue(__m512i acc, const int32_t* column_sums, const float* scale, const float* sx, float* y) {
+  const __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(column_sums), 7);
+  const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, shift)), _mm512_loadu_ps(scale));
+  _mm512_storeu_ps(y, sx == nullptr ? f : _mm512_mul_ps(f, _mm512_set1_ps(*sx)));
+}
+
 // w8a8.cpp: rows of x [M, K] (times smooth [K], where not null) quantized as model/formats.py's quantize_rows
 // (scale[m] = max|x_m| / 127, at least FLT_MIN; round(x / scale) half to even), stored + 128 as bytes in a.
 void quantize_rows_int8(const float* x, int64_t M, int64_t K, const float* smooth, uint8_t* a, float* scale);
@@ -36,8 +45,9 @@ constexpr int64_t W8A8_ROWS = 8;  // w8a8_product reads its rows in blocks of th
 // The rows w8a8_product's input holds for M real ones: M rounded up to whole blocks.
 constexpr int64_t w8a8_padded_rows(int64_t M) { return (M + W8A8_ROWS - 1) / W8A8_ROWS * W8A8_ROWS; }
 // w8a8.cpp: a [M rounded up to W8A8_ROWS, K] (quantize_rows_int8's bytes; padding rows 128) times a packed int8 weight
-// -> y [M, N] = float(sum) * scale[n] (* sx[m] where not null). prefetch > 0: a
-// pass of up to four rows asks for the weight that many bytes ahead with prefetcht0 (measured slower: off by default).
+// -> y [M, N] = float(sum) * scale[n] (* sx[m] where not null). prefetch > 0 (an A/B knob): the VNNI loops even
+// where AMX runs, a pass of up to four rows asking for the weight that many bytes ahead with prefetcht0 (measured
+// slower: off by default).
 void w8a8_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, const int32_t* sums, const float* scale,
                   const float* sx, int64_t N, float* y, int64_t prefetch = 0);
 // w8a8.cpp: x [M, K] float32 rows (times smooth where not null) quantized per row, then their w8a8_product with the row

@@ -52,9 +52,7 @@ constexpr int WIDE = splitinfer::W8A8_ROWS;  // rows sharing a pass over two til
 inline void finish(__m512i acc, int r, int c, const int32_t* sums, const float* scale, const float* sx, float* y,
                    int64_t ldy, int rows, int tiles) {
   if (r >= rows || c >= tiles) return;
-  const __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(sums + c * COLS), 7);  // 128 * column sums
-  const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, shift)), _mm512_loadu_ps(scale + c * COLS));
-  _mm512_storeu_ps(y + r * ldy + c * COLS, sx == nullptr ? f : _mm512_mul_ps(f, _mm512_set1_ps(sx[r])));
+  splitinfer::w8a8_epilogue(acc, sums + c * COLS, scale + c * COLS, sx == nullptr ? nullptr : sx + r, y + r * ldy + c * COLS);
 }
 
 inline __m512i broadcast4(const uint8_t* p) {

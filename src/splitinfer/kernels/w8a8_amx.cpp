@@ -118,10 +118,8 @@ void amx_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* w, const 
         for (int r = 0; r < rows; ++r) {
           for (int c = 0; c < tiles; ++c) {
             const int64_t col = (t + c) * COLS;
-            const __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(col_sums + col), 7);  // 128 * column sums
-            const __m512i acc = _mm512_loadu_si512(sums + r * TILES * COLS + c * COLS);
-            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, shift)), _mm512_loadu_ps(scale + col));
-            _mm512_storeu_ps(y + (m + r) * N + col, sx == nullptr ? f : _mm512_mul_ps(f, _mm512_set1_ps(sx[m + r])));
+            splitinfer::w8a8_epilogue(_mm512_loadu_si512(sums + r * TILES * COLS + c * COLS), col_sums + col, scale + col,
+                                      sx == nullptr ? nullptr : sx + m + r, y + (m + r) * N + col);
           }
         }
       }
