@@ -20,20 +20,23 @@
 #   cloud-step  the cloud half on DEVICE, ROWS rows at CONTEXTS cached tokens, eager and as CUDA graphs,
 #               beside its bytes bound at the measured copy bandwidth      -> device-step.json
 #   batch       bench batch on DEVICE: SESSIONS one-row sessions batched vs one at a time   -> batch.json
-#   split       serve on DEVICE behind an emulated RTT_MS round trip, the trusted half on this host's CPU
-#               (LOCAL_THREADS threads), sequential and tree on token ids, checked identical: the cloud in
-#               SPLIT_DTYPE (float32, from the bfloat16 shard) and a float32 wire, since bfloat16 kernels
-#               round blocks of different rows differently (bench/splitcheck.py says why) -> split.json
-# OUT_DIR then holds summary.json (steps, device, travelling size), device-step.json, batch.json, split.json
-# and check.log: five files, no folders. It exits non-zero naming any step that failed or could not run.
+#   split       serve on DEVICE (its steps as CUDA graphs: --graphs GRAPHS) behind an emulated RTT_MS round
+#               trip, the trusted half on this host's CPU (LOCAL_THREADS threads), sequential and tree on token
+#               ids, checked identical: the cloud in SPLIT_DTYPE (float32, from the bfloat16 shard) and a
+#               float32 wire, since bfloat16 kernels round blocks of different rows differently
+#               (bench/splitcheck.py says why)                            -> split.json
+#   split-gpu   the same with the trusted half on DEVICE too (the paper's setup: both halves on GPUs)
+#                                                                         -> split-gpu.json
+# OUT_DIR then holds summary.json (steps, device, travelling size), device-step.json, batch.json, split.json,
+# split-gpu.json and check.log: six files, no folders. It exits non-zero naming any step that failed or could not run.
 #
 # The dry run on a CPU (tests/test_gpu_check.py, in `make test-slow`), with a tiny config:
 #   DEVICE=cpu CONFIG=tiny.json ROWS=1,4 CONTEXTS=8 SESSIONS=1,2 REPEATS=2 PROMPTS=1 MAX_NEW_TOKENS=6 \
-#       RTT_MS=20 scripts/gpu_check.sh /tmp/gpu-dry
+#       RTT_MS=20 GRAPHS=static scripts/gpu_check.sh /tmp/gpu-dry
 # Knobs (environment): DEVICE (cuda), CONFIG (mistral-7b-v0.1), SHARDS (/tmp/gpu-check-shards), PYTHON
 # (python3), WHEELS (.gpu-wheels), LOCAL_DTYPE (float32), CLOUD_DTYPE (bfloat16), ROWS (1,2,4,8,16,32,64),
 # CONTEXTS (64,2048), SESSIONS (1,4,16,64), REPEATS (20), RTT_MS (80), PROMPTS (3), MAX_NEW_TOKENS (32),
-# LOCAL_THREADS (8), SPLIT_DTYPE (float32), BUDGET_S (540: every step's limit is cut to what is left of it),
+# LOCAL_THREADS (8), SPLIT_DTYPE (float32), GRAPHS (auto: CUDA graphs on a CUDA device), BUDGET_S (540: every step's limit is cut to what is left of it),
 # LIMIT_SCALE (1: multiplies every limit and the budget).
 set -u -o pipefail
 
@@ -55,6 +58,7 @@ PROMPTS=${PROMPTS:-3}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-32}
 LOCAL_THREADS=${LOCAL_THREADS:-8}
 SPLIT_DTYPE=${SPLIT_DTYPE:-float32}
+GRAPHS=${GRAPHS:-auto}
 LIMIT_SCALE=${LIMIT_SCALE:-1}
 BUDGET_S=${BUDGET_S:-540}  # the whole check, so that it ends inside one 10-minute device call
 SITE=/tmp/gpu-check-site
@@ -114,7 +118,13 @@ step batch 150 "${SPLITINFER[@]}" bench batch --shards "$SHARDS" --out "$SCRATCH
 # split: the cloud on DEVICE, the trusted half on this CPU, an emulated round trip, token ids, exact
 step split 240 "$PYTHON" -m splitinfer.bench.splitcheck --shards "$SHARDS" --device "$DEVICE" --dtype "$SPLIT_DTYPE" \
     --rtt-ms "$RTT_MS" --prompts "$PROMPTS" --max-new-tokens "$MAX_NEW_TOKENS" --threads "$LOCAL_THREADS" \
-    --strategies sequential,tree-nohead --out "$OUT/split.json"
+    --strategies sequential,tree-nohead --graphs "$GRAPHS" --out "$OUT/split.json"
+
+# split-gpu: both halves on DEVICE (client --device), the same check
+step split-gpu 200 "$PYTHON" -m splitinfer.bench.splitcheck --shards "$SHARDS" --device "$DEVICE" \
+    --local-device "$DEVICE" --dtype "$SPLIT_DTYPE" --rtt-ms "$RTT_MS" --prompts "$PROMPTS" \
+    --max-new-tokens "$MAX_NEW_TOKENS" --threads "$LOCAL_THREADS" --strategies sequential,tree-nohead \
+    --graphs "$GRAPHS" --out "$OUT/split-gpu.json"
 
 rm -rf "$SCRATCH"
 "$PYTHON" - "$OUT" "$START" "$STATUS" "$ROOT" "$WHEELS" "$DEVICE" <<'EOF'

@@ -26,6 +26,9 @@ def test_the_eager_cloud_step_on_a_synthetic_shard(tmp_path):
         f"{where}_{path}_ms" for where in ("unpinned", "pinned") for path in ("direct", "executor"))] * 2
     assert all("hop" not in r for r in result["rows"] if r["rows"] == 3)
     assert all(r["eager_ms"] > 0 and r["bound_ms"] > 0 and r["graph_ms"] is None for r in result["rows"])
+    # serve's graphs, uncaptured on a CPU: the eager step's output (the window of 12 inside the span's mask)
+    assert all(r["serve_graphs"] == "static" and r["serve_graph_max_abs_diff"] < 1e-5 for r in result["rows"])
+    assert stack.graphs is None
     # A block's output is the stack's own on the same cache, and the cache keeps its length (each block truncated).
     cache = devicestep.prefill(stack, 20, torch.Generator().manual_seed(1))
     block = devicestep.Block(stack, cache, 20, 3, torch.Generator().manual_seed(2))

@@ -207,3 +207,31 @@ def test_long_prompt_is_chunked_under_the_default_message_limit(tiny):
         got = client.generate(prompt, max_new_tokens=4, stop_ids=set())
     assert got.token_ids == reference.token_ids
     assert got.stats["prefill_messages"] == 32
+
+
+def test_graphed_steps_serve_the_local_only_tokens(tiny):
+    """`serve --graphs static`: the graphs' static pass on this CPU, through the server, sequential and tree."""
+    from splitinfer.cloud.commands import use_graphs
+
+    shards, expected = tiny
+    cloud = load_cloud(shards / "cloud")
+    use_graphs(cloud.stack, "static")
+    with ServerThread(cloud) as server:
+        client = open_client(shards / "local", server.url, F32, allow_public_weights=True, checks=False)
+        for strategy in ("sequential", "tree-nohead"):
+            got = client.generate(PROMPT, max_new_tokens=20, stop_ids=set(), strategy=strategy)
+            assert got.token_ids == expected, strategy
+    assert cloud.stack.graphs.stats()["replayed"] > 20
+
+
+def test_graph_modes_on_a_cpu(tiny):
+    from splitinfer.cloud.commands import use_graphs
+    from splitinfer.errors import ConfigError
+
+    shards, _ = tiny
+    stack = load_cloud(shards / "cloud").stack
+    use_graphs(stack, "auto")
+    use_graphs(stack, "off")
+    assert stack.graphs is None  # auto: graphs only on a CUDA device
+    with pytest.raises(ConfigError, match="one CUDA device"):
+        use_graphs(stack, "on")

@@ -11,6 +11,9 @@ time, timed with device events (median of `repeats` after a warm-up). Two ways:
   removes the launch gaps. The cache's buffers are reserved before the capture (a growth inside it would be
   a new allocation) and its length is the same on every replay (each block is truncated away), so the
   replayed graph writes and reads the rows the eager step does; its output is compared with eager's.
+- **serve's graph**: the block through `LayerStack.forward` with `serve`'s graphs on (model/graphs.py: rows
+  padded to a bucket, attention over the buffer's span, inputs refilled on the host each step): what `serve`
+  runs on a CUDA device. On a CPU, their static pass uncaptured (the dry run checks it runs).
 
 `--hop` adds the thread hop a server's step takes: one-row steps timed on the wall clock (synchronized),
 called directly and through a one-thread executor as the server's compute path calls them, in this process
@@ -81,6 +84,7 @@ class Block:
         self.hidden = torch.randn(1, q, stack.config.hidden_size, generator=generator).to(param)  # [1, q, d]
         positions = torch.arange(context, context + q, device=param.device)  # on the device, as a server's are
         allowed = np.tril(np.ones((q, q), dtype=bool))
+        self.positions, self.allowed = positions, allowed
         self.position_ids = positions[None]  # [1, q]
         self.masks = {w: attention_mask(context, positions, allowed, param.dtype, window=w)
                       for w in set(stack.windows)}  # [1, 1, q, context + q]
@@ -89,6 +93,12 @@ class Block:
 
     def eager(self) -> torch.Tensor:
         out = self.stack.run_layers(self.hidden, self.position_ids, self.masks, self.cache)  # [1, q, d]
+        self.cache.truncate(self.context)
+        return out
+
+    def served(self) -> torch.Tensor:
+        """The step as `serve` runs a lone block: `LayerStack.forward`, through the stack's graphs where on."""
+        out = self.stack(self.hidden, self.positions, self.allowed, self.cache)
         self.cache.truncate(self.context)
         return out
 
@@ -122,6 +132,19 @@ def thread_hop(block: Block, device: torch.device, repeats: int) -> dict:
     return out
 
 
+def serve_graph(block: Block, device: torch.device, repeats: int) -> dict:
+    """The step through `serve`'s own graphs (model/graphs.py: padded to a bucket of rows, attending over the
+    buffer's span); on a CPU their static pass, uncaptured. Its output against the eager step's."""
+    row = {"serve_graph_ms": None, "serve_graph_max_abs_diff": None, "serve_graph_error": None,
+           "serve_graphs": "captured" if device.type == "cuda" else "static"}
+    try:
+        row["serve_graph_ms"] = round(timed(block.served, device, repeats), 4)
+        row["serve_graph_max_abs_diff"] = float((block.served().float() - block.eager().float()).abs().max())
+    except Exception as exc:  # noqa: BLE001 - a capture that fails is a finding, recorded per row
+        row["serve_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return row
+
+
 def prefill(stack: LayerStack, context: int, generator: torch.Generator):
     param = next(stack.parameters())
     cache = stack.new_cache()
@@ -138,7 +161,9 @@ def measure(stack: LayerStack, rows: list[int], contexts: list[int], repeats: in
     generator = torch.Generator().manual_seed(0)
     results = []
     for context in contexts:
+        stack.graphs = None  # the prefill eager
         cache = prefill(stack, context, generator)
+        stack.use_graphs(capture=device.type == "cuda")
         for q in rows:
             block = Block(stack, cache, context, q, generator)
             row = {"context": context, "rows": q, "eager_ms": round(timed(block.eager, device, repeats), 4),
@@ -153,13 +178,15 @@ def measure(stack: LayerStack, rows: list[int], contexts: list[int], repeats: in
                     del replay, out
                 except Exception as exc:  # noqa: BLE001 - a capture that fails is a finding, recorded per row
                     row["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row.update(serve_graph(block, device, repeats))
             if hop and q == 1:
                 row["hop"] = thread_hop(block, device, repeats)
                 log(f"thread hop ctx {context:>5}: {row['hop']}")
             results.append(row)
             log(f"cloud step ctx {context:>5} q {q:>2}: eager {row['eager_ms']} ms, graph {row['graph_ms']} ms, "
-                f"bound {row['bound_ms']} ms")
+                f"serve's graph {row['serve_graph_ms']} ms, bound {row['bound_ms']} ms")
         cache.release()
+    stack.graphs = None  # the stack as it came
     return {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "dtype": str(next(stack.parameters()).dtype).removeprefix("torch."), "layers": len(stack.layers),
             "weight_bytes": weights, "bandwidth_gbps": round(gbps, 1), "repeats": repeats, "rows": results}

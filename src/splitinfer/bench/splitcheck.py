@@ -1,5 +1,5 @@
-"""A split on one host, on token ids: the cloud half on a device, the trusted half on this CPU, an emulated
-round trip between them; sequential and tree decoding of the same prompts, and whether they are identical.
+"""A split on one host, on token ids: the cloud half on a device (as CUDA graphs there: `--graphs`), the trusted
+half on this CPU (or `--local-device cuda`: both halves on the GPU), an emulated round trip between them; sequential and tree decoding of the same prompts, and whether they are identical.
 
     python -m splitinfer.bench.splitcheck --shards SHARDS --device cuda --dtype bfloat16 --rtt-ms 80 --out split.json
 
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..cloud.commands import GRAPH_MODES
 from ..options import Opt, check_args
 
 STAT_KEYS = ("cloud_compute", "local_compute", "round_trip")
@@ -56,7 +57,8 @@ def compare(runs: list[dict]) -> list[dict]:
 
 
 def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prompt_tokens: int, tokens: int,
-        strategies: list[str], threads: int, wire_dtype: str, log=print) -> dict:
+        strategies: list[str], threads: int, wire_dtype: str, log=print, graphs: str = "auto",
+        local_device: str = "cpu") -> dict:
     from ..clients import open_client
     from ..launch import cloud_server, wan_proxy
     from ..local.session import ClientConfig
@@ -64,12 +66,13 @@ def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prom
 
     torch.set_num_threads(threads)
     manifest = json.loads((shards / "local" / "manifest.json").read_text())
-    extra = ("--device", device, "--dtype", dtype)
+    extra = ("--device", device, "--dtype", dtype, "--graphs", graphs)
     runs = []
     t0 = time.monotonic()
     with cloud_server(shards / "cloud", extra=extra, ready_timeout_s=900.0) as (url, _), wan_proxy(url, rtt_ms) as wan:
         log(f"split: server ready in {time.monotonic() - t0:.0f} s")
-        client = open_client(shard=shards / "local", server=wan, allow_public_weights=True, config=ClientConfig(wire_dtype=wire_dtype))
+        client = open_client(shard=shards / "local", server=wan, allow_public_weights=True, device=local_device,
+                             config=ClientConfig(wire_dtype=wire_dtype))
         ids = random_prompt_ids(client.local.config.vocab_size, [prompt_tokens] * prompts, seed=1)
         client.generate(ids[0], max_new_tokens=4, strategy="sequential", stop_ids=set())  # warm-up, discarded
         for i, prompt in enumerate(ids):
@@ -80,7 +83,7 @@ def run(shards: Path, device: str, dtype: str, rtt_ms: float, prompts: int, prom
                     f"{g.stats.get('mean_accepted_per_step', 0):.2f} tokens a step")
     checks = compare(runs)
     return {"model_id": manifest["model_id"], "synthetic": bool(manifest.get("synthetic")), "cloud_device": device,
-            "cloud_dtype": dtype, "local_dtype": manifest["dtype"], "wire_dtype": client.config.wire_dtype,
+            "cloud_dtype": dtype, "cloud_graphs": graphs, "local_device": local_device, "local_dtype": manifest["dtype"], "wire_dtype": client.config.wire_dtype,
             "rtt_ms": rtt_ms, "threads": threads, "prompt_tokens": prompt_tokens, "max_new_tokens": tokens,
             "strategies": strategies, "runs": runs, "checks": checks,
             "identical": f"{sum(c['identical'] for c in checks)} of {len(checks)}",
@@ -100,10 +103,12 @@ class SplitCheckOptions:
     max_new_tokens: int = 32  # tokens generated for each, by every strategy
     strategies: str = "sequential,tree-nohead"  # comma-separated; sequential always runs
     threads: int = 1  # torch threads of this process (the trusted half)
+    graphs: str = "auto"  # the server's --graphs (auto: CUDA graphs on a CUDA device; static: uncaptured)
+    local_device: str = "cpu"  # where the trusted half runs (cuda: both halves on the GPU, the paper's setup)
 
 
 OPTIONS = tuple(Opt(f) for f in ("device", "dtype", "wire_dtype", "rtt_ms", "prompts", "prompt_tokens", "max_new_tokens",
-                                 "strategies", "threads"))
+                                 "strategies", "threads", "local_device")) + (Opt("graphs", choices=GRAPH_MODES),)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if "sequential" not in strategies:
         strategies.insert(0, "sequential")
     result = run(Path(args.shards), args.device, args.dtype, args.rtt_ms, args.prompts, args.prompt_tokens,
-                 args.max_new_tokens, strategies, args.threads, args.wire_dtype, log=lambda line: print(line, file=sys.stderr, flush=True))
+                 args.max_new_tokens, strategies, args.threads, args.wire_dtype,
+                 log=lambda line: print(line, file=sys.stderr, flush=True), graphs=args.graphs, local_device=args.local_device)
     result["command"] = "python -m splitinfer.bench.splitcheck " + " ".join(sys.argv[1:] if argv is None else argv)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"split: {result['identical']} identical to sequential", file=sys.stderr)

@@ -56,6 +56,12 @@ class ServeOptions:
     # Blocks of at least this many rows run through torch.compile (CPU; 0: every pass eager). Measured
     # in notes/bench/compile: faster from four rows, slower for one row at long context; minutes to compile.
     compile_rows: int = 0
+    # Lone blocks of up to 64 rows as CUDA graphs by bucket of rows (model/graphs.py). auto: on a CUDA device;
+    # static: the graphs' static-shape pass without capture, on any device (checks their logic, no gain).
+    graphs: str = "auto"
+
+
+GRAPH_MODES = ("auto", "on", "off", "static")
 
 
 def _serve_options(s: argparse.ArgumentParser) -> None:
@@ -87,7 +93,10 @@ def _serve_options(s: argparse.ArgumentParser) -> None:
                                                           "many ms (a GPU's flat pass time)"),
                                   Opt("compile_rows", metavar="N",
                                       help="run blocks of N or more rows through torch.compile (CPU only; compiles "
-                                           "for minutes before serving; 0: off; 4 measured fastest)")))
+                                           "for minutes before serving; 0: off; 4 measured fastest)"),
+                                  Opt("graphs", choices=GRAPH_MODES,
+                                      help="replay steps of up to 64 rows as CUDA graphs by bucket of rows (auto: on "
+                                           "a CUDA device; static: their static-shape pass uncaptured, any device)")))
     s.add_argument("--insecure", action="store_true",
                    help="serve a non-loopback address without tokens or TLS (only on a trusted network)")
 
@@ -203,6 +212,21 @@ def compile_cloud(stack, min_rows: int) -> None:
     log.info("compiled in %.0f s", time.perf_counter() - started)
 
 
+def use_graphs(stack, mode: str, several_devices: bool = False) -> None:
+    """Turn on the stack's CUDA graphs (`serve --graphs`); auto: where its layers sit on one CUDA device."""
+    on_cuda = all(device.type == "cuda" for device in stack.devices) and not several_devices
+    if mode == "off" or (mode == "auto" and (not on_cuda or stack.compile_rows)):
+        return
+    if mode == "on" and not on_cuda:
+        raise ConfigError("--graphs on needs the middle layers on one CUDA device (--device cuda, no --devices); "
+                          "--graphs static runs their static-shape pass anywhere.")
+    stack.use_graphs(capture=mode != "static")
+    if not stack.graphs.eligible:
+        log.warning("this shard's layers attend row by row (integer weights): steps stay eager, without graphs")
+    log.info("steps of up to 64 rows: %s", "CUDA graphs by bucket of rows" if mode != "static"
+             else "the graphs' static-shape pass, uncaptured")
+
+
 def cmd_serve(args) -> int:
     settle_long_running()  # memory flat over days: mmap threshold, kernel caches capped (allocator.py)
     if args.compile_rows < 0:
@@ -243,5 +267,6 @@ def cmd_serve(args) -> int:
         passes = MinPassTime(LocalPasses(half), args.min_pass_ms)
     if args.compile_rows:
         compile_cloud(half.stack, args.compile_rows)
+    use_graphs(half.stack, args.graphs, several_devices=bool(args.devices))
     _run_server(CloudServer(half, config, passes), args)
     return 0

@@ -209,6 +209,16 @@ class LayerStack(nn.Module):
     grad_mode = staticmethod(torch.inference_mode)
     compile_rows = 0  # blocks of at least this many rows take the compiled pass (0: none does)
     _compiled = None
+    graphs = None  # model/graphs.py's StepGraphs once `use_graphs` is on (a view of the stack never has them)
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Run lone blocks of up to 64 rows as CUDA graphs by bucket of rows (model/graphs.py); capture=False:
+        the same static-shape pass without a graph (any device; what the CPU tests check)."""
+        from .graphs import StepGraphs
+
+        if self._compiled is not None:
+            raise ModelError("a stack runs either compiled passes or CUDA graphs; leave out --compile-rows.")
+        self.graphs = StepGraphs(self, capture)
 
     def compile_passes(self, min_rows: int) -> None:
         """Run blocks of `min_rows` rows or more through `torch.compile` (inductor, dynamic shapes, weights
@@ -244,6 +254,9 @@ class LayerStack(nn.Module):
         assert positions.shape == (q,), (positions.shape, q)
         if not len(self.layers):
             return hidden
+        if self.graphs is not None and self.graphs.fits(hidden, cache):
+            with self.grad_mode():
+                return self.graphs.run(hidden, positions, allowed, cache)
         if (self._stack_call is not None and type(cache) is KVCache and not cache.held_rows
                 and not self._takes_compiled(hidden, cache) and self.layers[0].runs_native(hidden, cache)):
             with self.grad_mode():
@@ -270,8 +283,9 @@ class LayerStack(nn.Module):
 
     @property
     def spare_rows(self) -> int:
-        """Rows a compiled pass keeps free past a block's end (run_layers); a KV budget counts them too."""
-        return 1 if self._compiled is not None else 0
+        """Rows a compiled pass (run_layers) or a graph (model/graphs.py) keeps free past a block's end; a KV
+        budget counts them too."""
+        return 1 if self._compiled is not None or self.graphs is not None else 0
 
     def _takes_compiled(self, hidden: torch.Tensor, cache) -> bool:
         return (self._compiled is not None and type(cache) is KVCache and hidden.shape[0] == 1
