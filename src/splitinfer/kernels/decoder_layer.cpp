@@ -21,6 +21,7 @@
 // keys from the block's structure and the cache length (masks.py's rule), reads rotary rows from a table, and runs
 // the layers back to back in buffers kept between calls.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -119,7 +120,9 @@ void rotate(float* qkv, int64_t rows, int64_t width, int64_t heads, int64_t dim,
 }
 
 void add(float* y, const float* x, int64_t count) {  // y += x (a float sum does not depend on the order of two terms)
-  for (int64_t i = 0; i < count; ++i) y[i] = x[i] + y[i];
+  at::parallel_for(0, count, 16384, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = x[i] + y[i];
+  });
 }
 
 void check_float(const at::Tensor& t, int64_t dims, const char* name) {
@@ -237,9 +240,11 @@ void layer_pass(const Layer& L, const Shape& s, const float* x, int64_t rows, co
     at::Tensor act_t = at::from_blob(act, {rows, inner}, floats);
     at::silu_out(act_t, at::from_blob(gate_up, {rows, inner}, {2 * inner, 1}, floats));
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < inner; ++i) act[r * inner + i] = act[r * inner + i] * gate_up[r * 2 * inner + inner + i];
-  }
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {  // silu(gate) * up, a row a thread
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t i = 0; i < inner; ++i) act[r * inner + i] = act[r * inner + i] * gate_up[r * 2 * inner + inner + i];
+    }
+  });
   multiply(L.down, act, rows, t.down.data());
   add(y, t.down.data(), rows * s.width);  // y = down + x1: the same sum as x1 + down
 }

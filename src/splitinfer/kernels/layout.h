@@ -61,7 +61,7 @@ bool amx_runs(int64_t K);
 void amx_product(const uint8_t* a, int64_t M, int64_t K, const int8_t* packed, const int32_t* sums, const float* scale,
                  const float* sx, int64_t N, float* y);
 
-// rms_norm.cpp: rows of x [rows, dim] -> y = weight * (x / sqrt(mean(x^2) + eps)), one row at a time.
+// rms_norm.cpp: rows of x [rows, dim] -> y = weight * (x / sqrt(mean(x^2) + eps)), each row's bits its own.
 void rms_norm_rows(const float* x, int64_t rows, int64_t dim, const float* weight, float eps, float* y);
 
 // rows_attention.cpp: query row i attends to keys index[offsets[i] : offsets[i + 1]] (slots of key/value).

@@ -6,10 +6,12 @@
 // row alone. Its rounding is not transformers' (their mean sums in another order), so model/fused.py uses
 // it only in layers whose products are integer, where bits are the format's own, never transformers'.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -18,20 +20,22 @@
 namespace splitinfer {
 
 void rms_norm_rows(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* y) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512 v = _mm512_loadu_ps(xr + d);
-      acc = _mm512_fmadd_ps(v, v, acc);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / dim), [&](int64_t r0, int64_t r1) {  // a row's bits its own
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * dim;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + d);
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(dim);
+      const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(mean + eps));
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xr + d), scale);
+        _mm512_storeu_ps(y + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(w + d), v));
+      }
     }
-    const float mean = _mm512_reduce_add_ps(acc) / static_cast<float>(dim);
-    const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(mean + eps));
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xr + d), scale);
-      _mm512_storeu_ps(y + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(w + d), v));
-    }
-  }
+  });
 }
 
 }  // namespace splitinfer
