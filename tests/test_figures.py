@@ -155,7 +155,7 @@ FIGURES = (
            ((cloud_step(64, 1, "splitinfer_ms"), ".2f"), (cloud_step(64, 1, "x_weights_attention"), ".2f"),
             (cloud_step(64, 8, "splitinfer_ms"), ".2f"), (cloud_step(64, 8, "x_weights_attention"), ".2f"))),
     Figure("README.md", "timed the 28-layer cloud step at {} ms replayed as a CUDA graph, {}x its bytes bound, and a "
-           "64-row tree step at {} ms. `serve` runs that step eager today, which took {} ms", H200,
+           "64-row tree step at {} ms. In that run `serve` ran the step eager, {} ms", H200,
            ((gpu_step(64, 1, "graph_ms"), ".1f"), (Q(gpu_step(64, 1, "graph_ms"), gpu_step(64, 1, "bound_ms")), ".1f"),
             (gpu_step(64, 64, "graph_ms"), ".1f"), (gpu_step(64, 1, "eager_ms"), ".1f"))),
     Figure("docs/compared.md", "splitinfer's default int8 ran at {}x the tok/s of llama.cpp", FORMATS,

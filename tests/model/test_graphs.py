@@ -17,7 +17,7 @@ from tiny import hf_greedy, min_margin, prepare_tiny
 PROMPT = [1, 2, 3]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma3"])  # gemma3: windows of 6 beside global
 def test_graphed_cloud_decodes_hf_greedy(tmp_path, family):
     model, shards = prepare_tiny(tmp_path, family, 1, 1, seed=3)
     local, cloud = load_local(shards / "local"), load_cloud(shards / "cloud")
