@@ -211,7 +211,7 @@ def test_long_prompt_is_chunked_under_the_default_message_limit(tiny):
 
 def test_graphed_steps_serve_the_local_only_tokens(tiny):
     """`serve --graphs static`: the graphs' static pass on this CPU, through the server, sequential and tree."""
-    from splitinfer.cloud.commands import use_graphs
+    from splitinfer.model.graphs import use_graphs
 
     shards, expected = tiny
     cloud = load_cloud(shards / "cloud")
@@ -225,7 +225,7 @@ def test_graphed_steps_serve_the_local_only_tokens(tiny):
 
 
 def test_graph_modes_on_a_cpu(tiny):
-    from splitinfer.cloud.commands import use_graphs
+    from splitinfer.model.graphs import use_graphs
     from splitinfer.errors import ConfigError
 
     shards, _ = tiny

@@ -103,3 +103,23 @@ def test_capture_needs_a_cuda_device(tmp_path):
     _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
     with pytest.raises(ModelError, match="one CUDA device"):
         load_cloud(shards / "cloud").stack.use_graphs(capture=True)
+
+
+def test_a_failed_capture_runs_the_step_eager_and_every_later_one(tmp_path, monkeypatch):
+    _, shards = prepare_tiny(tmp_path, "llama", 1, 1)
+    eager, graphed = load_cloud(shards / "cloud").stack, load_cloud(shards / "cloud").stack
+    graphed.use_graphs(capture=False)
+
+    def fails(*_):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed.graphs, "_prepare", fails)
+    caches = eager.new_cache(), graphed.new_cache()
+    chain = np.ones((1, 1), dtype=bool)
+    for step in range(3):
+        hidden = torch.randn(1, 1, eager.config.hidden_size)
+        outs = [stack(hidden, torch.tensor([step]), chain, cache) for stack, cache in zip((eager, graphed), caches)]
+        assert torch.equal(outs[0], outs[1]) and caches[1].pending == 1
+        for cache in caches:
+            cache.commit_all()
+    assert not graphed.graphs.eligible and graphed.graphs.stats()["captured"] == 0

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..cloud.commands import GRAPH_MODES
+from ..model.graphs import MODES as GRAPH_MODES
 from ..options import Opt, check_args
 
 STAT_KEYS = ("cloud_compute", "local_compute", "round_trip")

@@ -61,10 +61,8 @@ class ServeOptions:
     graphs: str = "auto"
 
 
-GRAPH_MODES = ("auto", "on", "off", "static")
-
-
 def _serve_options(s: argparse.ArgumentParser) -> None:
+    from ..model.graphs import MODES as GRAPH_MODES
     from .rayserve import RayConfig as RAY_DEFAULTS
     from .scheduler import BatchConfig
     from .server import ServerConfig
@@ -146,7 +144,8 @@ def _serve_ray(args, config) -> int:
         ray_config = RayConfig(replicas=args.replicas, max_replicas=args.max_replicas, address=args.address)
     except ValueError as exc:
         raise ConfigError(f"{exc} Fix --replicas / --max-replicas.") from exc
-    urls = deploy(args.shard, config, ray_config, device=args.device, dtype=args.dtype, threads=args.threads)
+    urls = deploy(args.shard, config, ray_config, device=args.device, dtype=args.dtype, threads=args.threads,
+                  graphs=args.graphs)
     print("replicas:", " ".join(f"--server {url}" for url in urls), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -212,21 +211,6 @@ def compile_cloud(stack, min_rows: int) -> None:
     log.info("compiled in %.0f s", time.perf_counter() - started)
 
 
-def use_graphs(stack, mode: str, several_devices: bool = False) -> None:
-    """Turn on the stack's CUDA graphs (`serve --graphs`); auto: where its layers sit on one CUDA device."""
-    on_cuda = all(device.type == "cuda" for device in stack.devices) and not several_devices
-    if mode == "off" or (mode == "auto" and (not on_cuda or stack.compile_rows)):
-        return
-    if mode == "on" and not on_cuda:
-        raise ConfigError("--graphs on needs the middle layers on one CUDA device (--device cuda, no --devices); "
-                          "--graphs static runs their static-shape pass anywhere.")
-    stack.use_graphs(capture=mode != "static")
-    if not stack.graphs.eligible:
-        log.warning("this shard's layers attend row by row (integer weights): steps stay eager, without graphs")
-    log.info("steps of up to 64 rows: %s", "CUDA graphs by bucket of rows" if mode != "static"
-             else "the graphs' static-shape pass, uncaptured")
-
-
 def cmd_serve(args) -> int:
     settle_long_running()  # memory flat over days: mmap threshold, kernel caches capped (allocator.py)
     if args.compile_rows < 0:
@@ -248,6 +232,7 @@ def cmd_serve(args) -> int:
         from ..extras import GPU, require_extra
 
         require_extra("gpu", GPU, "splitinfer serve --devices")
+    from ..model.graphs import use_graphs
     from ..model.shards import load_cloud
     from .server import CloudServer
 

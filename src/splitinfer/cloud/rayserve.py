@@ -88,14 +88,16 @@ class CloudReplica:
     _thread: ServerThread | None = None
 
     def __init__(self, shard: str, config: ServerConfig, device: str = "cpu", dtype: str | None = None,
-                 threads: int | None = None, port_span: int = RayConfig.port_span):
+                 threads: int | None = None, port_span: int = RayConfig.port_span, graphs: str = "auto"):
         import torch
 
         from ..model.shards import load_cloud
+        from ..model.graphs import use_graphs
 
         if threads:
             torch.set_num_threads(threads)
         half = load_cloud(shard, device=device, dtype=dtype)
+        use_graphs(half.stack, graphs)  # serve --graphs: CUDA graphs where the replica holds a CUDA device
         for port in range(config.port, config.port + port_span):
             try:
                 self._thread = ServerThread(half, _with_port(config, port))
@@ -180,7 +182,8 @@ def kv_autoscaling_policy(ctx) -> tuple[int, dict]:
 
 
 def deploy(shard: str, server: ServerConfig, ray_config: RayConfig = RayConfig(), device: str = "cpu",
-           dtype: str | None = None, threads: int | None = None, timeout_s: float = 300.0) -> list[str]:
+           dtype: str | None = None, threads: int | None = None, timeout_s: float = 300.0,
+           graphs: str = "auto") -> list[str]:
     """Start (or join) Ray, run the replicas, and return their WebSocket URLs once all of them serve."""
     import ray
     from ray import serve
@@ -206,7 +209,8 @@ def deploy(shard: str, server: ServerConfig, ray_config: RayConfig = RayConfig()
         )
     else:
         options["num_replicas"] = ray_config.replicas
-    app = serve.deployment(**options)(CloudReplica).bind(shard, server, device, dtype, threads, ray_config.port_span)
+    app = serve.deployment(**options)(CloudReplica).bind(shard, server, device, dtype, threads, ray_config.port_span,
+                                                                graphs)
     handle = serve.run(app, name=APP_NAME, route_prefix=None)
     return replica_urls(handle, ray_config.replicas, timeout_s)
 

@@ -22,6 +22,7 @@ its outputs against the eager pass where no GPU is (tests/model/test_graphs.py).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -29,10 +30,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
 from ..kv import KVCache
 from ..masks import attention_mask
 
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off", "static")  # serve --graphs: auto is on where the layers sit on one CUDA device
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows a graph takes; a block is padded to the first that holds it
 SPARE_ROWS = 1  # the slot after a block's rows, where its padding rows write
 
@@ -86,8 +90,10 @@ class StepGraphs:
         return (self.eligible and type(cache) is KVCache and hidden.shape[0] == 1 and hidden.shape[1] <= BUCKETS[-1]
                 and not cache.held_rows and cache.num_layers == len(self.stack.layers))
 
-    def run(self, hidden: torch.Tensor, positions: torch.Tensor, allowed: np.ndarray, cache: KVCache) -> torch.Tensor:
-        """The block's output rows [1, q, d]; leaves the block pending in `cache`, as the eager pass does."""
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, allowed: np.ndarray,
+            cache: KVCache) -> torch.Tensor | None:
+        """The block's output rows [1, q, d]; leaves the block pending in `cache`, as the eager pass does. None
+        where the capture failed (the caller runs the block eager; every later block is eager too)."""
         q, rows = hidden.shape[1], bucket(hidden.shape[1])
         start = cache.length
         kv_heads, head_dim = self.stack.kv_heads_and_dim()
@@ -105,7 +111,13 @@ class StepGraphs:
             for buffer in keys + values:  # masked slots are read too: unwritten memory may hold NaN
                 buffer[:, :, start:].zero_()
             self._fill(entry, hidden, positions, allowed, start, q)
-            entry.replay = self._prepare(entry, keys, values)
+            try:
+                entry.replay = self._prepare(entry, keys, values)
+            except RuntimeError as exc:  # a layer that cannot be captured: eager from now on, never a failed step
+                del entries[(rows, span)]
+                self.eligible = False
+                log.warning("a CUDA graph of this stack's step failed to capture (%s); its steps run eager", exc)
+                return None
             self.captured += 1
         else:
             self._fill(entry, hidden, positions, allowed, start, q)
@@ -171,3 +183,18 @@ class StepGraphs:
 
     def stats(self) -> dict:
         return {"captured": self.captured, "replayed": self.replayed, "capture": self.capture}
+
+
+def use_graphs(stack, mode: str, several_devices: bool = False) -> None:
+    """A stack's graphs as `serve --graphs MODE` asks (MODES): auto, where its layers sit on one CUDA device."""
+    on_cuda = all(device.type == "cuda" for device in stack.devices) and not several_devices
+    if mode == "off" or (mode == "auto" and (not on_cuda or stack.compile_rows)):
+        return
+    if mode == "on" and not on_cuda:
+        raise ConfigError("--graphs on needs the middle layers on one CUDA device (--device cuda, no --devices); "
+                          "--graphs static runs their static-shape pass anywhere.")
+    stack.use_graphs(capture=mode != "static")
+    if not stack.graphs.eligible:
+        log.warning("this shard's layers attend row by row (integer weights): steps stay eager, without graphs")
+    log.info("steps of up to 64 rows: %s", "CUDA graphs by bucket of rows" if mode != "static"
+             else "the graphs' static-shape pass, uncaptured")

@@ -256,7 +256,9 @@ class LayerStack(nn.Module):
             return hidden
         if self.graphs is not None and self.graphs.fits(hidden, cache):
             with self.grad_mode():
-                return self.graphs.run(hidden, positions, allowed, cache)
+                out = self.graphs.run(hidden, positions, allowed, cache)
+            if out is not None:
+                return out
         if (self._stack_call is not None and type(cache) is KVCache and not cache.held_rows
                 and not self._takes_compiled(hidden, cache) and self.layers[0].runs_native(hidden, cache)):
             with self.grad_mode():
